@@ -1,0 +1,145 @@
+"""One validator per argument kind, shared by every front end.
+
+The optimizers, the torchopt transforms and the wrappers all validate through these
+functions, so the same bad input gives the same message everywhere. Messages have the
+shape ``Invalid temperature: nan (expected a finite number >= 0)``; ``where`` adds a
+location such as ``" in param group 1"`` right after the argument's name.
+
+NaN and infinity are rejected explicitly: every numeric check is written so that a NaN
+fails it (``not value >= low`` rather than ``value < low``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from typing import Any
+
+import torch
+
+__all__ = [
+    "check_bool",
+    "check_finite",
+    "check_foreach",
+    "check_learning_rate",
+    "check_momentum",
+    "check_nonnegative",
+    "check_num_data",
+    "check_seed",
+    "check_temperature",
+]
+
+_SEED_LIMIT = 2**64
+
+
+def _fail(name: str, value: Any, expected: str, where: str, error: type = ValueError):
+    raise error(f"Invalid {name}{where}: {value!r} (expected {expected})")
+
+
+def _real(name: str, value: Any, expected: str, where: str) -> float:
+    """Return ``value`` as a Python float, or raise TypeError naming ``name``.
+
+    Accepts Python and NumPy reals and one-element tensors; rejects bools, complex
+    numbers and anything else.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            _fail(name, value, expected, where, TypeError)
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        _fail(name, value, expected, where, TypeError)
+    return float(value)
+
+
+def check_finite(name: str, value: Any, *, where: str = "") -> float:
+    """Check that ``value`` is a finite real number and return it as a float."""
+    expected = "a finite number"
+    number = _real(name, value, expected, where)
+    if not math.isfinite(number):
+        _fail(name, value, expected, where)
+    return number
+
+
+def check_nonnegative(name: str, value: Any, *, where: str = "") -> float:
+    """Check that ``value`` is a finite real number >= 0 and return it as a float."""
+    expected = "a finite number >= 0"
+    number = _real(name, value, expected, where)
+    if not (math.isfinite(number) and number >= 0.0):
+        _fail(name, value, expected, where)
+    return number
+
+
+def check_learning_rate(value: Any, *, where: str = "") -> float:
+    """Check ``lr``: a finite number >= 0 (a float or a one-element tensor)."""
+    return check_nonnegative("lr", value, where=where)
+
+
+def check_temperature(
+    value: Any, *, where: str = "", positive: bool = False, reason: str = ""
+) -> float:
+    """Check ``temperature``: finite and >= 0 (or > 0 when ``positive``, saying ``reason``)."""
+    if not positive:
+        return check_nonnegative("temperature", value, where=where)
+    expected = "a finite number > 0" + (f": {reason}" if reason else "")
+    number = _real("temperature", value, expected, where)
+    if not (math.isfinite(number) and number > 0.0):
+        _fail("temperature", value, expected, where)
+    return number
+
+
+def check_momentum(value: Any, *, where: str = "") -> float:
+    """Check ``momentum``: a number in [0, 1).
+
+    ``torch.optim.SGD`` accepts any momentum >= 0; a sampler needs a positive friction
+    ``1 - momentum``, so 1 and above are rejected here.
+    """
+    expected = "a number in [0, 1)"
+    number = _real("momentum", value, expected, where)
+    if not (0.0 <= number < 1.0):
+        _fail("momentum", value, expected, where)
+    return number
+
+
+def check_num_data(value: Any, *, where: str = "") -> int:
+    """Check ``num_data``: the training-set size, a positive integer."""
+    expected = "a positive integer: the number of training examples"
+    if isinstance(value, bool):
+        _fail("num_data", value, expected, where, TypeError)
+    try:
+        number = operator.index(value)
+    except TypeError:
+        _fail("num_data", value, expected, where, TypeError)
+    if number < 1:
+        _fail("num_data", value, expected, where)
+    return number
+
+
+def check_seed(value: Any, *, where: str = "") -> int | None:
+    """Check ``seed``: None or an integer in [0, 2**64)."""
+    if value is None:
+        return None
+    expected = "None or an integer in [0, 2**64)"
+    if isinstance(value, bool):
+        _fail("seed", value, expected, where, TypeError)
+    try:
+        number = operator.index(value)
+    except TypeError:
+        _fail("seed", value, expected, where, TypeError)
+    if not 0 <= number < _SEED_LIMIT:
+        _fail("seed", value, expected, where)
+    return number
+
+
+def check_bool(name: str, value: Any, *, where: str = "") -> bool:
+    """Check that a flag is a real bool (``maximize``, ``nesterov``, ...)."""
+    if not isinstance(value, bool):
+        _fail(name, value, "True or False", where, TypeError)
+    return value
+
+
+def check_foreach(value: Any, *, where: str = "") -> bool | None:
+    """Check ``foreach``: None (choose automatically), True or False."""
+    if value is not None and not isinstance(value, bool):
+        _fail("foreach", value, "None, True or False", where, TypeError)
+    return value

@@ -1,0 +1,84 @@
+"""Pieces every sampler kernel shares, written once.
+
+Every kernel in this package computes a *direction* ``d`` per parameter; the step is
+``theta <- theta - lr * d``. The gradient entering a kernel is the one
+``torch.optim.SGD`` would use,
+
+    g' = (-g if maximize else g) + weight_decay * theta,
+
+computed with the same operations in the same order as ``torch.optim.SGD`` (single-tensor
+and foreach), which is what makes the samplers equal SGD bit for bit at temperature 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "apply_step_",
+    "buckets",
+    "default_foreach",
+    "effective_grad",
+    "effective_grads",
+]
+
+
+def effective_grad(grad: Tensor, param: Tensor, *, weight_decay: float, maximize: bool) -> Tensor:
+    """Return ``g'`` for one tensor (never modifies ``grad``)."""
+    out = -grad if maximize else grad
+    if weight_decay != 0:
+        out = out.add(param, alpha=weight_decay)
+    return out
+
+
+def effective_grads(
+    grads: list[Tensor], params: list[Tensor], *, weight_decay: float, maximize: bool
+) -> tuple[list[Tensor], bool]:
+    """Return ``g'`` for a list of same-device, same-dtype tensors with foreach ops.
+
+    Returns:
+        ``(grads, owned)``: ``owned`` is True when the returned tensors are fresh (safe
+        to modify in place), False when they are the caller's gradients themselves.
+    """
+    owned = False
+    if maximize:
+        grads = torch._foreach_neg(grads)
+        owned = True
+    if weight_decay != 0:
+        if owned:
+            torch._foreach_add_(grads, params, alpha=weight_decay)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+            owned = True
+    return grads, owned
+
+
+def buckets(tensors: Sequence[Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by (device, dtype), for foreach kernels."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        groups.setdefault((tensor.device, tensor.dtype), []).append(index)
+    return list(groups.values())
+
+
+def default_foreach(tensors: Sequence[Tensor]) -> bool:
+    """torch.optim's default: foreach when every tensor is a plain tensor on an accelerator."""
+    return bool(tensors) and all(
+        type(t) in (Tensor, torch.nn.Parameter) and t.device.type in ("cuda", "xpu")
+        for t in tensors
+    )
+
+
+def apply_step_(params: list[Tensor], directions: list[Tensor], *, lr: float, foreach: bool) -> None:
+    """Take the step ``theta <- theta - lr * d`` in place, as ``torch.optim.SGD`` does."""
+    if not foreach:
+        for param, direction in zip(params, directions):
+            param.add_(direction, alpha=-lr)
+        return
+    for index in buckets(params):
+        torch._foreach_add_(
+            [params[i] for i in index], [directions[i] for i in index], alpha=-lr
+        )

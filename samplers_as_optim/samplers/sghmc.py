@@ -1,0 +1,331 @@
+r"""Stochastic gradient Hamiltonian Monte Carlo (Chen et al., 2014) in SGD units.
+
+Derivation. Target :math:`p_T(\theta) \propto \exp(-U(\theta)/T)` with :math:`U = N L`
+(DESIGN §1), extended by a momentum :math:`r \sim \mathcal N(0, T I)`. The SGHMC SDE with
+friction :math:`C` (unit mass, the gradient-noise estimate :math:`\hat B` set to 0) is
+
+.. math::
+
+    d\theta = r\,dt, \qquad
+    dr = -\nabla U(\theta)\,dt - C r\,dt + \sqrt{2 C T}\,dW,
+
+whose stationary law is :math:`\exp(-(U(\theta) + |r|^2/2)/T)`. One Euler step of size
+:math:`\epsilon` (momentum first, then position with the new momentum) reads
+:math:`r' = (1 - \epsilon C) r - \epsilon N g + \sqrt{2 C T \epsilon}\,\xi`,
+:math:`\theta' = \theta + \epsilon r'`. Substitute :math:`r = -(lr/\epsilon)\, b` with
+SGD's buffer :math:`b`:
+
+.. math::
+
+    b' = (1 - \epsilon C)\, b + \frac{\epsilon^2 N}{lr}\, g
+         - \frac{\epsilon}{lr}\sqrt{2 C T \epsilon}\;\xi, \qquad \theta' = \theta - lr\, b'.
+
+Choosing :math:`\epsilon = \sqrt{lr/N}` makes the gradient coefficient 1, and
+:math:`\mu = 1 - \epsilon C` (friction :math:`C = (1-\mu)/\epsilon`) makes the first
+term torch's momentum. The noise becomes :math:`\sqrt{2(1-\mu) T / (N\, lr)}`
+(the sign of :math:`\xi` is immaterial), so
+
+.. math::
+
+    b \leftarrow \mu\, b + g' + \sqrt{2 (1-\mu) T / (N\, lr)}\;\xi, \qquad
+    \theta \leftarrow \theta - lr\, b.
+
+At :math:`T = 0` this is ``torch.optim.SGD(lr, momentum=mu)``: the kernel runs SGD's
+operations in SGD's order (the buffer starts as a copy of the first gradient) and adds
+the noise only when :math:`T > 0`. Chen et al. (2014), Eq. (15), write
+:math:`\Delta\theta = v`, :math:`\Delta v = -\eta\nabla\tilde U - \alpha v +
+\mathcal N(0, 2(\alpha - \hat\beta)\eta)`: the same update with :math:`v = -lr\, b`,
+:math:`\eta = lr / N`, :math:`\alpha = 1 - \mu`, :math:`\hat\beta = 0` and the noise
+variance multiplied by :math:`T`.
+
+With ``momentum=0`` (friction :math:`1/\epsilon`, the momentum refreshed every step)
+SGHMC is SGLD, and the kernel calls SGLD's: for one seed the two optimizers coincide.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._validation import check_bool, check_finite, check_momentum
+from . import _docs
+from ._common import apply_step_, buckets, default_foreach, effective_grad, effective_grads
+from ._optimizer import SamplerOptimizer, check_sgd_only_flags
+from .sgld import sgld_direction
+
+__all__ = ["SGHMC", "sghmc_direction", "sghmc_noise_scale"]
+
+
+def sghmc_noise_scale(lr: float, momentum: float, temperature: float, num_data: int) -> float:
+    r"""Standard deviation of the noise added to SGHMC's buffer: :math:`\sqrt{2(1-\mu)T/(N\,lr)}`.
+
+    In parameter units (one step from a common state) it is ``lr`` times this,
+    :math:`\sqrt{2(1-\mu)\,lr\,T/N}`.
+    """
+    if temperature == 0:
+        return 0.0
+    return math.sqrt(2.0 * (1.0 - momentum) * temperature / (num_data * lr))
+
+
+def sghmc_direction(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor | None],
+    noise: list[Tensor] | None,
+    *,
+    lr: float,
+    momentum: float,
+    temperature: float,
+    num_data: int,
+    weight_decay: float,
+    dampening: float,
+    nesterov: bool,
+    maximize: bool,
+    foreach: bool,
+    inplace: bool = True,
+) -> tuple[list[Tensor], list[Tensor | None]]:
+    r"""SGHMC's pure kernel: new momentum buffers and the directions :math:`d`.
+
+    .. math::
+
+        b \leftarrow \mu\, b + (1 - \text{dampening})\, g' + \sqrt{2(1-\mu)T/(N\,lr)}\;\xi,
+        \qquad d = b \;(\text{or } g' + \mu b \text{ if nesterov}),
+
+    with :math:`b = g'` (plus noise) on the first step (``momentum_buffers[i] is None``),
+    as in ``torch.optim.SGD``. The step is :math:`\theta \leftarrow \theta - lr\, d`.
+    With ``momentum=0`` this is :func:`sgld_direction` and no buffer is kept.
+
+    Args:
+        params: the parameters (read only, for weight decay).
+        grads: their gradients (never modified).
+        momentum_buffers: one buffer or None per parameter.
+        noise: standard-normal :math:`\xi` per parameter; None exactly when T is 0.
+        lr: learning rate, > 0 when ``temperature`` > 0.
+        momentum: :math:`\mu \in [0, 1)`.
+        temperature: T >= 0.
+        num_data: N.
+        weight_decay: as in ``torch.optim.SGD``.
+        dampening: as in ``torch.optim.SGD``; 0 when T > 0.
+        nesterov: as in ``torch.optim.SGD``; False when T > 0.
+        maximize: as in ``torch.optim.SGD``.
+        foreach: multi-tensor path; the single-tensor loop is the reference.
+        inplace: update the given buffers in place (Optimizer) or return new ones
+            (functional transforms).
+
+    Returns:
+        ``(directions, momentum_buffers)``; a direction may alias its buffer.
+    """
+    if momentum == 0:
+        directions = sgld_direction(
+            params,
+            grads,
+            noise,
+            lr=lr,
+            temperature=temperature,
+            num_data=num_data,
+            weight_decay=weight_decay,
+            maximize=maximize,
+            foreach=foreach,
+        )
+        return directions, list(momentum_buffers)
+    if (noise is None) != (temperature == 0):
+        raise ValueError("noise must be given exactly when temperature > 0")
+    scale = sghmc_noise_scale(lr, momentum, temperature, num_data)
+    if not foreach:
+        directions, buffers = [], []
+        for i, (param, grad) in enumerate(zip(params, grads)):
+            grad = effective_grad(grad, param, weight_decay=weight_decay, maximize=maximize)
+            buffer = momentum_buffers[i]
+            if buffer is None:
+                buffer = grad.detach().clone()
+            else:
+                buffer = buffer.mul_(momentum) if inplace else buffer.mul(momentum)
+                buffer.add_(grad, alpha=1 - dampening)
+            if noise is not None:
+                buffer.add_(noise[i], alpha=scale)
+            buffers.append(buffer)
+            directions.append(grad.add(buffer, alpha=momentum) if nesterov else buffer)
+        return directions, buffers
+
+    directions: list[Tensor] = [grads[0]] * len(grads)
+    buffers: list[Tensor | None] = list(momentum_buffers)
+    for index in buckets(params):
+        bucket_grads, _ = effective_grads(
+            [grads[i] for i in index],
+            [params[i] for i in index],
+            weight_decay=weight_decay,
+            maximize=maximize,
+        )
+        old = [momentum_buffers[i] for i in index]
+        if all(buffer is not None for buffer in old):
+            if inplace:
+                torch._foreach_mul_(old, momentum)
+                new = old
+            else:
+                new = torch._foreach_mul(old, momentum)
+            torch._foreach_add_(new, bucket_grads, alpha=1 - dampening)
+        else:
+            new = []
+            for buffer, grad in zip(old, bucket_grads):
+                if buffer is None:
+                    buffer = grad.detach().clone()
+                else:
+                    buffer = buffer.mul_(momentum) if inplace else buffer.mul(momentum)
+                    buffer.add_(grad, alpha=1 - dampening)
+                new.append(buffer)
+        if noise is not None:
+            torch._foreach_add_(new, [noise[i] for i in index], alpha=scale)
+        bucket_directions = (
+            torch._foreach_add(bucket_grads, new, alpha=momentum) if nesterov else new
+        )
+        for position, i in enumerate(index):
+            buffers[i] = new[position]
+            directions[i] = bucket_directions[position]
+    return directions, buffers
+
+
+class SGHMC(SamplerOptimizer):
+    """SGHMC as a drop-in replacement for ``torch.optim.SGD`` (see ``SGHMC.__doc__``)."""
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-3,
+        momentum: float = 0.9,
+        *,
+        num_data: int,
+        temperature: float = 1.0,
+        weight_decay: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        seed: int | None = None,
+    ) -> None:
+        check_sgd_only_flags(differentiable, fused)
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+            "temperature": temperature,
+            "num_data": num_data,
+            "maximize": maximize,
+            "foreach": foreach,
+        }
+        super().__init__(params, defaults, seed=seed)
+
+    def _check_group_combinations(
+        self, group: dict[str, Any], temperature: float, where: str
+    ) -> None:
+        momentum = check_momentum(group["momentum"], where=where)
+        dampening = check_finite("dampening", group["dampening"], where=where)
+        if check_bool("nesterov", group["nesterov"], where=where) and (
+            momentum <= 0 or dampening != 0
+        ):
+            raise ValueError(
+                f"nesterov=True{where} requires momentum > 0 and dampening=0 "
+                "(as in torch.optim.SGD)"
+            )
+        self._reject_at_positive_temperature("nesterov", group["nesterov"], False, temperature, where)
+        self._reject_at_positive_temperature(
+            "dampening", group["dampening"], 0, temperature, where
+        )
+
+    def _update_group(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        noise: list[Tensor] | None,
+        *,
+        lr: float,
+        temperature: float,
+    ) -> None:
+        foreach = group["foreach"]
+        if foreach is None:
+            foreach = default_foreach(params)
+        momentum = group["momentum"]
+        states = [self.state[p] for p in params] if momentum != 0 else []
+        directions, buffers = sghmc_direction(
+            params,
+            grads,
+            [state.get("momentum_buffer") for state in states] or [None] * len(params),
+            noise,
+            lr=lr,
+            momentum=momentum,
+            temperature=temperature,
+            num_data=group["num_data"],
+            weight_decay=group["weight_decay"],
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+            foreach=foreach,
+        )
+        for state, buffer in zip(states, buffers):
+            state["momentum_buffer"] = buffer
+        apply_step_(params, directions, lr=lr, foreach=foreach)
+
+
+SGHMC.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo, a drop-in for ``torch.optim.SGD``.
+
+    Each step is one transition of the Markov chain
+
+    .. math::
+
+        g' = \pm g + \lambda\,\theta, \qquad
+        b \leftarrow \mu\, b + g' + \sqrt{{2 (1-\mu)\, T / (N\, lr)}}\;\xi, \qquad
+        \theta \leftarrow \theta - lr\, b, \qquad \xi \sim \mathcal N(0, I),
+
+    with :math:`g` = ``p.grad`` (the gradient of the mean minibatch loss), :math:`\mu` =
+    ``momentum``, :math:`\lambda` = ``weight_decay``, :math:`T` = ``temperature``,
+    :math:`N` = ``num_data``, the sign negative when ``maximize``; the buffer starts as
+    the first :math:`g'` (plus noise), as in SGD. This is the SGHMC SDE discretised with
+    step :math:`\epsilon = \sqrt{{lr / N}}` and friction :math:`(1-\mu)/\epsilon`; its
+    stationary law is :math:`\propto \exp(-N L(\theta)/T)` up to step-size bias. At
+    ``temperature=0`` it is ``torch.optim.SGD(lr, momentum, ...)`` bit for bit; with
+    ``momentum=0`` it is :class:`SGLD`.
+
+    Args:
+        {_docs.params_doc}
+        {_docs.lr_doc}
+        momentum: :math:`\mu`, as in ``torch.optim.SGD`` (default: 0.9; in [0, 1)). The
+            friction is :math:`(1-\mu)/\epsilon`: closer to 1 means less friction and
+            longer, less random trajectories.
+        {_docs.num_data_doc}
+        {_docs.temperature_doc}
+        {_docs.weight_decay_doc}
+        {_docs.dampening_doc}
+        {_docs.nesterov_doc}
+        {_docs.maximize_doc}
+        {_docs.foreach_doc}
+        {_docs.differentiable_doc}
+        {_docs.fused_doc}
+        {_docs.seed_doc}
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import SGHMC
+        >>> model = torch.nn.Linear(3, 1)
+        >>> opt = SGHMC(model.parameters(), lr=1e-3, momentum=0.9, num_data=1000, seed=0)
+        >>> loss = model(torch.randn(8, 3)).pow(2).mean()
+        >>> loss.backward()
+        >>> opt.step()
+
+    Note:
+        Chen et al. (2014) parametrise by :math:`\eta = \epsilon^2` and
+        :math:`\alpha = \epsilon C`; here :math:`\eta = lr/N`, :math:`\alpha = 1 - \mu`,
+        the momentum is :math:`v = -lr\, b`, the gradient-noise estimate
+        :math:`\hat\beta` is 0, and the injected noise variance is multiplied by
+        ``temperature``.
+
+    References:
+        Chen, T., Fox, E. & Guestrin, C. (2014). Stochastic gradient Hamiltonian Monte
+        Carlo. ICML. Eq. (15).
+    """

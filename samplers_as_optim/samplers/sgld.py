@@ -1,0 +1,244 @@
+r"""Stochastic gradient Langevin dynamics (Welling & Teh, 2011) in SGD units.
+
+Derivation. With the mean minibatch loss :math:`L` (its prior term divided by N, as in
+DESIGN §1) the tempered target is :math:`p_T(\theta) \propto \exp(-N L(\theta) / T)`.
+The overdamped Langevin SDE with that stationary law is
+
+.. math::
+
+    d\theta = -N \nabla L(\theta)\, dt + \sqrt{2 T}\, dW.
+
+Euler--Maruyama with step :math:`h` gives
+:math:`\theta \leftarrow \theta - h N g + \sqrt{2 T h}\,\xi`. Choosing :math:`h = lr / N`
+makes the drift exactly SGD's step:
+
+.. math::
+
+    \theta \leftarrow \theta - lr\, g + \sqrt{2\, lr\, T / N}\;\xi,
+    \qquad \xi \sim \mathcal N(0, I).
+
+At :math:`T = 0` this is ``torch.optim.SGD(lr)``. Welling & Teh (2011), Eq. (4), write
+:math:`\Delta\theta = \tfrac{\epsilon}{2}\nabla \log p + \eta`, :math:`\eta \sim
+\mathcal N(0, \epsilon)`: the same update with :math:`\epsilon = 2\, lr / N` and their
+noise variance multiplied by :math:`T`.
+
+Implementation. The kernel returns the direction :math:`d = g' - c\,\xi`, with
+:math:`c = \sqrt{2 T / (N\, lr)}`, and the caller steps :math:`\theta \leftarrow \theta -
+lr\, d` (``param.add_(d, alpha=-lr)`` in the Optimizer, as SGD does), which is the
+update above. For a Gaussian target the stationary covariance of the discrete chain is
+:math:`T\,(H (I - h H / 2))^{-1}` with :math:`H` the Hessian of :math:`N L` and
+:math:`h = lr / N`: the step-size bias the statistical tests account for.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._validation import check_bool, check_finite
+from . import _docs
+from ._common import apply_step_, buckets, default_foreach, effective_grad, effective_grads
+from ._optimizer import SamplerOptimizer, check_sgd_only_flags
+
+__all__ = ["SGLD", "sgld_direction", "sgld_noise_scale"]
+
+
+def sgld_noise_scale(lr: float, temperature: float, num_data: int) -> float:
+    r"""Standard deviation of SGLD's noise per step, in parameter units: :math:`\sqrt{2\,lr\,T/N}`."""
+    return math.sqrt(2.0 * lr * temperature / num_data)
+
+
+def sgld_direction(
+    params: list[Tensor],
+    grads: list[Tensor],
+    noise: list[Tensor] | None,
+    *,
+    lr: float,
+    temperature: float,
+    num_data: int,
+    weight_decay: float,
+    maximize: bool,
+    foreach: bool,
+) -> list[Tensor]:
+    r"""SGLD's pure kernel: the directions :math:`d = g' - \sqrt{2T/(N\,lr)}\,\xi`.
+
+    The step is :math:`\theta \leftarrow \theta - lr\, d`. Nothing passed in is modified.
+
+    Args:
+        params: the parameters (read only, for weight decay).
+        grads: their gradients :math:`\nabla L`.
+        noise: standard-normal :math:`\xi`, one tensor per parameter; None exactly when
+            ``temperature`` is 0.
+        lr: learning rate, > 0 when ``temperature`` > 0.
+        temperature: T >= 0.
+        num_data: N.
+        weight_decay: as in ``torch.optim.SGD``.
+        maximize: as in ``torch.optim.SGD``.
+        foreach: multi-tensor path; the single-tensor loop is the reference.
+
+    Returns:
+        One direction tensor per parameter.
+    """
+    if (noise is None) != (temperature == 0):
+        raise ValueError("noise must be given exactly when temperature > 0")
+    scale = math.sqrt(2.0 * temperature / (num_data * lr)) if noise is not None else 0.0
+    if not foreach:
+        directions = []
+        for i, (param, grad) in enumerate(zip(params, grads)):
+            direction = effective_grad(grad, param, weight_decay=weight_decay, maximize=maximize)
+            if noise is not None:
+                direction = direction.add(noise[i], alpha=-scale)
+            directions.append(direction)
+        return directions
+
+    directions: list[Tensor] = [grads[0]] * len(grads)
+    for index in buckets(params):
+        bucket, owned = effective_grads(
+            [grads[i] for i in index],
+            [params[i] for i in index],
+            weight_decay=weight_decay,
+            maximize=maximize,
+        )
+        if noise is not None:
+            bucket_noise = [noise[i] for i in index]
+            if owned:
+                torch._foreach_add_(bucket, bucket_noise, alpha=-scale)
+            else:
+                bucket = torch._foreach_add(bucket, bucket_noise, alpha=-scale)
+        for i, direction in zip(index, bucket):
+            directions[i] = direction
+    return directions
+
+
+class SGLD(SamplerOptimizer):
+    """SGLD as a drop-in replacement for ``torch.optim.SGD`` (see ``SGLD.__doc__``)."""
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-3,
+        momentum: float = 0.0,
+        *,
+        num_data: int,
+        temperature: float = 1.0,
+        weight_decay: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        seed: int | None = None,
+    ) -> None:
+        check_sgd_only_flags(differentiable, fused)
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+            "temperature": temperature,
+            "num_data": num_data,
+            "maximize": maximize,
+            "foreach": foreach,
+        }
+        super().__init__(params, defaults, seed=seed)
+
+    def _check_group_combinations(
+        self, group: dict[str, Any], temperature: float, where: str
+    ) -> None:
+        if group["momentum"] != 0:
+            raise ValueError(
+                f"Invalid momentum{where}: {group['momentum']!r} (expected 0: SGLD has no "
+                "momentum; use SGHMC for momentum > 0)"
+            )
+        check_finite("dampening", group["dampening"], where=where)
+        if check_bool("nesterov", group["nesterov"], where=where):
+            raise ValueError(
+                f"nesterov=True{where} requires momentum > 0 (as in torch.optim.SGD); "
+                "use SGHMC for momentum"
+            )
+        self._reject_at_positive_temperature(
+            "dampening", group["dampening"], 0, temperature, where
+        )
+
+    def _update_group(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        noise: list[Tensor] | None,
+        *,
+        lr: float,
+        temperature: float,
+    ) -> None:
+        foreach = group["foreach"]
+        if foreach is None:
+            foreach = default_foreach(params)
+        directions = sgld_direction(
+            params,
+            grads,
+            noise,
+            lr=lr,
+            temperature=temperature,
+            num_data=group["num_data"],
+            weight_decay=group["weight_decay"],
+            maximize=group["maximize"],
+            foreach=foreach,
+        )
+        apply_step_(params, directions, lr=lr, foreach=foreach)
+
+
+SGLD.__doc__ = rf"""Stochastic gradient Langevin dynamics, a drop-in for ``torch.optim.SGD``.
+
+    Each step is one transition of the Markov chain
+
+    .. math::
+
+        g' = \pm g + \lambda\,\theta, \qquad
+        \theta \leftarrow \theta - lr\, g' + \sqrt{{2\, lr\, T / N}}\;\xi,
+        \qquad \xi \sim \mathcal N(0, I),
+
+    with :math:`g` = ``p.grad`` (the gradient of the mean minibatch loss),
+    :math:`\lambda` = ``weight_decay``, :math:`T` = ``temperature``, :math:`N` =
+    ``num_data``, the sign negative when ``maximize``. Its stationary law is
+    :math:`\propto \exp(-N L(\theta)/T)` up to step-size bias; at ``temperature=0`` it is
+    ``torch.optim.SGD(lr, weight_decay=..., maximize=...)`` bit for bit.
+
+    Args:
+        {_docs.params_doc}
+        {_docs.lr_doc}
+        momentum: must be 0 (SGLD has no momentum; use :class:`SGHMC`). Accepted so that
+            the signature is ``torch.optim.SGD``'s.
+        {_docs.num_data_doc}
+        {_docs.temperature_doc}
+        {_docs.weight_decay_doc}
+        {_docs.dampening_doc}
+        nesterov: must be False (it needs momentum).
+        {_docs.maximize_doc}
+        {_docs.foreach_doc}
+        {_docs.differentiable_doc}
+        {_docs.fused_doc}
+        {_docs.seed_doc}
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import SGLD
+        >>> model = torch.nn.Linear(3, 1)
+        >>> opt = SGLD(model.parameters(), lr=1e-3, num_data=1000, seed=0)
+        >>> loss = model(torch.randn(8, 3)).pow(2).mean()
+        >>> loss.backward()
+        >>> opt.step()
+
+    Note:
+        Welling & Teh (2011) use the step :math:`\epsilon = 2\,lr/N` on the summed log
+        posterior; here ``lr`` is SGD's learning rate on the mean loss, and the noise
+        variance is multiplied by ``temperature``.
+
+    References:
+        Welling, M. & Teh, Y. W. (2011). Bayesian learning via stochastic gradient
+        Langevin dynamics. ICML. Eq. (4).
+    """

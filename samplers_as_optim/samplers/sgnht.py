@@ -1,0 +1,305 @@
+r"""Stochastic gradient Nosé--Hoover thermostat (Ding et al., 2014) in SGD units.
+
+Derivation. SGNHT is SGHMC (see :mod:`.sghmc`) whose friction is a dynamic variable
+:math:`\zeta`, the thermostat, that drives the kinetic energy per dimension to the
+temperature. With :math:`U = N L`, :math:`n` dimensions and injected-noise constant
+:math:`A`, the tempered dynamics are
+
+.. math::
+
+    d\theta = r\,dt, \qquad
+    dr = -\nabla U\,dt - \zeta r\,dt + \sqrt{2 A T}\,dW, \qquad
+    d\zeta = \left(|r|^2 / n - T\right) dt,
+
+which leave :math:`\exp(-U(\theta)/T)\,\mathcal N(r; 0, T I)` invariant in
+:math:`(\theta, r)`. Ding et al.'s Algorithm 1 (the momentum, then the position and the
+thermostat with the new momentum) with step :math:`\epsilon` and, as for SGHMC,
+:math:`\epsilon = \sqrt{lr/N}`, :math:`r = -(lr/\epsilon)\, b`, gives
+
+.. math::
+
+    b &\leftarrow (1 - \alpha)\, b + g' + \sqrt{2 (1-\mu) T / (N\, lr)}\;\xi, \\
+    \theta &\leftarrow \theta - lr\, b, \\
+    \alpha &\leftarrow \alpha + lr^2\, |b|^2 / n - lr\, T / N,
+
+where :math:`\alpha = \epsilon\zeta` is the thermostat in SGD units (the friction
+:math:`1 - \mu` of SGHMC becomes dynamic) and :math:`1 - \mu = \epsilon A` sets the
+injected noise; :math:`\alpha` starts at :math:`1 - \mu` and :math:`b` at 0. (The last
+line: :math:`\zeta' = \zeta + \epsilon(|r|^2/n - T)` with :math:`|r|^2 = lr\,N |b|^2`.)
+
+At :math:`T = 0` the thermostat only grows (:math:`lr^2 |b|^2/n \ge 0`) and the dynamics
+diverge rather than reduce to SGD (posteriors paper, Appendix C), so SGNHT requires
+:math:`T > 0`.
+
+One thermostat per parameter tensor (:math:`n` its number of elements). Ding et al. use
+one for the whole vector; a thermostat per subset of coordinates leaves the same law
+invariant and needs no global reduction across tensors or param groups.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._validation import check_finite, check_momentum
+from . import _docs
+from ._common import apply_step_, buckets, default_foreach, effective_grad, effective_grads
+from ._optimizer import SamplerOptimizer, check_sgd_only_flags
+from .sghmc import sghmc_noise_scale
+
+__all__ = ["SGNHT", "sgnht_direction", "sgnht_initial_state"]
+
+
+def sgnht_initial_state(param: Tensor, momentum: float) -> tuple[Tensor, Tensor]:
+    r"""The buffer :math:`b = 0` and thermostat :math:`\alpha = 1 - \mu` for one parameter.
+
+    The thermostat is a 0-dim tensor on the parameter's device, kept in at least float32
+    so that its small increments are not rounded away for half-precision parameters.
+    """
+    buffer = torch.zeros_like(param, memory_format=torch.preserve_format)
+    dtype = torch.promote_types(param.dtype, torch.float32)
+    thermostat = torch.full((), 1.0 - momentum, dtype=dtype, device=param.device)
+    return buffer, thermostat
+
+
+def sgnht_direction(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    thermostats: list[Tensor],
+    noise: list[Tensor],
+    *,
+    lr: float,
+    momentum: float,
+    temperature: float,
+    num_data: int,
+    weight_decay: float,
+    maximize: bool,
+    foreach: bool,
+    inplace: bool = True,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    r"""SGNHT's pure kernel: new buffers, new thermostats and the directions :math:`d = b`.
+
+    .. math::
+
+        b \leftarrow (1 - \alpha)\, b + g' + \sqrt{2(1-\mu)T/(N\,lr)}\;\xi, \qquad
+        \alpha \leftarrow \alpha + lr^2 |b|^2 / n - lr\,T/N.
+
+    The step is :math:`\theta \leftarrow \theta - lr\, d`.
+
+    Args:
+        params: the parameters (read only, for weight decay).
+        grads: their gradients (never modified).
+        momentum_buffers: one buffer per parameter (see :func:`sgnht_initial_state`).
+        thermostats: one 0-dim thermostat :math:`\alpha` per parameter.
+        noise: standard-normal :math:`\xi` per parameter.
+        lr: learning rate > 0.
+        momentum: :math:`\mu \in [0, 1)`: sets the injected noise and the initial friction.
+        temperature: T > 0.
+        num_data: N.
+        weight_decay: as in ``torch.optim.SGD``.
+        maximize: as in ``torch.optim.SGD``.
+        foreach: multi-tensor path; the single-tensor loop is the reference.
+        inplace: update buffers and thermostats in place, or return new ones.
+
+    Returns:
+        ``(directions, momentum_buffers, thermostats)``; a direction aliases its buffer.
+    """
+    if not temperature > 0:
+        raise ValueError("SGNHT needs temperature > 0")
+    scale = sghmc_noise_scale(lr, momentum, temperature, num_data)
+    cooling = lr * temperature / num_data
+    if not foreach:
+        buffers, new_thermostats = [], []
+        for i, (param, grad) in enumerate(zip(params, grads)):
+            grad = effective_grad(grad, param, weight_decay=weight_decay, maximize=maximize)
+            thermostat = thermostats[i]
+            friction = torch.sub(1.0, thermostat)
+            buffer = momentum_buffers[i]
+            buffer = buffer.mul_(friction) if inplace else buffer.mul(friction)
+            buffer.add_(grad).add_(noise[i], alpha=scale)
+            kinetic = torch.linalg.vector_norm(buffer, dtype=thermostat.dtype).square()
+            increment = kinetic.mul_(lr * lr / buffer.numel()).sub_(cooling)
+            thermostat = thermostat.add_(increment) if inplace else thermostat.add(increment)
+            buffers.append(buffer)
+            new_thermostats.append(thermostat)
+        return list(buffers), buffers, new_thermostats
+
+    buffers = list(momentum_buffers)
+    new_thermostats = list(thermostats)
+    for index in buckets(params):
+        bucket_grads, _ = effective_grads(
+            [grads[i] for i in index],
+            [params[i] for i in index],
+            weight_decay=weight_decay,
+            maximize=maximize,
+        )
+        alphas = [thermostats[i] for i in index]
+        friction = torch._foreach_neg(alphas)
+        torch._foreach_add_(friction, 1.0)
+        old = [momentum_buffers[i] for i in index]
+        if inplace:
+            torch._foreach_mul_(old, friction)
+            new = old
+        else:
+            new = torch._foreach_mul(old, friction)
+        torch._foreach_add_(new, bucket_grads)
+        torch._foreach_add_(new, [noise[i] for i in index], alpha=scale)
+        kinetic = torch._foreach_norm(new, 2, dtype=alphas[0].dtype)
+        kinetic = torch._foreach_mul(kinetic, kinetic)
+        torch._foreach_mul_(kinetic, [lr * lr / buffer.numel() for buffer in new])
+        torch._foreach_sub_(kinetic, cooling)
+        if inplace:
+            torch._foreach_add_(alphas, kinetic)
+        else:
+            alphas = torch._foreach_add(alphas, kinetic)
+        for position, i in enumerate(index):
+            buffers[i] = new[position]
+            new_thermostats[i] = alphas[position]
+    return list(buffers), buffers, new_thermostats
+
+
+class SGNHT(SamplerOptimizer):
+    """SGNHT as a drop-in replacement for ``torch.optim.SGD`` (see ``SGNHT.__doc__``)."""
+
+    requires_positive_temperature = True
+    own_dtype_state = ("thermostat",)
+    positive_temperature_reason = (
+        "at temperature 0 SGNHT's thermostat only grows and the dynamics diverge instead "
+        "of becoming SGD (posteriors paper, Appendix C); use SGHMC for temperature=0"
+    )
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-3,
+        momentum: float = 0.9,
+        *,
+        num_data: int,
+        temperature: float = 1.0,
+        weight_decay: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        seed: int | None = None,
+    ) -> None:
+        check_sgd_only_flags(differentiable, fused)
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+            "temperature": temperature,
+            "num_data": num_data,
+            "maximize": maximize,
+            "foreach": foreach,
+        }
+        super().__init__(params, defaults, seed=seed)
+
+    def _check_group_combinations(
+        self, group: dict[str, Any], temperature: float, where: str
+    ) -> None:
+        check_momentum(group["momentum"], where=where)
+        check_finite("dampening", group["dampening"], where=where)
+        self._reject_at_positive_temperature("nesterov", group["nesterov"], False, temperature, where)
+        self._reject_at_positive_temperature(
+            "dampening", group["dampening"], 0, temperature, where
+        )
+
+    def _update_group(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        noise: list[Tensor] | None,
+        *,
+        lr: float,
+        temperature: float,
+    ) -> None:
+        assert noise is not None  # temperature > 0 is validated
+        foreach = group["foreach"]
+        if foreach is None:
+            foreach = default_foreach(params)
+        states = [self.state[p] for p in params]
+        for param, state in zip(params, states):
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"], state["thermostat"] = sgnht_initial_state(
+                    param, group["momentum"]
+                )
+        directions, _, _ = sgnht_direction(
+            params,
+            grads,
+            [state["momentum_buffer"] for state in states],
+            [state["thermostat"] for state in states],
+            noise,
+            lr=lr,
+            momentum=group["momentum"],
+            temperature=temperature,
+            num_data=group["num_data"],
+            weight_decay=group["weight_decay"],
+            maximize=group["maximize"],
+            foreach=foreach,
+        )
+        apply_step_(params, directions, lr=lr, foreach=foreach)
+
+
+SGNHT.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat, a drop-in for ``torch.optim.SGD``.
+
+    Each step is one transition of the Markov chain
+
+    .. math::
+
+        g' &= \pm g + \lambda\,\theta, \\
+        b &\leftarrow (1 - \alpha)\, b + g' + \sqrt{{2 (1-\mu)\, T / (N\, lr)}}\;\xi, \\
+        \theta &\leftarrow \theta - lr\, b, \\
+        \alpha &\leftarrow \alpha + lr^2\, |b|^2 / n - lr\, T / N,
+
+    with :math:`g` = ``p.grad`` (the gradient of the mean minibatch loss), :math:`\mu` =
+    ``momentum``, :math:`\lambda` = ``weight_decay``, :math:`T` = ``temperature``,
+    :math:`N` = ``num_data``, :math:`\xi \sim \mathcal N(0, I)`, one thermostat
+    :math:`\alpha` per parameter tensor of :math:`n` elements (starting at
+    :math:`1 - \mu`, the buffer :math:`b` at 0). The thermostat adapts the friction so
+    that the kinetic energy matches the temperature, which corrects for unknown
+    gradient noise. ``temperature`` must be > 0: at 0 the thermostat diverges.
+
+    Args:
+        {_docs.params_doc}
+        {_docs.lr_doc}
+        momentum: :math:`\mu` (default: 0.9; in [0, 1)): the initial friction is
+            :math:`1 - \mu` and the injected noise is SGHMC's for that momentum.
+        {_docs.num_data_doc}
+        temperature: T (default: 1.0; a finite number > 0).
+        {_docs.weight_decay_doc}
+        dampening: must be 0 (no sampling meaning; accepted for SGD's signature).
+        nesterov: must be False (no sampling meaning; accepted for SGD's signature).
+        {_docs.maximize_doc}
+        {_docs.foreach_doc}
+        {_docs.differentiable_doc}
+        {_docs.fused_doc}
+        {_docs.seed_doc}
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import SGNHT
+        >>> model = torch.nn.Linear(3, 1)
+        >>> opt = SGNHT(model.parameters(), lr=1e-3, num_data=1000, seed=0)
+        >>> loss = model(torch.randn(8, 3)).pow(2).mean()
+        >>> loss.backward()
+        >>> opt.step()
+
+    Note:
+        Ding et al. (2014) use one thermostat for all coordinates and step :math:`h` on
+        the summed log posterior; here there is one per parameter tensor, :math:`h =
+        \sqrt{{lr/N}}`, :math:`\alpha = h\,\xi_{{\text{{Ding}}}}`, and the noise variance is
+        multiplied by ``temperature``.
+
+    References:
+        Ding, N., Fang, Y., Babbush, R., Chen, C., Skeel, R. D. & Neven, H. (2014).
+        Bayesian sampling using stochastic gradient thermostats. NeurIPS. Algorithm 1.
+    """
