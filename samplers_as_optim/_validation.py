@@ -20,12 +20,16 @@ import torch
 
 __all__ = [
     "check_bool",
+    "check_choice",
     "check_finite",
     "check_foreach",
     "check_learning_rate",
     "check_momentum",
     "check_nonnegative",
+    "check_nonnegative_integer",
     "check_num_data",
+    "check_positive",
+    "check_positive_int",
     "check_seed",
     "check_temperature",
 ]
@@ -142,4 +146,49 @@ def check_foreach(value: Any, *, where: str = "") -> bool | None:
     """Check ``foreach``: None (choose automatically), True or False."""
     if value is not None and not isinstance(value, bool):
         _fail("foreach", value, "None, True or False", where, TypeError)
+    return value
+
+
+def check_nonnegative_integer(name: str, value: Any, *, where: str = "") -> int:
+    """Check that ``value`` is an integer >= 0 (not a bool) and return it as an int."""
+    expected = "an integer >= 0"
+    if isinstance(value, bool):
+        _fail(name, value, expected, where, TypeError)
+    try:
+        number = operator.index(value)
+    except TypeError:
+        _fail(name, value, expected, where, TypeError)
+    if number < 0:
+        _fail(name, value, expected, where)
+    return number
+
+
+def check_positive(name: str, value: Any, *, where: str = "") -> float:
+    """Check that ``value`` is a finite real number > 0 and return it as a float."""
+    expected = "a finite number > 0"
+    number = _real(name, value, expected, where)
+    if not (math.isfinite(number) and number > 0.0):
+        _fail(name, value, expected, where)
+    return number
+
+
+def check_positive_int(name: str, value: Any, *, where: str = "") -> int:
+    """Check that ``value`` is an integer >= 1 (bools rejected) and return it."""
+    expected = "an integer >= 1"
+    if isinstance(value, bool):
+        _fail(name, value, expected, where, TypeError)
+    try:
+        number = operator.index(value)
+    except TypeError:
+        _fail(name, value, expected, where, TypeError)
+    if number < 1:
+        _fail(name, value, expected, where)
+    return number
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...], *, where: str = "") -> str:
+    """Check that ``value`` is one of the strings in ``choices`` and return it."""
+    if not isinstance(value, str) or value not in choices:
+        expected = "one of " + ", ".join(repr(choice) for choice in choices)
+        _fail(name, value, expected, where)
     return value

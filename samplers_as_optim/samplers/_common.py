@@ -72,13 +72,32 @@ def default_foreach(tensors: Sequence[Tensor]) -> bool:
     )
 
 
-def apply_step_(params: list[Tensor], directions: list[Tensor], *, lr: float, foreach: bool) -> None:
-    """Take the step ``theta <- theta - lr * d`` in place, as ``torch.optim.SGD`` does."""
+def apply_step_(
+    params: list[Tensor], directions: list[Tensor], *, lr: float, as_sgd: bool, foreach: bool
+) -> None:
+    """Take the step ``theta <- theta - lr * d`` in place.
+
+    Two roundings of the same step, because ``add_(d, alpha=-lr)`` is a fused
+    multiply-add while a torchopt transform's update is the rounded ``-lr * d`` added
+    afterwards:
+
+    * ``as_sgd=True`` (temperature 0): ``param.add_(d, alpha=-lr)``, exactly
+      ``torch.optim.SGD``'s operation;
+    * ``as_sgd=False`` (temperature > 0): ``param.add_(d * -lr)``, exactly what a
+      torchopt transform's update followed by ``torchopt.apply_updates`` does, so an
+      Optimizer and a transform with one seed produce the same chain bit for bit.
+    """
     if not foreach:
         for param, direction in zip(params, directions):
-            param.add_(direction, alpha=-lr)
+            if as_sgd:
+                param.add_(direction, alpha=-lr)
+            else:
+                param.add_(direction.mul(-lr))
         return
     for index in buckets(params):
-        torch._foreach_add_(
-            [params[i] for i in index], [directions[i] for i in index], alpha=-lr
-        )
+        bucket_params = [params[i] for i in index]
+        bucket_directions = [directions[i] for i in index]
+        if as_sgd:
+            torch._foreach_add_(bucket_params, bucket_directions, alpha=-lr)
+        else:
+            torch._foreach_add_(bucket_params, torch._foreach_mul(bucket_directions, -lr))

@@ -45,18 +45,34 @@ SGHMC is SGLD, and the kernel calls SGLD's: for one seed the two optimizers coin
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torchopt.base import GradientTransformation
 
 from .._validation import check_bool, check_finite, check_momentum
-from . import _docs
+from . import _docs, _transform
 from ._common import apply_step_, buckets, default_foreach, effective_grad, effective_grads
 from ._optimizer import SamplerOptimizer, check_sgd_only_flags
+from ._transform import (
+    KernelInput,
+    KernelOutput,
+    ScalarOrSchedule,
+    pick,
+    sampler_transformation,
+)
 from .sgld import sgld_direction
 
-__all__ = ["SGHMC", "sghmc_direction", "sghmc_noise_scale"]
+__all__ = [
+    "SGHMC",
+    "LangevinNoiseState",
+    "SGHMCState",
+    "langevin_noise",
+    "sghmc",
+    "sghmc_direction",
+    "sghmc_noise_scale",
+]
 
 
 def sghmc_noise_scale(lr: float, momentum: float, temperature: float, num_data: int) -> float:
@@ -270,7 +286,7 @@ class SGHMC(SamplerOptimizer):
         )
         for state, buffer in zip(states, buffers):
             state["momentum_buffer"] = buffer
-        apply_step_(params, directions, lr=lr, foreach=foreach)
+        apply_step_(params, directions, lr=lr, as_sgd=temperature == 0, foreach=foreach)
 
 
 SGHMC.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo, a drop-in for ``torch.optim.SGD``.
@@ -328,4 +344,247 @@ SGHMC.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo, a drop-in for 
     References:
         Chen, T., Fox, E. & Guestrin, C. (2014). Stochastic gradient Hamiltonian Monte
         Carlo. ICML. Eq. (15).
+    """
+
+
+class SGHMCState(NamedTuple):
+    """The state of :func:`sghmc`: the momentum buffers and the chain's random state.
+
+    Attributes:
+        momentum_buffer: one buffer :math:`b` per leaf of the params tree, in the order of
+            its leaves, starting at zero (empty when ``momentum`` is 0).
+        seed: the seed of the chain's noise.
+        count: the number of updates taken, the step of the next noise draw and of the
+            schedules.
+    """
+
+    momentum_buffer: tuple[Tensor | None, ...]
+    seed: int
+    count: int
+
+
+def sghmc(
+    lr: ScalarOrSchedule,
+    momentum: float = 0.9,
+    *,
+    num_data: int,
+    temperature: ScalarOrSchedule = 1.0,
+    weight_decay: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    maximize: bool = False,
+    foreach: bool | None = None,
+    seed: int | None = None,
+) -> GradientTransformation:
+    """SGHMC as a torchopt gradient transformation (see ``sghmc.__doc__``)."""
+    return sampler_transformation(
+        locals(),
+        name="transforms.sghmc",
+        state_type=SGHMCState,
+        optimizer_class=SGHMC,
+        init_buffers=lambda leaves: _sghmc_buffers(leaves, momentum),
+        kernel=_sghmc_kernel,
+    )
+
+
+def _sghmc_buffers(leaves: list[Tensor | None], momentum: float) -> tuple[tuple[Any, ...]]:
+    if momentum == 0:
+        return ((),)
+    return (tuple(None if leaf is None else torch.zeros_like(leaf) for leaf in leaves),)
+
+
+_SGHMC_KEYS = (
+    "lr",
+    "momentum",
+    "temperature",
+    "num_data",
+    "weight_decay",
+    "dampening",
+    "nesterov",
+    "maximize",
+    "foreach",
+    "inplace",
+)
+
+
+def _sghmc_kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
+    (buffers,) = inputs.buffers
+    if not buffers or (group["count"] == 0 and group["dampening"] != 0):
+        # torch.optim.SGD's first step sets b = g', whatever the dampening; with dampening
+        # 0 the zero buffer gives the same numbers and keeps the graph (MetaOptimizer).
+        buffers = [None] * len(inputs.grads)
+    directions, buffers = sghmc_direction(
+        inputs.params, inputs.grads, buffers, inputs.noise, **pick(group, *_SGHMC_KEYS)
+    )
+    return directions, (buffers if group["momentum"] != 0 else [],)
+
+
+sghmc.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo as a torchopt gradient transformation.
+
+    The same chain as :class:`SGHMC`, computed by the same kernel: each update is
+
+    .. math::
+
+        g' = \pm g + \lambda\,\theta, \qquad
+        b \leftarrow \mu\, b + g' + \sqrt{{2 (1-\mu)\, T / (N\, lr)}}\;\xi, \qquad
+        u = -lr\, b, \qquad \xi \sim \mathcal N(0, I),
+
+    to be added to the parameters (``torchopt.apply_updates``), with :math:`g` the
+    incoming updates (the gradient of the mean minibatch loss), :math:`\theta` =
+    ``params``, :math:`\mu` = ``momentum``, :math:`\lambda` = ``weight_decay``,
+    :math:`T` = ``temperature``, :math:`N` = ``num_data``, the sign negative when
+    ``maximize``. The buffer :math:`b` starts at zero, which gives
+    ``torch.optim.SGD``'s first step :math:`b = g'`; with ``dampening`` (temperature 0
+    only) update 0 sets :math:`b = g'` as SGD does. The noise of update :math:`k` is
+    drawn from ``seed`` and :math:`k` alone (both in the state).
+
+    Args:
+        {_transform.lr_doc}
+        momentum: :math:`\mu`, as in ``torchopt.sgd`` (default: 0.9; in [0, 1)). The
+            friction is :math:`(1-\mu)/\epsilon` with :math:`\epsilon = \sqrt{{lr/N}}`;
+            0 gives :func:`sgld`.
+        {_docs.num_data_doc}
+        {_transform.temperature_doc}
+        {_docs.weight_decay_doc}
+        {_docs.dampening_doc}
+        {_docs.nesterov_doc}
+        {_docs.maximize_doc}
+        {_docs.foreach_doc}
+        {_transform.seed_doc}
+
+    Returns:
+        {_transform.returns_doc}
+
+    Example:
+        >>> import torch, torchopt
+        >>> from samplers_as_optim import transforms
+        >>> params = {{"w": torch.zeros(2)}}
+        >>> tx = torchopt.chain(
+        ...     torchopt.clip.clip_grad_norm(1.0),
+        ...     transforms.sghmc(0.1, momentum=0.9, num_data=100, temperature=0.0),
+        ... )
+        >>> state = tx.init(params)
+        >>> for _ in range(2):
+        ...     grads = {{"w": torch.tensor([0.6, 0.8])}}
+        ...     updates, state = tx.update(grads, state, params=params)
+        ...     params = torchopt.apply_updates(params, updates)
+        >>> params["w"]  # SGD with momentum: -0.1 * (g + (0.9 g + g))
+        tensor([-0.1740, -0.2320])
+
+    Note:
+        With one seed, the chain is :class:`SGHMC`'s (one param group) bit for bit. At
+        ``temperature=0`` the update is ``torchopt.sgd(lr, momentum, ...)``'s bit for bit;
+        it equals ``torch.optim.SGD``'s step up to one rounding, because
+        ``torch.optim.SGD`` adds :math:`-lr\, b` in one fused multiply-add.
+
+    References:
+        Chen, T., Fox, E. & Guestrin, C. (2014). Stochastic gradient Hamiltonian Monte
+        Carlo. ICML. Eq. (15).
+    """
+
+
+class LangevinNoiseState(NamedTuple):
+    """The state of :func:`langevin_noise`: the chain's random state.
+
+    Attributes:
+        seed: the seed of the noise.
+        count: the number of updates taken, the step of the next noise draw and of the
+            schedules.
+    """
+
+    seed: int
+    count: int
+
+
+def langevin_noise(
+    lr: ScalarOrSchedule,
+    momentum: float = 0.0,
+    *,
+    num_data: int,
+    temperature: ScalarOrSchedule = 1.0,
+    foreach: bool | None = None,
+    seed: int | None = None,
+) -> GradientTransformation:
+    """SGLD's and SGHMC's injected noise, to chain (see ``langevin_noise.__doc__``)."""
+    return sampler_transformation(
+        locals(),
+        name="transforms.langevin_noise",
+        state_type=LangevinNoiseState,
+        optimizer_class=SGHMC,
+        init_buffers=lambda leaves: (),
+        kernel=_langevin_kernel,
+        scale_by_lr=False,
+    )
+
+
+def _langevin_kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
+    if inputs.noise is None:  # temperature 0: no noise
+        return list(inputs.grads), ()
+    # SGHMC's kernel from a zero buffer is g + noise: the injection of SGHMC (and, at
+    # momentum 0, of SGLD) with the same scale and sign, keeping the graph of g.
+    scratch = [torch.zeros_like(grad) for grad in inputs.grads]
+    keys = ("lr", "momentum", "temperature", "num_data", "weight_decay", "dampening")
+    directions, _ = sghmc_direction(
+        inputs.grads,
+        inputs.grads,
+        scratch,
+        inputs.noise,
+        **pick(group, *keys, "nesterov", "maximize", "foreach"),
+        inplace=True,
+    )
+    return directions, ()
+
+
+langevin_noise.__doc__ = rf"""The noise SGLD and SGHMC inject, as a gradient transformation to chain.
+
+    Adds to the incoming updates :math:`g` (gradients, before any scaling by the
+    learning rate) the noise of :func:`sghmc`'s buffer, computed by the same kernel:
+
+    .. math::
+
+        g \leftarrow g \pm \sqrt{{2 (1-\mu)\, T / (N\, lr)}}\;\xi,
+        \qquad \xi \sim \mathcal N(0, I),
+
+    with :math:`\mu` = ``momentum``, :math:`T` = ``temperature``, :math:`N` =
+    ``num_data`` (the sign is the kernels': negative at :math:`\mu = 0` as in
+    :func:`sgld`, positive otherwise as in :func:`sghmc`). Chained before
+    ``torchopt.sgd(lr, momentum)`` with the same ``lr`` and ``momentum`` it turns SGD into
+    SGLD (:math:`\mu = 0`) or SGHMC: with one seed, ``chain(langevin_noise(lr, seed=s,
+    ...), torchopt.sgd(lr))`` is :func:`sgld` (no weight decay) bit for bit, and with
+    momentum it is :func:`sghmc` up to rounding (the noise enters the buffer after the
+    gradient there, with it here). Before any other optimizer it adds noise of that
+    scale, which is not a sampler in general. At temperature 0 it returns the updates
+    unchanged; at temperature > 0 with ``lr`` 0 too (no time passes).
+
+    Args:
+        lr: the learning rate of the SGD that follows, which sets the noise scale, or
+            a schedule of the step count (a finite number >= 0).
+        momentum: :math:`\mu`, the momentum of the SGD that follows (default: 0.0; in
+            [0, 1)).
+        {_docs.num_data_doc}
+        {_transform.temperature_doc}
+        {_docs.foreach_doc}
+        {_transform.seed_doc}
+
+    Returns:
+        A ``torchopt.base.GradientTransformation`` whose ``update(updates, state, *,
+        params=None, inplace=True)`` returns the noisy updates and the next state.
+
+    Example:
+        >>> import torch, torchopt
+        >>> from samplers_as_optim import transforms
+        >>> lr, params = 0.1, {{"w": torch.zeros(3)}}
+        >>> noisy_sgd = torchopt.chain(
+        ...     transforms.langevin_noise(lr, num_data=100, seed=0), torchopt.sgd(lr)
+        ... )
+        >>> sgld = transforms.sgld(lr, num_data=100, seed=0)
+        >>> grads = {{"w": torch.ones(3)}}
+        >>> a, _ = noisy_sgd.update(grads, noisy_sgd.init(params), inplace=False)
+        >>> b, _ = sgld.update(grads, sgld.init(params), inplace=False)
+        >>> torch.equal(a["w"], b["w"])
+        True
+
+    References:
+        Welling, M. & Teh, Y. W. (2011), Eq. (4); Chen, T., Fox, E. & Guestrin, C.
+        (2014), Eq. (15).
     """

@@ -33,17 +33,25 @@ update above. For a Gaussian target the stationary covariance of the discrete ch
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torchopt.base import GradientTransformation
 
 from .._validation import check_bool, check_finite
-from . import _docs
+from . import _docs, _transform
 from ._common import apply_step_, buckets, default_foreach, effective_grad, effective_grads
 from ._optimizer import SamplerOptimizer, check_sgd_only_flags
+from ._transform import (
+    KernelInput,
+    KernelOutput,
+    ScalarOrSchedule,
+    pick,
+    sampler_transformation,
+)
 
-__all__ = ["SGLD", "sgld_direction", "sgld_noise_scale"]
+__all__ = ["SGLD", "SGLDState", "sgld", "sgld_direction", "sgld_noise_scale"]
 
 
 def sgld_noise_scale(lr: float, temperature: float, num_data: int) -> float:
@@ -189,7 +197,7 @@ class SGLD(SamplerOptimizer):
             maximize=group["maximize"],
             foreach=foreach,
         )
-        apply_step_(params, directions, lr=lr, foreach=foreach)
+        apply_step_(params, directions, lr=lr, as_sgd=temperature == 0, foreach=foreach)
 
 
 SGLD.__doc__ = rf"""Stochastic gradient Langevin dynamics, a drop-in for ``torch.optim.SGD``.
@@ -237,6 +245,106 @@ SGLD.__doc__ = rf"""Stochastic gradient Langevin dynamics, a drop-in for ``torch
         Welling & Teh (2011) use the step :math:`\epsilon = 2\,lr/N` on the summed log
         posterior; here ``lr`` is SGD's learning rate on the mean loss, and the noise
         variance is multiplied by ``temperature``.
+
+    References:
+        Welling, M. & Teh, Y. W. (2011). Bayesian learning via stochastic gradient
+        Langevin dynamics. ICML. Eq. (4).
+    """
+
+
+class SGLDState(NamedTuple):
+    """The state of :func:`sgld`: the chain's random state (SGLD keeps no buffer).
+
+    Attributes:
+        seed: the seed of the chain's noise.
+        count: the number of updates taken, the step of the next noise draw and of the
+            schedules.
+    """
+
+    seed: int
+    count: int
+
+
+def sgld(
+    lr: ScalarOrSchedule,
+    momentum: float = 0.0,
+    *,
+    num_data: int,
+    temperature: ScalarOrSchedule = 1.0,
+    weight_decay: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    maximize: bool = False,
+    foreach: bool | None = None,
+    seed: int | None = None,
+) -> GradientTransformation:
+    """SGLD as a torchopt gradient transformation (see ``sgld.__doc__``)."""
+    return sampler_transformation(
+        locals(),
+        name="transforms.sgld",
+        state_type=SGLDState,
+        optimizer_class=SGLD,
+        init_buffers=lambda leaves: (),
+        kernel=_sgld_kernel,
+    )
+
+
+def _sgld_kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
+    keys = ("lr", "temperature", "num_data", "weight_decay", "maximize", "foreach")
+    return sgld_direction(inputs.params, inputs.grads, inputs.noise, **pick(group, *keys)), ()
+
+
+sgld.__doc__ = rf"""Stochastic gradient Langevin dynamics as a torchopt gradient transformation.
+
+    The same chain as :class:`SGLD`, computed by the same kernel: each update is
+
+    .. math::
+
+        g' = \pm g + \lambda\,\theta, \qquad
+        u = -lr\, g' + \sqrt{{2\, lr\, T / N}}\;\xi, \qquad \xi \sim \mathcal N(0, I),
+
+    to be added to the parameters (``torchopt.apply_updates``), with :math:`g` the
+    incoming updates (the gradient of the mean minibatch loss), :math:`\theta` =
+    ``params``, :math:`\lambda` = ``weight_decay``, :math:`T` = ``temperature``,
+    :math:`N` = ``num_data``, the sign negative when ``maximize``. The noise of update
+    :math:`k` is drawn from ``seed`` and :math:`k` alone (both in the state).
+
+    Args:
+        {_transform.lr_doc}
+        momentum: must be 0 (SGLD has no momentum; use :func:`sghmc`). Accepted so that
+            the signature is ``torchopt.sgd``'s.
+        {_docs.num_data_doc}
+        {_transform.temperature_doc}
+        {_docs.weight_decay_doc}
+        {_docs.dampening_doc}
+        nesterov: must be False (it needs momentum).
+        {_docs.maximize_doc}
+        {_docs.foreach_doc}
+        {_transform.seed_doc}
+
+    Returns:
+        {_transform.returns_doc}
+
+    Example:
+        >>> import torch, torchopt
+        >>> from samplers_as_optim import transforms
+        >>> params = {{"w": torch.zeros(3)}}
+        >>> tx = transforms.sgld(0.1, num_data=100, seed=0)
+        >>> state = tx.init(params)
+        >>> grads = {{"w": torch.ones(3)}}
+        >>> updates, state = tx.update(grads, state, params=params, inplace=False)
+        >>> params = torchopt.apply_updates(params, updates, inplace=False)
+        >>> state.count
+        1
+        >>> again, _ = tx.update(grads, tx.init(params), inplace=False)
+        >>> torch.equal(updates["w"], again["w"])  # the noise is a function of (seed, count)
+        True
+
+    Note:
+        With one seed, the chain is :class:`SGLD`'s (one param group) bit for bit. At
+        ``temperature=0`` the update is ``torchopt.sgd``'s bit for bit; it equals
+        ``torch.optim.SGD``'s step up to one rounding, because ``torch.optim.SGD`` adds
+        :math:`-lr\, g'` in one fused multiply-add.
 
     References:
         Welling, M. & Teh, Y. W. (2011). Bayesian learning via stochastic gradient

@@ -38,18 +38,26 @@ invariant and needs no global reduction across tensors or param groups.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torchopt.base import GradientTransformation
 
 from .._validation import check_finite, check_momentum
-from . import _docs
+from . import _docs, _transform
 from ._common import apply_step_, buckets, default_foreach, effective_grad, effective_grads
 from ._optimizer import SamplerOptimizer, check_sgd_only_flags
+from ._transform import (
+    KernelInput,
+    KernelOutput,
+    ScalarOrSchedule,
+    pick,
+    sampler_transformation,
+)
 from .sghmc import sghmc_noise_scale
 
-__all__ = ["SGNHT", "sgnht_direction", "sgnht_initial_state"]
+__all__ = ["SGNHT", "SGNHTState", "sgnht", "sgnht_direction", "sgnht_initial_state"]
 
 
 def sgnht_initial_state(param: Tensor, momentum: float) -> tuple[Tensor, Tensor]:
@@ -246,7 +254,7 @@ class SGNHT(SamplerOptimizer):
             maximize=group["maximize"],
             foreach=foreach,
         )
-        apply_step_(params, directions, lr=lr, foreach=foreach)
+        apply_step_(params, directions, lr=lr, as_sgd=temperature == 0, foreach=foreach)
 
 
 SGNHT.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat, a drop-in for ``torch.optim.SGD``.
@@ -298,6 +306,127 @@ SGNHT.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat, a drop-in for
         the summed log posterior; here there is one per parameter tensor, :math:`h =
         \sqrt{{lr/N}}`, :math:`\alpha = h\,\xi_{{\text{{Ding}}}}`, and the noise variance is
         multiplied by ``temperature``.
+
+    References:
+        Ding, N., Fang, Y., Babbush, R., Chen, C., Skeel, R. D. & Neven, H. (2014).
+        Bayesian sampling using stochastic gradient thermostats. NeurIPS. Algorithm 1.
+    """
+
+
+class SGNHTState(NamedTuple):
+    """The state of :func:`sgnht`: buffers, thermostats and the chain's random state.
+
+    Attributes:
+        momentum_buffer: one buffer :math:`b` per leaf of the params tree, in the order of
+            its leaves, starting at zero.
+        thermostat: one 0-dim thermostat :math:`\alpha` per leaf, starting at
+            :math:`1 - \mu` (see :func:`sgnht_initial_state`).
+        seed: the seed of the chain's noise.
+        count: the number of updates taken, the step of the next noise draw and of the
+            schedules.
+    """
+
+    momentum_buffer: tuple[Tensor | None, ...]
+    thermostat: tuple[Tensor | None, ...]
+    seed: int
+    count: int
+
+
+def sgnht(
+    lr: ScalarOrSchedule,
+    momentum: float = 0.9,
+    *,
+    num_data: int,
+    temperature: ScalarOrSchedule = 1.0,
+    weight_decay: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    maximize: bool = False,
+    foreach: bool | None = None,
+    seed: int | None = None,
+) -> GradientTransformation:
+    """SGNHT as a torchopt gradient transformation (see ``sgnht.__doc__``)."""
+    return sampler_transformation(
+        locals(),
+        name="transforms.sgnht",
+        state_type=SGNHTState,
+        optimizer_class=SGNHT,
+        init_buffers=lambda leaves: _sgnht_buffers(leaves, momentum),
+        kernel=_sgnht_kernel,
+    )
+
+
+def _sgnht_buffers(leaves: list[Tensor | None], momentum: float) -> tuple[tuple[Any, ...], ...]:
+    pairs = [(None, None) if leaf is None else sgnht_initial_state(leaf, momentum) for leaf in leaves]
+    return tuple(pair[0] for pair in pairs), tuple(pair[1] for pair in pairs)
+
+
+def _sgnht_kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
+    keys = ("lr", "momentum", "temperature", "num_data", "weight_decay", "maximize")
+    directions, buffers, thermostats = sgnht_direction(
+        inputs.params,
+        inputs.grads,
+        *inputs.buffers,
+        inputs.noise,
+        **pick(group, *keys, "foreach", "inplace"),
+    )
+    return directions, (buffers, thermostats)
+
+
+sgnht.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat as a torchopt gradient transformation.
+
+    The same chain as :class:`SGNHT`, computed by the same kernel: each update is
+
+    .. math::
+
+        g' &= \pm g + \lambda\,\theta, \\
+        b &\leftarrow (1 - \alpha)\, b + g' + \sqrt{{2 (1-\mu)\, T / (N\, lr)}}\;\xi, \\
+        u &= -lr\, b, \\
+        \alpha &\leftarrow \alpha + lr^2\, |b|^2 / n - lr\, T / N,
+
+    to be added to the parameters (``torchopt.apply_updates``), with :math:`g` the
+    incoming updates (the gradient of the mean minibatch loss), :math:`\theta` =
+    ``params``, :math:`\mu` = ``momentum``, :math:`\lambda` = ``weight_decay``,
+    :math:`T` = ``temperature``, :math:`N` = ``num_data``, :math:`\xi \sim \mathcal N(0,
+    I)`, the sign negative when ``maximize``, and one thermostat :math:`\alpha` per leaf
+    of :math:`n` elements (starting at :math:`1 - \mu`, the buffer :math:`b` at 0). The
+    noise of update :math:`k` is drawn from ``seed`` and :math:`k` alone (both in the
+    state). ``temperature`` must be > 0 at every step: at 0 the thermostat diverges.
+
+    Args:
+        {_transform.lr_doc}
+        momentum: :math:`\mu` (default: 0.9; in [0, 1)): the initial friction is
+            :math:`1 - \mu` and the injected noise is :func:`sghmc`'s for that momentum.
+        {_docs.num_data_doc}
+        temperature: T (default: 1.0; a finite number > 0), or a schedule of the step
+            count like ``lr``.
+        {_docs.weight_decay_doc}
+        dampening: must be 0 (no sampling meaning; accepted for ``torchopt.sgd``'s
+            signature).
+        nesterov: must be False (no sampling meaning; accepted for ``torchopt.sgd``'s
+            signature).
+        {_docs.maximize_doc}
+        {_docs.foreach_doc}
+        {_transform.seed_doc}
+
+    Returns:
+        {_transform.returns_doc}
+
+    Example:
+        >>> import torch, torchopt
+        >>> from samplers_as_optim import transforms
+        >>> params = {{"w": torch.zeros(3)}}
+        >>> tx = transforms.sgnht(1e-3, num_data=1000, seed=0)
+        >>> state = tx.init(params)
+        >>> state.thermostat  # one per leaf, starting at 1 - momentum
+        (tensor(0.1000),)
+        >>> updates, state = tx.update({{"w": torch.ones(3)}}, state, params=params)
+        >>> params = torchopt.apply_updates(params, updates)
+        >>> state.count
+        1
+
+    Note:
+        With one seed, the chain is :class:`SGNHT`'s (one param group) bit for bit.
 
     References:
         Ding, N., Fang, Y., Babbush, R., Chen, C., Skeel, R. D. & Neven, H. (2014).

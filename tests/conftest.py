@@ -1,0 +1,24 @@
+"""Test configuration: deterministic hypothesis, and the device every test runs on."""
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# Deterministic property tests: the same examples on every run, no wall-clock deadline
+# (CI machines are slow and shared).
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    max_examples=40,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """CUDA when available (the GPU check), otherwise the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,29 @@
+"""The registry of samplers under test, crossed with properties by the test modules.
+
+Each entry names an Optimizer class, the keyword arguments that make it a sampler with
+momentum (or not), and whether it reduces to SGD at temperature 0.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from samplers_as_optim import SGHMC, SGLD, SGNHT
+
+
+@dataclass(frozen=True)
+class SamplerCase:
+    name: str
+    cls: type
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    sgd_at_zero: bool = True
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+SAMPLERS = [
+    SamplerCase("sgld", SGLD),
+    SamplerCase("sghmc", SGHMC, {"momentum": 0.9}),
+    SamplerCase("sgnht", SGNHT, {"momentum": 0.9}, sgd_at_zero=False),
+]
+SGD_LIKE = [case for case in SAMPLERS if case.sgd_at_zero]
