@@ -393,18 +393,7 @@ def _sghmc_buffers(leaves: list[Tensor | None], momentum: float) -> tuple[tuple[
     return (tuple(None if leaf is None else torch.zeros_like(leaf) for leaf in leaves),)
 
 
-_SGHMC_KEYS = (
-    "lr",
-    "momentum",
-    "temperature",
-    "num_data",
-    "weight_decay",
-    "dampening",
-    "nesterov",
-    "maximize",
-    "foreach",
-    "inplace",
-)
+_SGHMC_KEYS = ("lr", "momentum", "temperature", "num_data", "weight_decay", "dampening")
 
 
 def _sghmc_kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
@@ -414,12 +403,16 @@ def _sghmc_kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
         # 0 the zero buffer gives the same numbers and keeps the graph (MetaOptimizer).
         buffers = [None] * len(inputs.grads)
     directions, buffers = sghmc_direction(
-        inputs.params, inputs.grads, buffers, inputs.noise, **pick(group, *_SGHMC_KEYS)
+        inputs.params,
+        inputs.grads,
+        buffers,
+        inputs.noise,
+        **pick(group, *_SGHMC_KEYS, "nesterov", "maximize", "foreach", "inplace"),
     )
     return directions, (buffers if group["momentum"] != 0 else [],)
 
 
-sghmc.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo as a torchopt gradient transformation.
+sghmc.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo as a torchopt transformation.
 
     The same chain as :class:`SGHMC`, computed by the same kernel: each update is
 
@@ -449,7 +442,7 @@ sghmc.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo as a torchopt g
         {_docs.dampening_doc}
         {_docs.nesterov_doc}
         {_docs.maximize_doc}
-        {_docs.foreach_doc}
+        {_transform.foreach_doc}
         {_transform.seed_doc}
 
     Returns:
@@ -520,22 +513,15 @@ def langevin_noise(
 def _langevin_kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
     if inputs.noise is None:  # temperature 0: no noise
         return list(inputs.grads), ()
-    # SGHMC's kernel from a zero buffer is g + noise: the injection of SGHMC (and, at
-    # momentum 0, of SGLD) with the same scale and sign, keeping the graph of g.
-    scratch = [torch.zeros_like(grad) for grad in inputs.grads]
-    keys = ("lr", "momentum", "temperature", "num_data", "weight_decay", "dampening")
-    directions, _ = sghmc_direction(
-        inputs.grads,
-        inputs.grads,
-        scratch,
-        inputs.noise,
-        **pick(group, *keys, "nesterov", "maximize", "foreach"),
-        inplace=True,
-    )
+    # SGHMC's step from a zero buffer (SGLD's at momentum 0) is g + noise: the injection
+    # of the samplers, with their scale and sign, keeping the graph of g.
+    scratch = [torch.zeros_like(grad) for grad in inputs.grads] if group["momentum"] else []
+    inputs = KernelInput(inputs.grads, inputs.grads, (scratch,), inputs.noise)
+    directions, _ = _sghmc_kernel({**group, "inplace": True}, inputs)
     return directions, ()
 
 
-langevin_noise.__doc__ = rf"""The noise SGLD and SGHMC inject, as a gradient transformation to chain.
+langevin_noise.__doc__ = rf"""The noise SGLD and SGHMC inject, as a transformation to chain.
 
     Adds to the incoming updates :math:`g` (gradients, before any scaling by the
     learning rate) the noise of :func:`sghmc`'s buffer, computed by the same kernel:
@@ -563,7 +549,7 @@ langevin_noise.__doc__ = rf"""The noise SGLD and SGHMC inject, as a gradient tra
             [0, 1)).
         {_docs.num_data_doc}
         {_transform.temperature_doc}
-        {_docs.foreach_doc}
+        {_transform.foreach_doc}
         {_transform.seed_doc}
 
     Returns:

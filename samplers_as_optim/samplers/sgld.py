@@ -24,8 +24,9 @@ noise variance multiplied by :math:`T`.
 
 Implementation. The kernel returns the direction :math:`d = g' - c\,\xi`, with
 :math:`c = \sqrt{2 T / (N\, lr)}`, and the caller steps :math:`\theta \leftarrow \theta -
-lr\, d` (``param.add_(d, alpha=-lr)`` in the Optimizer, as SGD does), which is the
-update above. For a Gaussian target the stationary covariance of the discrete chain is
+lr\, d`, which is the update above (see ``_common.apply_step_`` for how the two front
+ends round it: SGD's fused ``add_(d, alpha=-lr)`` at T = 0, torchopt's ``p + (-lr d)`` at
+T > 0). For a Gaussian target the stationary covariance of the discrete chain is
 :math:`T\,(H (I - h H / 2))^{-1}` with :math:`H` the Hessian of :math:`N L` and
 :math:`h = lr / N`: the step-size bias the statistical tests account for.
 """
@@ -319,7 +320,7 @@ sgld.__doc__ = rf"""Stochastic gradient Langevin dynamics as a torchopt gradient
         {_docs.dampening_doc}
         nesterov: must be False (it needs momentum).
         {_docs.maximize_doc}
-        {_docs.foreach_doc}
+        {_transform.foreach_doc}
         {_transform.seed_doc}
 
     Returns:

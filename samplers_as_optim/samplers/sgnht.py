@@ -27,6 +27,15 @@ where :math:`\alpha = \epsilon\zeta` is the thermostat in SGD units (the frictio
 injected noise; :math:`\alpha` starts at :math:`1 - \mu` and :math:`b` at 0. (The last
 line: :math:`\zeta' = \zeta + \epsilon(|r|^2/n - T)` with :math:`|r|^2 = lr\,N |b|^2`.)
 
+Step-size bias. The scheme drives the *discrete* kinetic energy :math:`lr\,N |b|^2/n` to
+:math:`T`. For a free coordinate the discrete buffer has variance
+:math:`\sigma^2 / (\alpha (2 - \alpha))` with :math:`\sigma^2 = 2(1-\mu)T/(N\,lr)`, so the
+thermostat settles where :math:`\alpha(2-\alpha) = 2(1-\mu)` (not at :math:`1-\mu`), and
+the positions are sampled at temperature :math:`T (2-\alpha)/2`: cold by about
+:math:`(1-\mu)/2` (5% at ``momentum=0.9``, 0.5% at 0.99). ``tests/test_stationary.py``
+checks this against the exact law of the chain; choose ``momentum`` close to 1 when
+that bias matters.
+
 At :math:`T = 0` the thermostat only grows (:math:`lr^2 |b|^2/n \ge 0`) and the dynamics
 diverge rather than reduce to SGD (posteriors paper, Appendix C), so SGNHT requires
 :math:`T > 0`.
@@ -314,7 +323,7 @@ SGNHT.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat, a drop-in for
 
 
 class SGNHTState(NamedTuple):
-    """The state of :func:`sgnht`: buffers, thermostats and the chain's random state.
+    r"""The state of :func:`sgnht`: buffers, thermostats and the chain's random state.
 
     Attributes:
         momentum_buffer: one buffer :math:`b` per leaf of the params tree, in the order of
@@ -357,7 +366,9 @@ def sgnht(
 
 
 def _sgnht_buffers(leaves: list[Tensor | None], momentum: float) -> tuple[tuple[Any, ...], ...]:
-    pairs = [(None, None) if leaf is None else sgnht_initial_state(leaf, momentum) for leaf in leaves]
+    pairs = [
+        (None, None) if leaf is None else sgnht_initial_state(leaf, momentum) for leaf in leaves
+    ]
     return tuple(pair[0] for pair in pairs), tuple(pair[1] for pair in pairs)
 
 
@@ -373,7 +384,7 @@ def _sgnht_kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
     return directions, (buffers, thermostats)
 
 
-sgnht.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat as a torchopt gradient transformation.
+sgnht.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat as a torchopt transformation.
 
     The same chain as :class:`SGNHT`, computed by the same kernel: each update is
 
@@ -406,7 +417,7 @@ sgnht.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat as a torchopt 
         nesterov: must be False (no sampling meaning; accepted for ``torchopt.sgd``'s
             signature).
         {_docs.maximize_doc}
-        {_docs.foreach_doc}
+        {_transform.foreach_doc}
         {_transform.seed_doc}
 
     Returns:

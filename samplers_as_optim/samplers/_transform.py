@@ -1,0 +1,329 @@
+r"""What the torchopt transformations of SGLD, SGHMC and SGNHT share, written once.
+
+The counterpart of :mod:`._optimizer` for the functional front end. A sampler module
+supplies its state ``NamedTuple`` (buffer fields, then ``seed`` and ``count``), a function
+that builds the initial buffers, and a small adapter that calls the sampler's pure kernel;
+:func:`sampler_transformation` turns them into a ``torchopt.base.GradientTransformation``.
+Everything else lives here: validation (the Optimizer's own, so the messages are the
+same word for word), schedules, flattening the updates tree, skipping ``None`` updates,
+the refusal of non-finite gradients, drawing the noise, and the final scaling by
+``-lr``.
+
+The state holds the chain's whole random state, ``seed`` and the step counter ``count``,
+as Python integers next to the buffers (as optax's ``AddNoiseState`` holds a key): the
+noise of step ``count`` is ``NoiseStream(seed).standard_normal(updates, step=count,
+stream=0)``, the draw a one-group Optimizer with that seed makes at the same step. So
+``update`` is a pure function of ``(updates, state, params)``; nothing lives in a closure
+but the hyperparameters.
+
+Rounding. The update returned is ``d.mul(-lr)`` for the kernel's direction ``d``, as
+torchopt's ``scale(-lr)`` computes it; ``torchopt.apply_updates`` then adds it. That is
+bit for bit what the Optimizers do at temperature > 0 and what ``torchopt.sgd`` does at
+temperature 0; ``torch.optim.SGD`` instead adds ``d`` with ``alpha=-lr`` in one fused
+multiply-add, which can differ from the two roundings by one unit in the last place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torchopt import pytree
+from torchopt.base import GradientTransformation
+
+from .._random import NoiseStream, seed_from_global_rng
+from .._validation import check_seed
+from ._common import buckets, default_foreach
+from ._optimizer import SamplerOptimizer
+
+__all__ = [
+    "KernelInput",
+    "KernelOutput",
+    "ScalarOrSchedule",
+    "chain_dims",
+    "group_validator",
+    "pick",
+    "sampler_transformation",
+]
+
+#: A hyperparameter given as a number, or as a schedule: a callable of the step count
+#: (a Python int, starting at 0) returning a number, as torchopt's ``ScalarOrSchedule``.
+ScalarOrSchedule = float | Tensor | Callable[[int], Any]
+
+
+class KernelInput(NamedTuple):
+    """The tensors a sampler's kernel adapter receives, restricted to leaves with an update."""
+
+    params: list[Tensor]
+    grads: list[Tensor]
+    #: one list per buffer field of the state (an empty list for an empty field)
+    buffers: tuple[list[Any], ...]
+    #: standard-normal noise, one tensor per gradient; None at temperature 0
+    noise: list[Tensor] | None
+
+
+#: The result of a kernel adapter: the directions ``d`` and the new buffer fields.
+KernelOutput = tuple[list[Tensor], tuple[list[Any], ...]]
+
+#: ``kernel(group, inputs) -> (directions, new_buffers)``. ``group`` holds the
+#: hyperparameters, ``lr`` and ``temperature`` resolved to floats at this step, and
+#: ``count``, ``inplace`` and ``foreach`` (resolved to a bool).
+Kernel = Callable[[dict[str, Any], KernelInput], KernelOutput]
+
+lr_doc = r"""lr: learning rate in the units of ``torch.optim.SGD``, or a schedule: a
+            callable of the step count (a Python int from 0) returning it, as torchopt's
+            ``ScalarOrSchedule`` (a finite number >= 0, or a one-element tensor, read as
+            a number: no gradient flows to it). At temperature > 0 it is also the
+            sampler's step size; an update whose ``lr`` is 0 at temperature > 0 is zero
+            and leaves the buffers unchanged (no time passes)."""
+
+foreach_doc = r"""foreach: use the multi-tensor (foreach) kernel (default: None: foreach when
+            every tensor is on an accelerator, as torch.optim does, except inside
+            ``torch.func`` transforms, which have no batching rule for foreach ops). Both
+            paths give the same numbers."""
+
+temperature_doc = r"""temperature: T, the target is ``p(theta | D) ** (1 / T)`` (default:
+            1.0, the Bayesian posterior; a finite number >= 0), or a schedule of the
+            step count like ``lr`` (to anneal, for instance)."""
+
+seed_doc = r"""seed: seed of the chain's noise, kept in the state with the step counter
+            (default: None: drawn from torch's global RNG when the transformation is
+            built, so ``torch.manual_seed`` governs a run; an integer in [0, 2**64))."""
+
+returns_doc = r"""A ``torchopt.base.GradientTransformation``. ``update(updates, state, *,
+        params=None, inplace=True)`` returns the updates to add to the parameters
+        (``torchopt.apply_updates``) and the next state; ``params`` is required when
+        ``weight_decay`` > 0. With ``inplace=True`` the updates are written into the
+        given tensors and the buffers are updated in place, as torchopt does; with
+        ``inplace=False`` nothing passed in is modified."""
+
+#: The hyperparameters a composable part leaves at their neutral value.
+_NEUTRAL = {"weight_decay": 0.0, "dampening": 0.0, "nesterov": False, "maximize": False}
+
+
+def group_validator(optimizer_class: type[SamplerOptimizer]) -> Callable[..., None]:
+    """``optimizer_class``'s own param-group validation, applied to a dict of hyperparameters.
+
+    The transforms validate through this, so that a bad argument gives the Optimizer's
+    message word for word. ``_check_group`` reads only class-level attributes, so it is
+    bound to a bare instance that never holds parameters.
+    """
+    return optimizer_class.__new__(optimizer_class)._check_group
+
+
+def chain_dims(state: Any) -> Any:
+    """``in_dims``/``out_dims`` for ``torch.func.vmap`` over a leading chain dimension.
+
+    Maps every tensor of ``state`` (any transformation's state, chains included) to 0 and
+    everything else (the ``seed`` and ``count`` integers, shared by all chains) to None.
+    It depends only on which leaves are tensors, so the state that ``init`` builds from
+    the stacked parameters gives the dims for vmapping ``init`` itself (see
+    :mod:`samplers_as_optim.transforms`).
+    """
+    return pytree.tree_map(
+        lambda leaf: 0 if isinstance(leaf, Tensor) else None, state, none_is_leaf=True
+    )
+
+
+def _resolve(value: Any, count: int) -> Any:
+    return value(count) if callable(value) else value
+
+
+def _path_name(path: tuple[Any, ...]) -> str:
+    return "".join(f"[{key!r}]" for key in path) or "(the updates tensor)"
+
+
+def _refuse_non_finite(name: str, updates: Any, leaves: list[Tensor | None], count: int) -> None:
+    """Raise FloatingPointError, before anything changes, if an update holds NaN or inf.
+
+    One reduction and host synchronisation per device and dtype; skipped inside a
+    ``torch.func`` transform (vmap, grad), where a value cannot steer Python control flow.
+    """
+    present = [leaf for leaf in leaves if leaf is not None]
+    if _in_functorch(present):
+        return
+    present = [leaf.detach() for leaf in present]
+    for index in buckets(present):
+        bucket = [present[i] for i in index]
+        if bool(torch.isfinite(torch.stack(torch._foreach_norm(bucket)).sum())):
+            continue  # the fast path: every tensor is finite (or the sum overflowed)
+        paths, all_leaves, _ = pytree.tree_flatten_with_path(updates, none_is_leaf=True)
+        for path, leaf in zip(paths, all_leaves, strict=True):
+            if leaf is not None and not bool(torch.isfinite(leaf).all()):
+                raise FloatingPointError(
+                    f"{name} refused step {count + 1}: non-finite gradient in updates"
+                    f"{_path_name(path)} of shape {tuple(leaf.shape)}; nothing was changed"
+                )
+
+
+def _in_functorch(tensors: list[Tensor]) -> bool:
+    """Whether ``tensors`` are inside a ``torch.func`` transform (vmap, grad)."""
+    return any(torch._C._functorch.is_functorch_wrapped_tensor(tensor) for tensor in tensors)
+
+
+def _scale_by_neg_lr(
+    directions: list[Tensor], updates: list[Tensor], lr: float, *, inplace: bool, foreach: bool
+) -> list[Tensor]:
+    """``d.mul(-lr)`` per direction, written into ``updates`` when ``inplace``."""
+    if inplace:
+        for direction, update in zip(directions, updates, strict=True):
+            if direction is not update:
+                update.copy_(direction)
+        if foreach:
+            for index in buckets(updates):
+                torch._foreach_mul_([updates[i] for i in index], -lr)
+        else:
+            for update in updates:
+                update.mul_(-lr)
+        return updates
+    if not foreach:
+        return [direction.mul(-lr) for direction in directions]
+    scaled = list(directions)
+    for index in buckets(directions):
+        for i, out in zip(
+            index, torch._foreach_mul([directions[i] for i in index], -lr), strict=True
+        ):
+            scaled[i] = out
+    return scaled
+
+
+def pick(group: Mapping[str, Any], *keys: str) -> dict[str, Any]:
+    """The entries ``keys`` of ``group``, to pass a kernel its hyperparameters by name."""
+    return {key: group[key] for key in keys}
+
+
+def sampler_transformation(
+    arguments: Mapping[str, Any],
+    *,
+    name: str,
+    state_type: type[Any],
+    optimizer_class: type[SamplerOptimizer],
+    init_buffers: Callable[[list[Tensor | None]], tuple[tuple[Any, ...], ...]],
+    kernel: Kernel,
+    scale_by_lr: bool = True,
+) -> GradientTransformation:
+    """Build a sampler's ``GradientTransformation`` around its pure kernel.
+
+    Args:
+        arguments: the public factory's arguments (its ``locals()``): the param-group
+            hyperparameters, where ``lr`` and ``temperature`` may be schedules, and
+            ``seed``. Hyperparameters it lacks take their neutral value (no weight decay,
+            dampening, nesterov or maximize).
+        name: the public name, for messages (``"transforms.sghmc"``).
+        state_type: a NamedTuple whose fields are the buffer fields (each a tuple with
+            one entry per leaf of the params tree, or empty), then ``seed`` and ``count``.
+        optimizer_class: the matching Optimizer, whose validation is used (see
+            :func:`group_validator`), so that the messages are the same.
+        init_buffers: the initial buffer fields from the list of param leaves.
+        kernel: calls the sampler's kernel (see :data:`Kernel`).
+        scale_by_lr: return ``-lr * d`` (a sampler) or ``d`` itself (a part to chain
+            before a torchopt optimizer, such as the Langevin noise).
+    """
+    group = {**_NEUTRAL, **arguments}
+    seed = group.pop("seed")
+    validate = group_validator(optimizer_class)
+    scheduled = [key for key in ("lr", "temperature") if callable(group[key])]
+    validate({**group, **{key: _resolve(group[key], 0) for key in scheduled}}, where="")
+    seed = check_seed(seed)
+    seed = seed_from_global_rng() if seed is None else seed
+    static = {key: float(group[key]) for key in ("lr", "temperature") if key not in scheduled}
+
+    def hyperparameters_at(count: int) -> dict[str, Any]:
+        if not scheduled:
+            return {**group, **static}
+        values = {**group, **{key: _resolve(group[key], count) for key in scheduled}}
+        validate(values, where=f" at schedule step {count}")
+        return {**values, "lr": float(values["lr"]), "temperature": float(values["temperature"])}
+
+    def init_fn(params: Any) -> Any:
+        leaves = pytree.tree_leaves(params, none_is_leaf=True)
+        return state_type(*init_buffers(leaves), seed=seed, count=0)
+
+    def update_fn(
+        updates: Any, state: Any, *, params: Any = None, inplace: bool = True
+    ) -> tuple[Any, Any]:
+        if not isinstance(state, state_type):
+            raise TypeError(
+                f"Invalid state: {type(state).__name__} (expected the {state_type.__name__} "
+                f"that {name}(...).init returns)"
+            )
+        count = state.count
+        values = hyperparameters_at(count)
+        lr, temperature = values["lr"], values["temperature"]
+        leaves, treespec = pytree.tree_flatten(updates, none_is_leaf=True)
+        param_leaves = _param_leaves(params, leaves, group["weight_decay"])
+        _refuse_non_finite(name, updates, leaves, count)
+        active = [i for i, leaf in enumerate(leaves) if leaf is not None]
+        grads = [leaves[i] for i in active]
+        if not active or (temperature > 0 and lr == 0):
+            # a step of length zero: no time passes, nothing but the counter changes
+            if scale_by_lr:
+                zeros = [grad.zero_() if inplace else torch.zeros_like(grad) for grad in grads]
+                leaves = _scatter(leaves, active, zeros)
+            return pytree.tree_unflatten(treespec, leaves), state._replace(count=count + 1)
+        # Parameters enter a kernel only through weight decay. As in torchopt, they are
+        # detached unless the updates carry a graph (MetaOptimizer), so that no graph grows
+        # from step to step inside torchopt.Optimizer.
+        params_in = [
+            param_leaves[i] if leaves[i].requires_grad else param_leaves[i].detach() for i in active
+        ]
+        foreach = group["foreach"]
+        if foreach is None:  # torch.optim's choice, but vmap has no rule for foreach ops
+            foreach = default_foreach(grads) and not _in_functorch(grads)
+        noise = None
+        if temperature > 0:
+            noise = NoiseStream(state.seed).standard_normal(grads, step=count, stream=0)
+        fields = state[:-2]
+        directions, new_fields = kernel(
+            {**values, "count": count, "inplace": inplace, "foreach": foreach},
+            KernelInput(
+                params_in,
+                grads,
+                tuple([field[i] for i in active] if field else [] for field in fields),
+                noise,
+            ),
+        )
+        if scale_by_lr:
+            directions = _scale_by_neg_lr(directions, grads, lr, inplace=inplace, foreach=foreach)
+        elif inplace:
+            for direction, grad in zip(directions, grads, strict=True):
+                if direction is not grad:
+                    grad.copy_(direction)
+            directions = grads
+        buffers = tuple(
+            tuple(_scatter(list(field), active, new)) if field else field
+            for field, new in zip(fields, new_fields, strict=True)
+        )
+        return (
+            pytree.tree_unflatten(treespec, _scatter(leaves, active, directions)),
+            state_type(*buffers, seed=state.seed, count=count + 1),
+        )
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def _param_leaves(params: Any, leaves: list[Any], weight_decay: float) -> list[Any]:
+    """The leaves of ``params``, aligned with the updates' (the updates if params is None)."""
+    if params is None:
+        if weight_decay != 0:
+            raise ValueError(
+                f"Invalid params: None (expected the parameters: weight_decay={weight_decay!r} "
+                "needs them; call update(updates, state, params=params))"
+            )
+        return leaves
+    param_leaves = pytree.tree_leaves(params, none_is_leaf=True)
+    if len(param_leaves) != len(leaves):
+        raise ValueError(
+            f"Invalid params: {len(param_leaves)} tensors (expected one per update, "
+            f"{len(leaves)}, in the tree structure of the updates)"
+        )
+    return param_leaves
+
+
+def _scatter(values: list[Any], index: list[int], new: list[Any]) -> list[Any]:
+    out = list(values)
+    for i, value in zip(index, new, strict=True):
+        out[i] = value
+    return out

@@ -1,0 +1,87 @@
+r"""The samplers as torchopt gradient transformations, for torchopt and ``torch.func`` loops.
+
+:func:`sgld`, :func:`sghmc` and :func:`sgnht` are the chains of :class:`~samplers_as_optim.SGLD`,
+:class:`~samplers_as_optim.SGHMC` and :class:`~samplers_as_optim.SGNHT`, computed by the
+same kernels, as ``torchopt.base.GradientTransformation`` s: an ``(init, update)`` pair
+of pure functions. :func:`langevin_noise` is the noise they inject, as a part to chain in
+front of a torchopt optimizer. Each returns the update :math:`-lr\, d` for the kernel's
+direction :math:`d`; ``torchopt.apply_updates`` adds it to the parameters.
+
+The state. Everything a chain needs is in its state, a NamedTuple: the buffers (a tuple
+with one tensor per leaf of the params tree, in the order of its leaves), the ``seed``
+and the update counter ``count`` (Python integers). The noise of update ``count`` is a
+function of ``(seed, count)`` alone, so ``update`` is a pure function of ``(updates,
+state, params)``: two states from one seed give one chain, and a state saved with
+``torch.save`` and loaded with ``torch.load`` continues it exactly (this module registers
+the state classes with ``torch.serialization.add_safe_globals`` so that the default
+``weights_only=True`` loads them). With one seed a transform and the matching Optimizer
+with one param group take identical steps, given the parameters in the same order: noise
+is drawn leaf after leaf, in optree's order of the tree (which sorts a dict's keys).
+
+Where they work:
+
+* in ``torchopt.chain``, e.g. ``torchopt.chain(torchopt.clip.clip_grad_norm(1.0),
+  transforms.sghmc(1e-3, num_data=N))``;
+* in ``torchopt.Optimizer`` and ``torchopt.MetaOptimizer`` (which differentiates
+  through the updates: with ``dampening=0`` the graph runs through every step). Each of
+  their param groups gets a state from the same ``init``, hence the same seed: give the
+  sampler a single group, or use the ``torch.optim`` class, whose groups draw
+  independent noise;
+* in a ``torch.func`` loop with ``torch.func.grad`` and ``torchopt.apply_updates``, in
+  place or not;
+* under ``torch.func.vmap`` over a leading chain dimension, with
+  ``randomness="different"`` so that every chain draws its own noise, and
+  :func:`chain_dims` for the state's ``in_dims``/``out_dims`` (the seed and counter are
+  shared, the buffers batched). Use ``inplace=False`` there. A chain under vmap does not
+  draw the numbers a lone chain with that seed draws; the chains are independent and
+  each has the right law.
+
+Example:
+    Four chains of SGHMC on the Gaussian target :math:`\mathcal N(0, I/N)` in one vmap:
+
+    >>> import torch, torchopt
+    >>> from torch.func import grad, vmap
+    >>> from samplers_as_optim import transforms
+    >>> N = 100
+    >>> def loss(params):
+    ...     return 0.5 * params["w"].pow(2).sum()
+    >>> tx = transforms.sghmc(1e-2, momentum=0.9, num_data=N, seed=0)
+    >>> params = {"w": torch.zeros(4, 3)}  # 4 chains of a 3-vector
+    >>> dims = transforms.chain_dims(tx.init(params))
+    >>> state = vmap(tx.init, out_dims=dims)(params)
+    >>> def step(params, state):
+    ...     updates, state = tx.update(grad(loss)(params), state, params=params, inplace=False)
+    ...     return torchopt.apply_updates(params, updates, inplace=False), state
+    >>> step = vmap(step, in_dims=(0, dims), out_dims=(0, dims), randomness="different")
+    >>> for _ in range(10):
+    ...     params, state = step(params, state)
+    >>> params["w"].shape, state.count
+    (torch.Size([4, 3]), 10)
+    >>> bool((params["w"][0] != params["w"][1]).all())  # each chain its own noise
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .samplers._transform import ScalarOrSchedule, chain_dims
+from .samplers.sghmc import LangevinNoiseState, SGHMCState, langevin_noise, sghmc
+from .samplers.sgld import SGLDState, sgld
+from .samplers.sgnht import SGNHTState, sgnht
+
+__all__ = [
+    "LangevinNoiseState",
+    "SGHMCState",
+    "SGLDState",
+    "SGNHTState",
+    "ScalarOrSchedule",
+    "chain_dims",
+    "langevin_noise",
+    "sghmc",
+    "sgld",
+    "sgnht",
+]
+
+# The states hold tensors, tuples and integers only: safe for torch.load(weights_only=True).
+torch.serialization.add_safe_globals([SGLDState, SGHMCState, SGNHTState, LangevinNoiseState])
