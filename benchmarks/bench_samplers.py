@@ -20,9 +20,9 @@ import argparse
 import warnings
 
 import torch
+from timing import interleaved, median_ratio, setup_threads
 from torch import nn
 from torch.func import functional_call
-from timing import interleaved, median_ratio, setup_threads
 
 from samplers_as_optim import SGHMC, SGLD, SGNHT
 
@@ -32,12 +32,16 @@ BATCH = 128
 
 def mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    return nn.Sequential(
+        nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
 
 
 def batch():
     generator = torch.Generator().manual_seed(1)
-    return torch.randn(BATCH, 784, generator=generator), torch.randint(0, 10, (BATCH,), generator=generator)
+    return torch.randn(BATCH, 784, generator=generator), torch.randint(
+        0, 10, (BATCH,), generator=generator
+    )
 
 
 def step_only(rounds: int, repeat: int) -> None:
@@ -49,7 +53,7 @@ def step_only(rounds: int, repeat: int) -> None:
     grads = [p.grad.clone() for p in params]
 
     def with_grads(opt):
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             p.grad = g
         return opt
 
@@ -79,7 +83,9 @@ def step_only(rounds: int, repeat: int) -> None:
 def full_iteration(rounds: int, repeat: int) -> None:
     x, y = batch()
     ours_model, sgd_model, post_model = mlp(), mlp(), mlp()
-    ours = SGHMC(ours_model.parameters(), lr=1e-4, momentum=0.9, num_data=NUM_DATA, foreach=True, seed=0)
+    ours = SGHMC(
+        ours_model.parameters(), lr=1e-4, momentum=0.9, num_data=NUM_DATA, foreach=True, seed=0
+    )
     sgd = torch.optim.SGD(sgd_model.parameters(), lr=1e-4, momentum=0.9, foreach=True)
 
     def iteration(model, opt):
@@ -107,7 +113,9 @@ def full_iteration(rounds: int, repeat: int) -> None:
 
         # posteriors' SGHMC with the friction of momentum 0.9 at this step: alpha = (1 - mu) / lr
         # (any value: only time is measured); temperature 1.
-        transform = posteriors.sgmcmc.sghmc.build(log_posterior, lr=1e-4, alpha=1e3, temperature=1.0)
+        transform = posteriors.sgmcmc.sghmc.build(
+            log_posterior, lr=1e-4, alpha=1e3, temperature=1.0
+        )
         state = transform.init({k: v.detach() for k, v in post_model.named_parameters()})
 
         def posteriors_iteration():
@@ -118,7 +126,10 @@ def full_iteration(rounds: int, repeat: int) -> None:
     print(f"(b, c) full iteration (forward, backward, step), batch {BATCH}")
     for name, value in medians.items():
         print(f"    {name:<11} {value * 1e3:8.2f} ms")
-    print(f"(b) SGHMC / SGD(momentum=0.9, foreach=True) = {median_ratio(per_round, 'ours', 'sgd'):.3f}")
+    print(
+        "(b) SGHMC / SGD(momentum=0.9, foreach=True) = "
+        f"{median_ratio(per_round, 'ours', 'sgd'):.3f}"
+    )
     if posteriors is not None:
         ratio = median_ratio(per_round, "ours", "posteriors")
         print(f"(c) SGHMC / posteriors.sgmcmc.sghmc = {ratio:.3f}  (target < 1: ours faster)")
@@ -127,13 +138,18 @@ def full_iteration(rounds: int, repeat: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     setup_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), {args.rounds} rounds x {args.repeat} calls")
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), "
+        f"{args.rounds} rounds x {args.repeat} calls"
+    )
     step_only(args.rounds, args.repeat)
     full_iteration(args.rounds, args.repeat)
 

@@ -42,7 +42,9 @@ def median_ratio(per_round: dict[str, list[float]], numerator: str, *denominator
     """Median over rounds of ``numerator / sum(denominators)``, measured in the same round."""
     ratios = [
         n / sum(d)
-        for n, *d in zip(per_round[numerator], *(per_round[name] for name in denominators))
+        for n, *d in zip(
+            per_round[numerator], *(per_round[name] for name in denominators), strict=True
+        )
     ]
     return statistics.median(ratios)
 

@@ -68,7 +68,7 @@ def position_moments(precision, mode, *, start_offset, steps=None, **hyper):
     eigenvalues, vectors = np.linalg.eigh(precision)
     start = vectors.T @ start_offset
     means, variances, slowest = [], [], 0.0
-    for lam, x0 in zip(eigenvalues, start):
+    for lam, x0 in zip(eigenvalues, start, strict=True):
         transition, noise = mode(lam, **hyper)
         slowest = max(slowest, 1.0 / (1.0 - spectral_radius(transition)))
         z0 = np.zeros(transition.shape[0])

@@ -18,8 +18,8 @@ kappa near 2%; the test asserts it.
 import numpy as np
 import pytest
 import torch
-
 from linear_chains import covariance_standard_errors, position_moments, sghmc_mode, sgld_mode
+
 from samplers_as_optim import SGHMC, SGLD, SGNHT
 
 pytestmark = pytest.mark.slow
@@ -79,9 +79,7 @@ def test_posterior_of_bayesian_linear_regression_from_minibatches(name, device):
     y = torch.tensor(Y, dtype=torch.float32, device=device)
     start = torch.tensor(POSTERIOR_MEAN + start_offset, dtype=torch.float32, device=device)
     w = torch.nn.Parameter(start.repeat(CHAINS, 1))
-    opt = cls(
-        [w], num_data=NUM_DATA, weight_decay=1 / (NUM_DATA * SIGMA_W**2), seed=3, **hyper
-    )
+    opt = cls([w], num_data=NUM_DATA, weight_decay=1 / (NUM_DATA * SIGMA_W**2), seed=3, **hyper)
     for _ in range(steps):
         index = torch.randint(0, NUM_DATA, (CHAINS, BATCH), generator=generator).to(device)
         xb, yb = x[index], y[index]

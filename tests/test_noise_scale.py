@@ -14,7 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from samplers_as_optim import SGHMC, SGLD, SGNHT
+from samplers_as_optim import SGHMC, SGLD
 from samplers_as_optim._random import NoiseStream
 from samplers_as_optim.samplers import (
     sghmc_direction,
@@ -34,7 +34,10 @@ def xi(seed, like, step, stream=0):
 
 def coupled(cls, temperature, *, seed=3, lr=0.01, num_data=50, **kwargs):
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(4, 3, dtype=DTYPE)), torch.nn.Parameter(torch.randn(5, dtype=DTYPE))]
+    params = [
+        torch.nn.Parameter(torch.randn(4, 3, dtype=DTYPE)),
+        torch.nn.Parameter(torch.randn(5, dtype=DTYPE)),
+    ]
     opt = cls(params, lr=lr, num_data=num_data, temperature=temperature, seed=seed, **kwargs)
     return params, opt
 
@@ -54,7 +57,7 @@ def test_sgld_noise_is_sqrt_2_lr_T_over_N_times_xi(temperature):
     hot_opt.step(), cold_opt.step()
     scale = sgld_noise_scale(lr, temperature, num_data)
     assert scale == pytest.approx(math.sqrt(2 * lr * temperature / num_data))
-    for h, c, noise in zip(hot, cold, xi(3, hot, step=0)):
+    for h, c, noise in zip(hot, cold, xi(3, hot, step=0), strict=True):
         torch.testing.assert_close(h - c, scale * noise, rtol=0, atol=1e-12)
 
 
@@ -68,7 +71,7 @@ def test_sghmc_noise_enters_the_buffer_with_the_documented_scale(momentum):
     # step 0: the buffer starts at g + scale * xi; in parameter units the noise is -lr * scale * xi
     set_grads(hot, 0), set_grads(cold, 0)
     hot_opt.step(), cold_opt.step()
-    for h, c, noise in zip(hot, cold, xi(3, hot, step=0)):
+    for h, c, noise in zip(hot, cold, xi(3, hot, step=0), strict=True):
         torch.testing.assert_close(h - c, -lr * scale * noise, rtol=0, atol=1e-12)
         torch.testing.assert_close(
             hot_opt.state[h]["momentum_buffer"] - cold_opt.state[c]["momentum_buffer"],
@@ -81,11 +84,11 @@ def test_sghmc_noise_enters_the_buffer_with_the_documented_scale(momentum):
     hot_state = copy.deepcopy(hot_opt.state_dict())
     cold_opt.load_state_dict({**hot_state, "param_groups": cold_opt.state_dict()["param_groups"]})
     with torch.no_grad():
-        for h, c in zip(hot, cold):
+        for h, c in zip(hot, cold, strict=True):
             c.copy_(h)
     set_grads(hot, 1), set_grads(cold, 1)
     hot_opt.step(), cold_opt.step()
-    for h, c, noise in zip(hot, cold, xi(3, hot, step=1)):
+    for h, c, noise in zip(hot, cold, xi(3, hot, step=1), strict=True):
         torch.testing.assert_close(
             hot_opt.state[h]["momentum_buffer"] - cold_opt.state[c]["momentum_buffer"],
             scale * noise,
@@ -100,7 +103,7 @@ def test_sghmc_without_momentum_is_sgld_for_one_seed():
     for step in range(5):
         set_grads(sgld_params, step), set_grads(sghmc_params, step)
         sgld.step(), sghmc.step()
-    for a, b in zip(sgld_params, sghmc_params):
+    for a, b in zip(sgld_params, sghmc_params, strict=True):
         assert torch.equal(a, b)
     assert not sghmc.state  # no buffer is kept without momentum, as in SGD
 
@@ -111,14 +114,25 @@ def test_sgnht_noise_enters_the_buffer_with_sghmcs_scale():
     param = torch.randn(6, 2, dtype=DTYPE)
     grad = torch.randn(6, 2, dtype=DTYPE)
     noise = torch.randn(6, 2, dtype=DTYPE)
-    kwargs = dict(lr=0.02, momentum=0.8, temperature=1.3, num_data=40, weight_decay=0.0, maximize=False, foreach=False, inplace=False)
+    kwargs = dict(
+        lr=0.02,
+        momentum=0.8,
+        temperature=1.3,
+        num_data=40,
+        weight_decay=0.0,
+        maximize=False,
+        foreach=False,
+        inplace=False,
+    )
     outputs = []
     for n in (noise, torch.zeros_like(noise)):
         buffer, thermostat = sgnht_initial_state(param, 0.8)
         buffer = buffer + 0.5  # a non-trivial previous momentum
         outputs.append(sgnht_direction([param], [grad], [buffer], [thermostat], [n], **kwargs))
     scale = sghmc_noise_scale(0.02, 0.8, 1.3, 40)
-    torch.testing.assert_close(outputs[0][1][0] - outputs[1][1][0], scale * noise, rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        outputs[0][1][0] - outputs[1][1][0], scale * noise, rtol=0, atol=1e-12
+    )
 
 
 # ---------------------------------------------------------------- kernel properties
@@ -154,7 +168,9 @@ def test_sgld_kernel_noise_term_is_linear_in_xi(inputs):
     without = sgld_direction([param], [grad], [torch.zeros_like(noise)], **hyper)[0]
     c = math.sqrt(2 * hyper["temperature"] / (hyper["num_data"] * hyper["lr"]))
     assert with_noise.shape == param.shape and with_noise.dtype == param.dtype
-    torch.testing.assert_close(with_noise - without, -c * noise, rtol=0, atol=tolerance(param.dtype, c * noise, with_noise))
+    torch.testing.assert_close(
+        with_noise - without, -c * noise, rtol=0, atol=tolerance(param.dtype, c * noise, with_noise)
+    )
     # temperature 0 is deterministic and is the plain (decayed, signed) gradient
     cold = sgld_direction([param], [grad], None, **{**hyper, "temperature": 0.0})[0]
     expected = (-grad if hyper["maximize"] else grad) + hyper["weight_decay"] * param
@@ -167,22 +183,33 @@ def test_sghmc_kernel_noise_term_and_purity(inputs, momentum, first_step):
     before = [t.clone() for t in (param, grad, noise, buffer)]
     buffers = [None] if first_step else [buffer]
     kwargs = dict(momentum=momentum, dampening=0.0, nesterov=False, inplace=False, **hyper)
-    d_noise, b_noise = sghmc_direction([param], [grad], buffers, [noise], **kwargs)
-    d_zero, b_zero = sghmc_direction([param], [grad], buffers, [torch.zeros_like(noise)], **kwargs)
+    d_noise, _b_noise = sghmc_direction([param], [grad], buffers, [noise], **kwargs)
+    d_zero, _b_zero = sghmc_direction([param], [grad], buffers, [torch.zeros_like(noise)], **kwargs)
     # inplace=False never touches its inputs
-    for original, now in zip(before, (param, grad, noise, buffer)):
+    for original, now in zip(before, (param, grad, noise, buffer), strict=True):
         assert torch.equal(original, now)
     scale = sghmc_noise_scale(hyper["lr"], momentum, hyper["temperature"], hyper["num_data"])
     if momentum == 0:
         scale = -math.sqrt(2 * hyper["temperature"] / (hyper["num_data"] * hyper["lr"]))  # SGLD's
     assert d_noise[0].shape == param.shape and d_noise[0].dtype == param.dtype
-    torch.testing.assert_close(d_noise[0] - d_zero[0], scale * noise, rtol=0, atol=tolerance(param.dtype, scale * noise, d_noise[0]))
+    torch.testing.assert_close(
+        d_noise[0] - d_zero[0],
+        scale * noise,
+        rtol=0,
+        atol=tolerance(param.dtype, scale * noise, d_noise[0]),
+    )
 
 
 @given(kernel_inputs(), st.floats(0.0, 0.99))
 def test_sghmc_kernel_at_zero_temperature_ignores_nothing_and_adds_nothing(inputs, momentum):
     (param, grad, _, buffer), hyper = inputs
-    kwargs = dict(momentum=momentum, dampening=0.0, nesterov=False, inplace=False, **{**hyper, "temperature": 0.0})
+    kwargs = dict(
+        momentum=momentum,
+        dampening=0.0,
+        nesterov=False,
+        inplace=False,
+        **{**hyper, "temperature": 0.0},
+    )
     first = sghmc_direction([param], [grad], [buffer], None, **kwargs)
     second = sghmc_direction([param], [grad], [buffer], None, **kwargs)
     assert torch.equal(first[0][0], second[0][0])
@@ -194,7 +221,18 @@ def test_inplace_kernels_update_the_given_buffers():
     param, grad, noise = torch.randn(3), torch.randn(3), torch.randn(3)
     buffer = torch.randn(3)
     directions, buffers = sghmc_direction(
-        [param], [grad], [buffer], [noise], lr=0.1, momentum=0.9, temperature=1.0, num_data=10,
-        weight_decay=0.0, dampening=0.0, nesterov=False, maximize=False, foreach=False,
+        [param],
+        [grad],
+        [buffer],
+        [noise],
+        lr=0.1,
+        momentum=0.9,
+        temperature=1.0,
+        num_data=10,
+        weight_decay=0.0,
+        dampening=0.0,
+        nesterov=False,
+        maximize=False,
+        foreach=False,
     )
     assert buffers[0] is buffer and directions[0] is buffer

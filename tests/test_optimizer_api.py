@@ -8,18 +8,18 @@ import io
 
 import pytest
 import torch
+from samplers_under_test import SAMPLERS
 
 from samplers_as_optim import SGHMC, SGLD, SGNHT
 from samplers_as_optim._random import NoiseStream, derive_seed
 from samplers_as_optim.samplers import sghmc_direction
-from samplers_under_test import SAMPLERS
 
 
 def make_model(seed=0, device="cpu"):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(
-        torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)
-    ).to(device)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).to(
+        device
+    )
 
 
 def batches(count, seed=123, device="cpu"):
@@ -72,7 +72,7 @@ def test_100_steps_equal_50_plus_save_load_into_fresh_objects_plus_50(case, seed
     assert opt_resumed.steps_taken == 50
     train(resumed, opt_resumed, data[50:])
 
-    for a, b in zip(straight.parameters(), resumed.parameters()):
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -88,7 +88,9 @@ def test_an_sgd_checkpoint_loads_into_sghmc_keeping_num_data_and_temperature():
     model = make_model()
     sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     train(model, sgd, batches(5))
-    sampler = SGHMC(model.parameters(), lr=0.01, momentum=0.9, num_data=500, temperature=0.0, seed=1)
+    sampler = SGHMC(
+        model.parameters(), lr=0.01, momentum=0.9, num_data=500, temperature=0.0, seed=1
+    )
     sampler.load_state_dict(copy.deepcopy(sgd.state_dict()))
     group = sampler.param_groups[0]
     assert group["lr"] == 0.05 and group["num_data"] == 500 and group["temperature"] == 0.0
@@ -98,7 +100,9 @@ def test_an_sgd_checkpoint_loads_into_sghmc_keeping_num_data_and_temperature():
     sgd_twin.load_state_dict(copy.deepcopy(sgd.state_dict()))
     train(model, sampler, batches(4, seed=9))
     train(twin, sgd_twin, batches(4, seed=9))
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)
+    )
 
 
 def test_sgnht_thermostat_keeps_float32_for_bfloat16_parameters_across_load():
@@ -146,7 +150,7 @@ def test_noise_stream_is_a_pure_function_of_seed_step_and_stream():
     like = [torch.empty(1000), torch.empty(3, 3, dtype=torch.float64)]
     a = NoiseStream(11).standard_normal(like, step=4, stream=1)
     b = NoiseStream(11).standard_normal(like, step=4, stream=1)
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert [t.dtype for t in a] == [torch.float32, torch.float64]
     others = [
         NoiseStream(11).standard_normal(like, step=5, stream=1)[0],
@@ -155,7 +159,9 @@ def test_noise_stream_is_a_pure_function_of_seed_step_and_stream():
     ]
     for other in others:  # independent draws: correlation within 4.5 standard errors of 0
         assert abs(torch.corrcoef(torch.stack([a[0], other]))[0, 1]) < 4.5 / 1000**0.5
-    assert len({derive_seed(1, s, g, d) for s in range(20) for g in range(3) for d in range(2)}) == 120
+    assert (
+        len({derive_seed(1, s, g, d) for s in range(20) for g in range(3) for d in range(2)}) == 120
+    )
 
 
 # ---------------------------------------------------------------- param groups
@@ -173,14 +179,26 @@ def test_each_param_group_uses_its_own_hyperparameters_and_noise_stream():
         params = list(group["params"])
         noise = NoiseStream(8).standard_normal(params, step=0, stream=index)
         directions, _ = sghmc_direction(
-            params, [p.grad for p in params], [None] * len(params), noise,
-            lr=group["lr"], momentum=group["momentum"], temperature=group["temperature"],
-            num_data=300, weight_decay=0.0, dampening=0.0, nesterov=False, maximize=False,
-            foreach=False, inplace=False,
+            params,
+            [p.grad for p in params],
+            [None] * len(params),
+            noise,
+            lr=group["lr"],
+            momentum=group["momentum"],
+            temperature=group["temperature"],
+            num_data=300,
+            weight_decay=0.0,
+            dampening=0.0,
+            nesterov=False,
+            maximize=False,
+            foreach=False,
+            inplace=False,
         )
-        expected += [p.detach() + d.mul(-group["lr"]) for p, d in zip(params, directions)]
+        expected += [
+            p.detach() + d.mul(-group["lr"]) for p, d in zip(params, directions, strict=True)
+        ]
     opt.step()
-    assert all(torch.equal(e, p) for e, p in zip(expected, model.parameters()))
+    assert all(torch.equal(e, p) for e, p in zip(expected, model.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("case", SAMPLERS, ids=repr)
@@ -203,7 +221,7 @@ def test_zero_learning_rate_at_positive_temperature_changes_nothing(case):
     state = copy.deepcopy(opt.state_dict()["state"])
     opt.param_groups[0]["lr"] = 0.0
     train(model, opt, batches(2, seed=4))
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     after = opt.state_dict()["state"]
     assert all(torch.equal(state[i][k], after[i][k]) for i in state for k in state[i])
     assert opt.steps_taken == 4
@@ -241,7 +259,9 @@ def test_lr_schedulers_move_the_step_size_and_the_noise_with_it(case):
     for step, (x, y) in enumerate(data):
         opt_hand.param_groups[0]["lr"] = 0.01 * 0.5 ** (step // 3)
         train(by_hand, opt_hand, [(x, y)])
-    assert all(torch.equal(a, b) for a, b in zip(scheduled.parameters(), by_hand.parameters()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(scheduled.parameters(), by_hand.parameters(), strict=True)
+    )
     assert opt.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5 ** (8 // 3))
 
 
@@ -256,13 +276,17 @@ def test_cosine_schedule_down_to_zero_and_a_temperature_ramp():
     data = list(batches(6))
     train(model, opt, data, scheduler)
     train(twin, sgd, data, sgd_scheduler)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)
+    )
     assert opt.param_groups[0]["lr"] == 0.0
     for group in opt.param_groups:  # now sample: the warm-up was plain SGD
         group["temperature"], group["lr"] = 1.0, 0.01
     train(model, opt, batches(2))
     train(twin, sgd, batches(2))
-    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    assert not all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)
+    )
 
 
 # ---------------------------------------------------------------- paths and devices
@@ -281,7 +305,7 @@ def run_dtype(case, dtype, device, foreach, temperature=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_foreach_equals_the_single_tensor_reference(case, dtype, device):
     single, multi = (run_dtype(case, dtype, device, foreach) for foreach in (False, True))
-    assert all(torch.equal(a, b) for a, b in zip(single, multi))
+    assert all(torch.equal(a, b) for a, b in zip(single, multi, strict=True))
 
 
 @pytest.mark.parametrize("foreach", [False, True])
@@ -291,12 +315,14 @@ def test_half_precision_follows_sgds_own_path(foreach, device):
     case = SAMPLERS[1]
     ours = run_dtype(case, torch.bfloat16, device, foreach, temperature=0.0)
     model = make_model(device=device).to(torch.bfloat16)
-    sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-3, foreach=foreach)
+    sgd = torch.optim.SGD(
+        model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-3, foreach=foreach
+    )
     for x, y in batches(5, device=device):
         sgd.zero_grad()
         torch.nn.functional.cross_entropy(model(x.to(torch.bfloat16)), y).backward()
         sgd.step()
-    assert all(torch.equal(a, b) for a, b in zip(ours, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(ours, model.parameters(), strict=True))
 
 
 def test_maximize_samples_the_negated_objective():
@@ -311,7 +337,7 @@ def test_maximize_samples_the_negated_objective():
             (-loss if maximize else loss).backward()
             opt.step()
         runs.append([p.detach() for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
 def test_zero_grad_and_repr_work_as_for_sgd():

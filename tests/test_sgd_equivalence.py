@@ -79,7 +79,7 @@ def run_pair(settings, sampler_cls, sampler_kwargs, device):
         **sampler_kwargs,
     )
     for _ in range(settings["steps"]):
-        for p_ref, p_ours in zip(reference, ours):
+        for p_ref, p_ours in zip(reference, ours, strict=True):
             if torch.rand((), generator=generator) < settings["drop_grad"]:
                 p_ref.grad = p_ours.grad = None
             else:
@@ -87,7 +87,7 @@ def run_pair(settings, sampler_cls, sampler_kwargs, device):
                 p_ref.grad, p_ours.grad = grad.clone(), grad.clone()
         sgd.step()
         sampler.step()
-        for p_ref, p_ours in zip(reference, ours):
+        for p_ref, p_ours in zip(reference, ours, strict=True):
             assert torch.equal(p_ref, p_ours)
     return sgd, sampler
 
@@ -101,9 +101,12 @@ def test_sgld_at_zero_temperature_is_sgd(device, settings):
 def test_sghmc_at_zero_temperature_is_sgd_with_momentum(device, settings):
     sgd, sampler = run_pair(settings, SGHMC, {}, device)
     # the momentum buffers agree too, so a later step at temperature 0 cannot drift
-    for group in sgd.param_groups:
-        for param in group["params"]:
-            assert ("momentum_buffer" in sgd.state[param]) == (group["momentum"] != 0)
+    for sgd_group, group in zip(sgd.param_groups, sampler.param_groups, strict=True):
+        for ref, ours in zip(sgd_group["params"], group["params"], strict=True):
+            assert sgd.state[ref].keys() == sampler.state[ours].keys()
+            if "momentum_buffer" in sgd.state[ref]:
+                buffers = sgd.state[ref]["momentum_buffer"], sampler.state[ours]["momentum_buffer"]
+                assert torch.equal(*buffers)
 
 
 @pytest.mark.parametrize("foreach", [False, True])
@@ -134,4 +137,6 @@ def test_sghmc_buffers_equal_sgd_buffers(device):
         ref.grad, ours.grad = grad.clone(), grad.clone()
         sgd.step()
         sampler.step()
-        assert torch.equal(sgd.state[ref]["momentum_buffer"], sampler.state[ours]["momentum_buffer"])
+        assert torch.equal(
+            sgd.state[ref]["momentum_buffer"], sampler.state[ours]["momentum_buffer"]
+        )

@@ -12,8 +12,8 @@ stationary law is compared with the target to state the step-size bias.
 import numpy as np
 import pytest
 import torch
-
 from linear_chains import covariance_standard_errors, position_moments, sghmc_mode, sgld_mode
+
 from samplers_as_optim import SGHMC, SGLD, SGNHT
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,13 @@ def assert_moments(samples, mean_offset, covariance):
 def test_moments_equal_the_exact_law_and_scale_with_temperature(name, temperature, device):
     cls, mode, hyper, steps = CASES[name]
     mean_offset, covariance, slowest = position_moments(
-        PRECISION, mode, start_offset=START_OFFSET, steps=steps, num_data=N, temperature=temperature, **hyper
+        PRECISION,
+        mode,
+        start_offset=START_OFFSET,
+        steps=steps,
+        num_data=N,
+        temperature=temperature,
+        **hyper,
     )
     assert steps >= 5 * slowest  # the chains are stationary, up to e^-5 of the start
     _, stationary, _ = position_moments(

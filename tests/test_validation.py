@@ -31,21 +31,49 @@ COMMON_CASES = [
     ({"lr": -0.1}, ValueError, "Invalid lr: -0.1 (expected a finite number >= 0)"),
     ({"lr": inf}, ValueError, "Invalid lr: inf (expected a finite number >= 0)"),
     ({"lr": "0.1"}, TypeError, "Invalid lr: '0.1' (expected a finite number >= 0)"),
-    ({"lr": torch.tensor([0.1, 0.2])}, TypeError, "Invalid lr: tensor([0.1000, 0.2000]) (expected a finite number >= 0)"),
-    ({"weight_decay": nan}, ValueError, "Invalid weight_decay: nan (expected a finite number >= 0)"),
-    ({"weight_decay": -1e-4}, ValueError, "Invalid weight_decay: -0.0001 (expected a finite number >= 0)"),
-    ({"num_data": 0}, ValueError, "Invalid num_data: 0 (expected a positive integer: the number of training examples)"),
+    (
+        {"lr": torch.tensor([0.1, 0.2])},
+        TypeError,
+        "Invalid lr: tensor([0.1000, 0.2000]) (expected a finite number >= 0)",
+    ),
+    (
+        {"weight_decay": nan},
+        ValueError,
+        "Invalid weight_decay: nan (expected a finite number >= 0)",
+    ),
+    (
+        {"weight_decay": -1e-4},
+        ValueError,
+        "Invalid weight_decay: -0.0001 (expected a finite number >= 0)",
+    ),
+    (
+        {"num_data": 0},
+        ValueError,
+        "Invalid num_data: 0 (expected a positive integer: the number of training examples)",
+    ),
     ({"num_data": -5}, ValueError, "Invalid num_data: -5 (expected a positive integer"),
     ({"num_data": 100.0}, TypeError, "Invalid num_data: 100.0 (expected a positive integer"),
     ({"num_data": True}, TypeError, "Invalid num_data: True (expected a positive integer"),
     ({"num_data": None}, TypeError, "Invalid num_data: None (expected a positive integer"),
     ({"maximize": 1}, TypeError, "Invalid maximize: 1 (expected True or False)"),
     ({"foreach": "yes"}, TypeError, "Invalid foreach: 'yes' (expected None, True or False)"),
-    ({"seed": -1}, ValueError, re.escape("Invalid seed: -1 (expected None or an integer in [0, 2**64))")),
+    (
+        {"seed": -1},
+        ValueError,
+        re.escape("Invalid seed: -1 (expected None or an integer in [0, 2**64))"),
+    ),
     ({"seed": 2**64}, ValueError, "Invalid seed: 18446744073709551616"),
     ({"seed": 1.5}, TypeError, "Invalid seed: 1.5"),
-    ({"differentiable": True}, ValueError, "Invalid differentiable: True (expected False: differentiating through a sampler step is not supported)"),
-    ({"fused": True}, ValueError, "Invalid fused: True (expected None or False: there is no fused sampler kernel; use foreach=True"),
+    (
+        {"differentiable": True},
+        ValueError,
+        "Invalid differentiable: True (expected False: differentiating through a sampler step is not supported)",
+    ),
+    (
+        {"fused": True},
+        ValueError,
+        "Invalid fused: True (expected None or False: there is no fused sampler kernel; use foreach=True",
+    ),
     ({"dampening": nan}, ValueError, "Invalid dampening: nan (expected a finite number)"),
 ]
 
@@ -94,35 +122,73 @@ def test_num_data_accepts_integer_like_values():
 
 @pytest.mark.parametrize("cls", [SGHMC, SGNHT], ids=lambda c: c.__name__)
 @pytest.mark.parametrize(
-    ("value", "error"), [(1.0, ValueError), (-0.1, ValueError), (nan, ValueError), (1.5, ValueError), ("0.9", TypeError)]
+    ("value", "error"),
+    [
+        (1.0, ValueError),
+        (-0.1, ValueError),
+        (nan, ValueError),
+        (1.5, ValueError),
+        ("0.9", TypeError),
+    ],
 )
 def test_momentum_must_be_in_0_1(cls, value, error):
-    with pytest.raises(error, match=re.escape(f"Invalid momentum: {value!r} (expected a number in [0, 1))")):
+    with pytest.raises(
+        error, match=re.escape(f"Invalid momentum: {value!r} (expected a number in [0, 1))")
+    ):
         build(cls, momentum=value)
 
 
 def test_sgld_has_no_momentum():
-    with pytest.raises(ValueError, match=re.escape("Invalid momentum: 0.9 (expected 0: SGLD has no momentum; use SGHMC for momentum > 0)")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "Invalid momentum: 0.9 (expected 0: SGLD has no momentum; use SGHMC for momentum > 0)"
+        ),
+    ):
         SGLD(params(), lr=0.1, momentum=0.9, num_data=10)
 
 
 def test_sgld_nesterov_needs_momentum():
-    with pytest.raises(ValueError, match=re.escape("nesterov=True requires momentum > 0 (as in torch.optim.SGD); use SGHMC for momentum")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "nesterov=True requires momentum > 0 (as in torch.optim.SGD); use SGHMC for momentum"
+        ),
+    ):
         SGLD(params(), lr=0.1, nesterov=True, num_data=10, temperature=0.0)
 
 
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
 def test_nesterov_and_dampening_have_no_sampling_meaning(cls):
     if cls is not SGLD:
-        with pytest.raises(ValueError, match=re.escape("nesterov=True requires temperature=0 (it has no sampling meaning)")):
+        with pytest.raises(
+            ValueError,
+            match=re.escape("nesterov=True requires temperature=0 (it has no sampling meaning)"),
+        ):
             build(cls, nesterov=True, temperature=1.0)
-    with pytest.raises(ValueError, match=re.escape("dampening=0.1 requires temperature=0 (it has no sampling meaning)")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("dampening=0.1 requires temperature=0 (it has no sampling meaning)"),
+    ):
         build(cls, dampening=0.1, temperature=1.0)
 
 
 def test_nesterov_rule_of_sgd_is_kept_at_zero_temperature():
-    with pytest.raises(ValueError, match=re.escape("nesterov=True requires momentum > 0 and dampening=0 (as in torch.optim.SGD)")):
-        SGHMC(params(), lr=0.1, momentum=0.9, dampening=0.5, nesterov=True, num_data=10, temperature=0.0)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "nesterov=True requires momentum > 0 and dampening=0 (as in torch.optim.SGD)"
+        ),
+    ):
+        SGHMC(
+            params(),
+            lr=0.1,
+            momentum=0.9,
+            dampening=0.5,
+            nesterov=True,
+            num_data=10,
+            temperature=0.0,
+        )
     # both are fine at temperature 0, as in SGD
     SGHMC(params(), lr=0.1, momentum=0.9, nesterov=True, num_data=10, temperature=0.0)
     SGHMC(params(), lr=0.1, momentum=0.9, dampening=0.5, num_data=10, temperature=0.0)
@@ -130,10 +196,22 @@ def test_nesterov_rule_of_sgd_is_kept_at_zero_temperature():
 
 def test_param_group_errors_name_the_group():
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match=re.escape("Invalid temperature in param group 1: -2.0 (expected a finite number >= 0)")):
-        SGHMC([{"params": [model.weight]}, {"params": [model.bias], "temperature": -2.0}], lr=0.1, num_data=10)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "Invalid temperature in param group 1: -2.0 (expected a finite number >= 0)"
+        ),
+    ):
+        SGHMC(
+            [{"params": [model.weight]}, {"params": [model.bias], "temperature": -2.0}],
+            lr=0.1,
+            num_data=10,
+        )
     opt = SGHMC([model.weight], lr=0.1, num_data=10)
-    with pytest.raises(ValueError, match=re.escape("Invalid lr in param group 1: nan (expected a finite number >= 0)")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("Invalid lr in param group 1: nan (expected a finite number >= 0)"),
+    ):
         opt.add_param_group({"params": [model.bias], "lr": nan})
 
 
@@ -143,12 +221,17 @@ def test_a_schedule_that_sets_an_invalid_value_is_caught_at_step_before_any_chan
     model(torch.ones(1, 2)).sum().backward()
     before = [p.detach().clone() for p in model.parameters()]
     opt.param_groups[0]["temperature"] = 1.0  # nesterov is meaningless once sampling starts
-    with pytest.raises(ValueError, match=re.escape("nesterov=True in param group 0 requires temperature=0 (it has no sampling meaning)")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "nesterov=True in param group 0 requires temperature=0 (it has no sampling meaning)"
+        ),
+    ):
         opt.step()
     opt.param_groups[0]["temperature"] = nan
     with pytest.raises(ValueError, match=re.escape("Invalid temperature in param group 0: nan")):
         opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert opt.steps_taken == 0 and not opt.state
 
 
@@ -157,7 +240,12 @@ def test_sparse_gradients_are_a_type_error(cls):
     embedding = torch.nn.Embedding(10, 3, sparse=True)
     opt = cls(embedding.parameters(), lr=0.1, num_data=10)
     embedding(torch.tensor([1, 2])).sum().backward()
-    with pytest.raises(TypeError, match=re.escape(f"{cls.__name__} does not support sparse gradients (param group 0, parameter 0 of shape (10, 3)); use a dense embedding (sparse=False)")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            f"{cls.__name__} does not support sparse gradients (param group 0, parameter 0 of shape (10, 3)); use a dense embedding (sparse=False)"
+        ),
+    ):
         opt.step()
 
 
@@ -166,7 +254,12 @@ def test_complex_parameters_are_a_type_error(cls):
     param = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
     opt = cls([param], lr=0.1, num_data=10)
     param.grad = torch.ones(2, dtype=torch.complex64)
-    with pytest.raises(TypeError, match=re.escape(f"{cls.__name__} does not support complex parameters (param group 0, parameter 0 of shape (2,)); view them as real with torch.view_as_real")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            f"{cls.__name__} does not support complex parameters (param group 0, parameter 0 of shape (2,)); view them as real with torch.view_as_real"
+        ),
+    ):
         opt.step()
 
 
@@ -178,7 +271,10 @@ def test_non_finite_gradient_refuses_the_step_and_changes_nothing(cls, bad, fore
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     opt = cls(
         [{"params": model[0].parameters()}, {"params": model[1].parameters()}],
-        lr=0.01, num_data=10, seed=0, foreach=foreach,
+        lr=0.01,
+        num_data=10,
+        seed=0,
+        foreach=foreach,
     )
     for _ in range(2):  # two good steps: buffers exist
         opt.zero_grad()
@@ -192,7 +288,7 @@ def test_non_finite_gradient_refuses_the_step_and_changes_nothing(cls, bad, fore
     message = f"{cls.__name__} refused step 3: non-finite gradient in param group 1, parameter 0 of shape (2, 4); no parameter or buffer was changed"
     with pytest.raises(FloatingPointError, match=re.escape(message)):
         opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(params_before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(params_before, model.parameters(), strict=True))
     state_after = {k: v for p in model.parameters() for k, v in opt.state[p].items()}
     assert state_before.keys() == state_after.keys()
     assert all(torch.equal(state_before[k], state_after[k]) for k in state_before)
@@ -204,7 +300,9 @@ def test_non_finite_message_uses_parameter_names_when_given():
     opt = SGHMC(model.named_parameters(), lr=0.1, num_data=10)
     model(torch.ones(1, 2)).sum().backward()
     model.bias.grad.fill_(nan)
-    with pytest.raises(FloatingPointError, match=re.escape("param group 0, parameter 1 'bias' of shape (1,)")):
+    with pytest.raises(
+        FloatingPointError, match=re.escape("param group 0, parameter 1 'bias' of shape (1,)")
+    ):
         opt.step()
 
 

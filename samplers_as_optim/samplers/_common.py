@@ -88,7 +88,7 @@ def apply_step_(
       Optimizer and a transform with one seed produce the same chain bit for bit.
     """
     if not foreach:
-        for param, direction in zip(params, directions):
+        for param, direction in zip(params, directions, strict=True):
             if as_sgd:
                 param.add_(direction, alpha=-lr)
             else:

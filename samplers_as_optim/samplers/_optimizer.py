@@ -64,7 +64,7 @@ class SamplerOptimizer(Optimizer):
     own_dtype_state: tuple[str, ...] = ()
 
     def __init__(self, params: Any, defaults: dict[str, Any], *, seed: int | None) -> None:
-        self._check_group(defaults, where="")
+        self.check_hyperparameters(defaults, where="")
         seed = check_seed(seed)
         self._noise = NoiseStream(seed_from_global_rng() if seed is None else seed)
         self._steps = 0
@@ -74,24 +74,33 @@ class SamplerOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group as ``torch.optim.Optimizer`` does, then validate it."""
         super().add_param_group(param_group)
-        self._check_group(self.param_groups[-1], where=_at_group(len(self.param_groups) - 1))
+        self.check_hyperparameters(
+            self.param_groups[-1], where=_at_group(len(self.param_groups) - 1)
+        )
 
-    def _check_group(self, group: dict[str, Any], *, where: str) -> None:
+    @classmethod
+    def check_hyperparameters(cls, group: dict[str, Any], *, where: str = "") -> None:
+        """Validate one param group's hyperparameters (also used by the transforms).
+
+        Raises the same ``ValueError``/``TypeError`` messages for every front end;
+        ``where`` locates the group (``" in param group 1"``).
+        """
         check_learning_rate(group["lr"], where=where)
         check_nonnegative("weight_decay", group["weight_decay"], where=where)
         temperature = check_temperature(
             group["temperature"],
             where=where,
-            positive=self.requires_positive_temperature,
-            reason=self.positive_temperature_reason,
+            positive=cls.requires_positive_temperature,
+            reason=cls.positive_temperature_reason,
         )
         check_num_data(group["num_data"], where=where)
         check_bool("maximize", group["maximize"], where=where)
         check_foreach(group["foreach"], where=where)
-        self._check_group_combinations(group, temperature, where)
+        cls._check_group_combinations(group, temperature, where)
 
+    @classmethod
     def _check_group_combinations(
-        self, group: dict[str, Any], temperature: float, where: str
+        cls, group: dict[str, Any], temperature: float, where: str
     ) -> None:
         raise NotImplementedError
 
@@ -187,7 +196,7 @@ class SamplerOptimizer(Optimizer):
                 loss = closure()
         gathered = []
         for index, group in enumerate(self.param_groups):
-            self._check_group(group, where=_at_group(index))
+            self.check_hyperparameters(group, where=_at_group(index))
             params, grads = self._gather(group, index)
             gathered.append((index, group, params, grads))
         self._refuse_non_finite(gathered)
@@ -240,8 +249,8 @@ class SamplerOptimizer(Optimizer):
 
     def _restore_own_dtype_state(self, state_dict: dict[str, Any]) -> None:
         saved_state = state_dict.get("state", {})
-        for group, saved_group in zip(self.param_groups, state_dict["param_groups"]):
-            for param, param_id in zip(group["params"], saved_group["params"]):
+        for group, saved_group in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            for param, param_id in zip(group["params"], saved_group["params"], strict=True):
                 for key in self.own_dtype_state:
                     value = saved_state.get(param_id, {}).get(key)
                     if isinstance(value, Tensor):
@@ -260,18 +269,19 @@ class SamplerOptimizer(Optimizer):
         if len(saved_groups) == len(self.param_groups):
             state_dict["param_groups"] = [
                 {**{k: v for k, v in current.items() if k != "params"}, **saved}
-                for current, saved in zip(self.param_groups, saved_groups)
+                for current, saved in zip(self.param_groups, saved_groups, strict=True)
             ]
         if sampler is not None:
             seed = check_seed(sampler["seed"])
             steps = sampler["steps"]
             if not (isinstance(steps, int) and steps >= 0):
-                raise ValueError(f"Invalid saved step counter: {steps!r} (expected an integer >= 0)")
+                raise ValueError(
+                    f"Invalid saved step counter: {steps!r} (expected an integer >= 0)"
+                )
         super().load_state_dict(state_dict)
         self._restore_own_dtype_state(state_dict)
         for index, group in enumerate(self.param_groups):
-            self._check_group(group, where=_at_group(index))
+            self.check_hyperparameters(group, where=_at_group(index))
         if sampler is not None:
             self._noise = NoiseStream(seed)
             self._steps = steps
-

@@ -43,7 +43,6 @@ __all__ = [
     "KernelOutput",
     "ScalarOrSchedule",
     "chain_dims",
-    "group_validator",
     "pick",
     "sampler_transformation",
 ]
@@ -101,16 +100,6 @@ returns_doc = r"""A ``torchopt.base.GradientTransformation``. ``update(updates, 
 
 #: The hyperparameters a composable part leaves at their neutral value.
 _NEUTRAL = {"weight_decay": 0.0, "dampening": 0.0, "nesterov": False, "maximize": False}
-
-
-def group_validator(optimizer_class: type[SamplerOptimizer]) -> Callable[..., None]:
-    """``optimizer_class``'s own param-group validation, applied to a dict of hyperparameters.
-
-    The transforms validate through this, so that a bad argument gives the Optimizer's
-    message word for word. ``_check_group`` reads only class-level attributes, so it is
-    bound to a bare instance that never holds parameters.
-    """
-    return optimizer_class.__new__(optimizer_class)._check_group
 
 
 def chain_dims(state: Any) -> Any:
@@ -214,8 +203,8 @@ def sampler_transformation(
         name: the public name, for messages (``"transforms.sghmc"``).
         state_type: a NamedTuple whose fields are the buffer fields (each a tuple with
             one entry per leaf of the params tree, or empty), then ``seed`` and ``count``.
-        optimizer_class: the matching Optimizer, whose validation is used (see
-            :func:`group_validator`), so that the messages are the same.
+        optimizer_class: the matching Optimizer, whose ``check_hyperparameters`` is
+            used, so that the messages are the same.
         init_buffers: the initial buffer fields from the list of param leaves.
         kernel: calls the sampler's kernel (see :data:`Kernel`).
         scale_by_lr: return ``-lr * d`` (a sampler) or ``d`` itself (a part to chain
@@ -223,7 +212,7 @@ def sampler_transformation(
     """
     group = {**_NEUTRAL, **arguments}
     seed = group.pop("seed")
-    validate = group_validator(optimizer_class)
+    validate = optimizer_class.check_hyperparameters
     scheduled = [key for key in ("lr", "temperature") if callable(group[key])]
     validate({**group, **{key: _resolve(group[key], 0) for key in scheduled}}, where="")
     seed = check_seed(seed)

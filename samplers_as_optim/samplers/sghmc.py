@@ -152,7 +152,7 @@ def sghmc_direction(
     scale = sghmc_noise_scale(lr, momentum, temperature, num_data)
     if not foreach:
         directions, buffers = [], []
-        for i, (param, grad) in enumerate(zip(params, grads)):
+        for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
             grad = effective_grad(grad, param, weight_decay=weight_decay, maximize=maximize)
             buffer = momentum_buffers[i]
             if buffer is None:
@@ -185,7 +185,7 @@ def sghmc_direction(
             torch._foreach_add_(new, bucket_grads, alpha=1 - dampening)
         else:
             new = []
-            for buffer, grad in zip(old, bucket_grads):
+            for buffer, grad in zip(old, bucket_grads, strict=True):
                 if buffer is None:
                     buffer = grad.detach().clone()
                 else:
@@ -237,8 +237,9 @@ class SGHMC(SamplerOptimizer):
         }
         super().__init__(params, defaults, seed=seed)
 
+    @classmethod
     def _check_group_combinations(
-        self, group: dict[str, Any], temperature: float, where: str
+        cls, group: dict[str, Any], temperature: float, where: str
     ) -> None:
         momentum = check_momentum(group["momentum"], where=where)
         dampening = check_finite("dampening", group["dampening"], where=where)
@@ -249,10 +250,10 @@ class SGHMC(SamplerOptimizer):
                 f"nesterov=True{where} requires momentum > 0 and dampening=0 "
                 "(as in torch.optim.SGD)"
             )
-        self._reject_at_positive_temperature("nesterov", group["nesterov"], False, temperature, where)
-        self._reject_at_positive_temperature(
-            "dampening", group["dampening"], 0, temperature, where
+        cls._reject_at_positive_temperature(
+            "nesterov", group["nesterov"], False, temperature, where
         )
+        cls._reject_at_positive_temperature("dampening", group["dampening"], 0, temperature, where)
 
     def _update_group(
         self,
@@ -268,11 +269,12 @@ class SGHMC(SamplerOptimizer):
         if foreach is None:
             foreach = default_foreach(params)
         momentum = group["momentum"]
-        states = [self.state[p] for p in params] if momentum != 0 else []
+        # as in torch.optim.SGD, no state is kept without momentum
+        states = [self.state[p] for p in params] if momentum != 0 else None
         directions, buffers = sghmc_direction(
             params,
             grads,
-            [state.get("momentum_buffer") for state in states] or [None] * len(params),
+            [None] * len(params) if states is None else [s.get("momentum_buffer") for s in states],
             noise,
             lr=lr,
             momentum=momentum,
@@ -284,8 +286,9 @@ class SGHMC(SamplerOptimizer):
             maximize=group["maximize"],
             foreach=foreach,
         )
-        for state, buffer in zip(states, buffers):
-            state["momentum_buffer"] = buffer
+        if states is not None:
+            for state, buffer in zip(states, buffers, strict=True):
+                state["momentum_buffer"] = buffer
         apply_step_(params, directions, lr=lr, as_sgd=temperature == 0, foreach=foreach)
 
 

@@ -56,7 +56,10 @@ __all__ = ["SGLD", "SGLDState", "sgld", "sgld_direction", "sgld_noise_scale"]
 
 
 def sgld_noise_scale(lr: float, temperature: float, num_data: int) -> float:
-    r"""Standard deviation of SGLD's noise per step, in parameter units: :math:`\sqrt{2\,lr\,T/N}`."""
+    r"""Standard deviation of SGLD's noise per step in parameter units, :math:`\sqrt{2\,lr\,T/N}`.
+
+    The kernel adds it as :math:`lr \cdot c\,\xi` with :math:`c = \sqrt{2T/(N\,lr)}`.
+    """
     return math.sqrt(2.0 * lr * temperature / num_data)
 
 
@@ -96,7 +99,7 @@ def sgld_direction(
     scale = math.sqrt(2.0 * temperature / (num_data * lr)) if noise is not None else 0.0
     if not foreach:
         directions = []
-        for i, (param, grad) in enumerate(zip(params, grads)):
+        for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
             direction = effective_grad(grad, param, weight_decay=weight_decay, maximize=maximize)
             if noise is not None:
                 direction = direction.add(noise[i], alpha=-scale)
@@ -117,7 +120,7 @@ def sgld_direction(
                 torch._foreach_add_(bucket, bucket_noise, alpha=-scale)
             else:
                 bucket = torch._foreach_add(bucket, bucket_noise, alpha=-scale)
-        for i, direction in zip(index, bucket):
+        for i, direction in zip(index, bucket, strict=True):
             directions[i] = direction
     return directions
 
@@ -156,8 +159,9 @@ class SGLD(SamplerOptimizer):
         }
         super().__init__(params, defaults, seed=seed)
 
+    @classmethod
     def _check_group_combinations(
-        self, group: dict[str, Any], temperature: float, where: str
+        cls, group: dict[str, Any], temperature: float, where: str
     ) -> None:
         if group["momentum"] != 0:
             raise ValueError(
@@ -170,9 +174,7 @@ class SGLD(SamplerOptimizer):
                 f"nesterov=True{where} requires momentum > 0 (as in torch.optim.SGD); "
                 "use SGHMC for momentum"
             )
-        self._reject_at_positive_temperature(
-            "dampening", group["dampening"], 0, temperature, where
-        )
+        cls._reject_at_positive_temperature("dampening", group["dampening"], 0, temperature, where)
 
     def _update_group(
         self,

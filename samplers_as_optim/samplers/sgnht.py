@@ -130,7 +130,7 @@ def sgnht_direction(
     cooling = lr * temperature / num_data
     if not foreach:
         buffers, new_thermostats = [], []
-        for i, (param, grad) in enumerate(zip(params, grads)):
+        for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
             grad = effective_grad(grad, param, weight_decay=weight_decay, maximize=maximize)
             thermostat = thermostats[i]
             friction = torch.sub(1.0, thermostat)
@@ -219,15 +219,16 @@ class SGNHT(SamplerOptimizer):
         }
         super().__init__(params, defaults, seed=seed)
 
+    @classmethod
     def _check_group_combinations(
-        self, group: dict[str, Any], temperature: float, where: str
+        cls, group: dict[str, Any], temperature: float, where: str
     ) -> None:
         check_momentum(group["momentum"], where=where)
         check_finite("dampening", group["dampening"], where=where)
-        self._reject_at_positive_temperature("nesterov", group["nesterov"], False, temperature, where)
-        self._reject_at_positive_temperature(
-            "dampening", group["dampening"], 0, temperature, where
+        cls._reject_at_positive_temperature(
+            "nesterov", group["nesterov"], False, temperature, where
         )
+        cls._reject_at_positive_temperature("dampening", group["dampening"], 0, temperature, where)
 
     def _update_group(
         self,
@@ -244,7 +245,7 @@ class SGNHT(SamplerOptimizer):
         if foreach is None:
             foreach = default_foreach(params)
         states = [self.state[p] for p in params]
-        for param, state in zip(params, states):
+        for param, state in zip(params, states, strict=True):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"], state["thermostat"] = sgnht_initial_state(
                     param, group["momentum"]
