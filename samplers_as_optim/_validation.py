@@ -28,6 +28,7 @@ __all__ = [
     "check_nonnegative",
     "check_nonnegative_integer",
     "check_num_data",
+    "check_open_unit_interval",
     "check_positive",
     "check_positive_int",
     "check_seed",
@@ -192,3 +193,12 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...], *, where: str 
         expected = "one of " + ", ".join(repr(choice) for choice in choices)
         _fail(name, value, expected, where)
     return value
+
+
+def check_open_unit_interval(name: str, value: Any, *, where: str = "") -> float:
+    """Check that ``value`` is a real number in the open interval (0, 1) and return it."""
+    expected = "a number in (0, 1)"
+    number = _real(name, value, expected, where)
+    if not 0.0 < number < 1.0:
+        _fail(name, value, expected, where)
+    return number

@@ -1,0 +1,312 @@
+r"""Batch sums of per-example curvature (GGN or empirical Fisher), diagonal or dense.
+
+Both curvatures are sums of outer products of per-example "pseudo-gradients". With
+:math:`f_i` the model output for example i (flattened to O numbers), :math:`J_i =
+\partial f_i / \partial\theta` and a factor :math:`V_i \in \mathbb{R}^{O\times K}` from
+the likelihood (:mod:`._likelihoods`),
+
+.. math::
+
+    C = \sum_i \sum_{k=1}^{K} g_{ik} g_{ik}^\top, \qquad g_{ik} = J_i^\top v_{ik},
+
+where :math:`V_i = \nabla_f \ell_i` (K = 1) gives the empirical Fisher
+:math:`\sum_i \nabla\ell_i \nabla\ell_i^\top` and :math:`V_i V_i^\top = \nabla_f^2\ell_i`
+gives the GGN :math:`\sum_i J_i^\top H_i J_i`.
+
+**Diagonal, fast path** (``nn.Linear`` called once per forward on a ``(batch, in)``
+input, and ``nn.Conv2d`` with ``groups=1``, zero padding, on a 4-d input). For a linear
+layer :math:`z_i = W a_i + b` the pseudo-gradient of W is :math:`G_{ik} a_i^\top` with
+:math:`G_{ik} = \partial (f_i \cdot v_{ik}) / \partial z_i`, so
+
+.. math::
+
+    \mathrm{diag}_W = \Big(\sum_k G_k \circ G_k\Big)^\top (A \circ A), \qquad
+    \mathrm{diag}_b = \sum_{i,k} G_{ik} \circ G_{ik},
+
+with A (batch, in) captured by a forward hook and all K matrices :math:`G_k` (batch, out)
+from ONE backward of the batch output, vmapped over the K columns
+(``torch.autograd.grad(..., is_grads_batched=True)``) and taken with respect to the layer
+outputs only, so no weight gradient and no per-example gradient is ever formed. Memory
+beyond a forward pass: the K output gradients of each layer. A convolution shares its
+weight across positions, so the square cannot move inside the sum; there the
+per-example gradients :math:`G_{ik} U_i^\top` (U: the unfolded input) are formed one
+chunk of examples at a time, for that layer only.
+
+**Everything else** (other modules, shared weights, a layer called twice, inputs with
+more than a batch dimension) goes through the generic path: for a chunk of examples,
+``vmap`` over examples of ``vjp`` of the model output, ``vmap``-ed over the K columns,
+with respect to those parameters only. Dense curvature always takes this path and
+accumulates :math:`R^\top R` over chunks of rows. Both paths give the same numbers; the
+tests check one against the other.
+
+Examples must not interact (batch norm in training mode would make them): the wrappers
+run the model in eval mode while computing curvature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+
+from ._flat import Treated
+from ._likelihoods import Likelihood
+
+__all__ = ["batch_factor", "dense_curvature", "diag_curvature"]
+
+# Bytes of per-example gradients held at once by the generic path and the conv path.
+_CHUNK_BYTES = 2**27
+
+
+def batch_factor(likelihood: Likelihood, kind: str, output: Tensor, target: Tensor) -> Tensor:
+    """``V`` of shape (B, O, K): output gradients (``"ef"``) or Hessian factors (``"ggn"``)."""
+    if kind == "ef":
+        return likelihood.output_grad(output, target).unsqueeze(-1)
+    return likelihood.hessian_factor(output, target).to(output.dtype)
+
+
+def _check_output(output: object) -> Tensor:
+    if not isinstance(output, Tensor):
+        raise TypeError(
+            f"Invalid model output: {type(output).__name__} (expected a tensor with the batch "
+            "as its first dimension)"
+        )
+    return output
+
+
+def _rows_per_chunk(row_bytes: int) -> int:
+    return max(1, _CHUNK_BYTES // max(row_bytes, 1))
+
+
+def _fast_layers(model: nn.Module, names: Iterable[str]) -> dict[nn.Module, dict[str, str]]:
+    """Linear/Conv2d modules owning treated, unshared weights: module -> {local: full name}."""
+    wanted = set(names)
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    layers: dict[nn.Module, dict[str, str]] = {}
+    for prefix, module in model.named_modules():
+        forward = type(module).forward
+        if forward is nn.Conv2d.forward:
+            if (
+                module.groups != 1
+                or module.padding_mode != "zeros"
+                or isinstance(module.padding, str)
+            ):
+                continue
+        elif forward is not nn.Linear.forward:
+            continue
+        entries = {}
+        for local in ("weight", "bias"):
+            full = f"{prefix}.{local}" if prefix else local
+            param = module._parameters.get(local)
+            if param is not None and full in wanted and owners.get(id(param)) == 1:
+                entries[local] = full
+        if entries:
+            layers[module] = entries
+    return layers
+
+
+@contextmanager
+def _capture(layers: Iterable[nn.Module]):
+    """Record (input, input version, output) of every call; hand a clone downstream.
+
+    The clone keeps the recorded output intact if a later operation works in place (an
+    in-place ReLU would otherwise turn it into the ReLU's output).
+    """
+    records: dict[nn.Module, list[tuple[object, int, Tensor]]] = {}
+
+    def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+        first = args[0] if args else None
+        version = first._version if isinstance(first, Tensor) else -1
+        records.setdefault(module, []).append((first, version, output))
+        return output.clone() if isinstance(output, Tensor) else output
+
+    handles = [layer.register_forward_hook(hook) for layer in layers]
+    try:
+        yield records
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _usable(module: nn.Module, calls: list, batch: int) -> bool:
+    if len(calls) != 1:
+        return False
+    inp, version, out = calls[0]
+    if not isinstance(inp, Tensor) or not isinstance(out, Tensor):
+        return False
+    if inp._version != version or out.grad_fn is None or inp.shape[:1] != (batch,):
+        return False
+    return inp.dim() == (2 if isinstance(module, nn.Linear) else 4)
+
+
+def _linear_diag(inp: Tensor, grads: Tensor, entries: dict[str, str], out: dict) -> None:
+    """``grads``: (K, B, out). Adds the weight/bias diagonals into ``out``."""
+    summed = grads.square().sum(0)
+    if "weight" in entries:
+        out[entries["weight"]] = summed.transpose(0, 1) @ inp.detach().square()
+    if "bias" in entries:
+        out[entries["bias"]] = summed.sum(0)
+
+
+def _conv_diag(
+    module: nn.Conv2d, inp: Tensor, grads: Tensor, entries: dict[str, str], out: dict
+) -> None:
+    """``grads``: (K, B, C_out, H, W). Per-example gradients, a chunk of examples at a time."""
+    k, batch, channels = grads.shape[:3]
+    grads = grads.reshape(k, batch, channels, -1)
+    if "bias" in entries:
+        out[entries["bias"]] = grads.sum(-1).square().sum((0, 1))
+    if "weight" not in entries:
+        return
+    unfolded = F.unfold(
+        inp.detach(),
+        module.kernel_size,
+        dilation=module.dilation,
+        padding=module.padding,
+        stride=module.stride,
+    )
+    weight = module.weight
+    total = torch.zeros(channels, unfolded.shape[1], dtype=weight.dtype, device=weight.device)
+    step = _rows_per_chunk(k * weight.numel() * weight.element_size())
+    for start in range(0, batch, step):
+        per_example = torch.einsum(
+            "kbol,bjl->kboj", grads[:, start : start + step], unfolded[start : start + step]
+        )
+        total += per_example.square().sum((0, 1))
+    out[entries["weight"]] = total.reshape(weight.shape)
+
+
+def _per_example_vjp(model: nn.Module, params: dict[str, Tensor]):
+    """``(x_i, V_i) -> {name: (K, *shape)}``: the K pseudo-gradients of one example."""
+
+    def run(xi: Tensor, vi: Tensor) -> dict[str, Tensor]:
+        def output(p: dict[str, Tensor]) -> Tensor:
+            return functional_call(model, p, (xi.unsqueeze(0),)).reshape(-1)
+
+        _, pullback = vjp(output, params)
+        (grads,) = vmap(pullback)(vi.transpose(0, 1))
+        return grads
+
+    return run
+
+
+def _generic_diag(model: nn.Module, names: list[str], x: Tensor, factor: Tensor, out: dict) -> None:
+    current = dict(model.named_parameters())
+    params = {name: current[name].detach() for name in names}
+    run = _per_example_vjp(model, params)
+    numel = sum(p.numel() for p in params.values())
+    itemsize = next(iter(params.values())).element_size()
+    step = _rows_per_chunk(factor.shape[-1] * numel * itemsize)
+    totals = {name: torch.zeros_like(p) for name, p in params.items()}
+    for start in range(0, x.shape[0], step):
+        # torch.func transforms ignore an outer no_grad; it only stops the module's other
+        # parameters from recording history into the results.
+        with torch.no_grad():
+            grads = vmap(run)(x[start : start + step], factor[start : start + step])
+        for name in names:
+            totals[name] += grads[name].square().sum((0, 1))
+    out.update(totals)
+
+
+def _forward(model: nn.Module, x: Tensor, target: Tensor) -> Tensor:
+    return _check_output(model(x))
+
+
+def diag_curvature(
+    model: nn.Module,
+    treated: Treated,
+    x: Tensor,
+    target: Tensor,
+    likelihood: Likelihood,
+    kind: str,
+    *,
+    fast: bool = True,
+) -> dict[str, Tensor]:
+    r"""Diagonal of the curvature summed over the batch, for the treated parameters.
+
+    Args:
+        model: the network (in eval mode).
+        treated: the parameters to compute it for.
+        x: a batch of inputs, examples along dimension 0.
+        target: the batch's targets.
+        likelihood: the per-example likelihood.
+        kind: ``"ggn"`` or ``"ef"``.
+        fast: use the Linear/Conv2d fast path where it applies (False: generic path for
+            every parameter; for testing).
+
+    Returns:
+        name -> tensor of the parameter's shape: :math:`\sum_i \mathrm{diag}(C_i)`.
+    """
+    layers = _fast_layers(model, treated.names) if fast else {}
+    batch = x.shape[0]
+    out: dict[str, Tensor] = {}
+    with _capture(layers) as records, torch.set_grad_enabled(bool(layers)):
+        output = _forward(model, x, target)
+    factor = batch_factor(likelihood, kind, output.detach(), target)
+    usable = {
+        module: entries
+        for module, entries in layers.items()
+        if _usable(module, records.get(module, []), batch)
+    }
+    if usable:
+        outputs = [records[module][0][2] for module in usable]
+        columns = factor.shape[-1]
+        grad_outputs = factor.permute(2, 0, 1).reshape(columns, *output.shape)
+        grads = torch.autograd.grad(
+            output,
+            outputs,
+            grad_outputs if columns > 1 else grad_outputs[0],
+            is_grads_batched=columns > 1,
+            allow_unused=True,
+        )
+        for (module, entries), layer_out, grad in zip(usable.items(), outputs, grads, strict=True):
+            grad = torch.zeros_like(layer_out) if grad is None else grad
+            grad = grad if columns > 1 else grad.unsqueeze(0)
+            inp = records[module][0][0]
+            if isinstance(module, nn.Linear):
+                _linear_diag(inp, grad, entries, out)
+            else:
+                _conv_diag(module, inp, grad, entries, out)
+    del records, output
+    rest = [name for name in treated.names if name not in out]
+    if rest:
+        _generic_diag(model, rest, x, factor, out)
+    return {name: out[name] for name in treated.names}
+
+
+def dense_curvature(
+    model: nn.Module,
+    treated: Treated,
+    x: Tensor,
+    target: Tensor,
+    likelihood: Likelihood,
+    kind: str,
+) -> Tensor:
+    r"""Dense curvature :math:`\sum_{i,k} g_{ik} g_{ik}^\top` over the batch, shape (P, P).
+
+    The flat order is that of ``treated`` (``model.named_parameters()``).
+    """
+    with torch.no_grad():
+        output = _forward(model, x, target)
+    factor = batch_factor(likelihood, kind, output, target)
+    current = dict(model.named_parameters())
+    params = {name: current[name].detach() for name in treated.names}
+    run = _per_example_vjp(model, params)
+    reference = params[treated.names[0]]
+    total = torch.zeros(
+        treated.numel, treated.numel, dtype=reference.dtype, device=reference.device
+    )
+    step = _rows_per_chunk(factor.shape[-1] * treated.numel * reference.element_size())
+    for start in range(0, x.shape[0], step):
+        with torch.no_grad():
+            grads = vmap(run)(x[start : start + step], factor[start : start + step])
+        rows = treated.flatten(grads, batch_dims=2).reshape(-1, treated.numel)
+        total += rows.transpose(0, 1) @ rows
+    return total

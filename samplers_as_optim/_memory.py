@@ -1,0 +1,72 @@
+"""Refuse a dense P x P matrix that cannot fit, before spending an epoch on it.
+
+A dense Gaussian over P parameters keeps a P x P precision (or scale) matrix and, while
+factorising or inverting it, about two more of the same size. :func:`check_dense_fits`
+compares ``3 * P**2 * itemsize`` with the memory the device has free (``MemAvailable``
+on Linux CPUs, ``torch.cuda.mem_get_info`` on CUDA; no check elsewhere) and raises a
+``ValueError`` that names both sizes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["available_bytes", "check_dense_fits", "dense_bytes"]
+
+# The precision itself, its Cholesky factor and one transient of the same size.
+_DENSE_COPIES = 3
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory on ``device`` in bytes, or None where it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
+def dense_bytes(num_params: int, dtype: torch.dtype) -> int:
+    """Bytes needed for a dense structure over ``num_params`` parameters."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return _DENSE_COPIES * num_params * num_params * itemsize
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.3g} GiB"
+
+
+def check_dense_fits(
+    num_params: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    subject: str = "structure: 'dense'",
+    alternative: str = "structure='diag'",
+) -> None:
+    """ValueError naming the sizes if a dense ``num_params``-square structure cannot fit.
+
+    The message reads ``Invalid <subject> (a P x P ... matrix ... needs about X GiB ...,
+    but <device> has Y GiB free; use <alternative>, or set requires_grad=False ...)``.
+    """
+    needed = dense_bytes(num_params, dtype)
+    free = available_bytes(device)
+    if free is not None and needed > free:
+        raise ValueError(
+            f"Invalid {subject} (a {num_params} x {num_params} {dtype} matrix over the "
+            f"{num_params} treated parameters needs about {_gib(needed)} with its "
+            f"factorisation, but {device} has {_gib(free)} free; use {alternative}, or set "
+            "requires_grad=False on the parameters the posterior should not treat)"
+        )
