@@ -1,4 +1,4 @@
-"""The one layout every method's samples share, and the one way to run a model over them.
+r"""The one layout every method's samples share, and the one way to run a model over them.
 
 A *stacked* set of parameters is a ``dict`` mapping a module's parameter (and, optionally,
 buffer) names, as in ``module.named_parameters()``, to tensors with one extra leading
@@ -6,34 +6,70 @@ dimension of size S: ensemble members, collected SGMCMC samples, Laplace or VI d
 Names absent from the dict keep the module's own values, shared by all S (so a
 posterior over a subset of the parameters, LoRA-style, is a smaller dict).
 
-:func:`call_stacked` runs the module for all S at once with
-``torch.func.vmap(torch.func.functional_call)``, in chunks of S when asked, so the same
-code serves a :class:`~samplers_as_optim.ParallelEnsemble`'s forward and every
-predictive computation.
+:func:`call_stacked` runs the module for all S at once with ``torch.func.vmap``, in
+chunks of S when asked, so the same code serves a
+:class:`~samplers_as_optim.ParallelEnsemble`'s forward and every predictive computation:
+there is one vmapped forward in the package.
+
+How the module sees entry i: for the duration of the call, each parameter or buffer
+named in the dict is swapped, in the module that owns it, for that entry's slice
+(exactly what ``torch.func.functional_call`` does, with the bookkeeping done once per
+call instead of once per traced function; tied weights follow their tensor). The
+module is restored afterwards, also when the forward raises.
 
 Example:
     >>> import torch
     >>> from samplers_as_optim.stacked import call_stacked, stack_modules
+    >>> _ = torch.manual_seed(0)
     >>> members = [torch.nn.Linear(3, 2) for _ in range(4)]
     >>> stacked = stack_modules(members)
-    >>> call_stacked(members[0], stacked, torch.randn(5, 3)).shape
+    >>> x = torch.randn(5, 3)
+    >>> out = call_stacked(members[0], stacked, x)
+    >>> out.shape
     torch.Size([4, 5, 2])
+    >>> torch.allclose(out[2], members[2](x))
+    True
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ._validation import check_bool, check_choice
 
 __all__ = ["call_stacked", "num_stacked", "stack_modules", "stack_states", "unstack"]
 
+RANDOMNESS = ("different", "same", "error")
+
+#: one place a tensor lives in a module: (the owner's ``_parameters`` or ``_buffers``
+#: dict, the key in it)
+_Slot = tuple[dict, str]
+
 
 def num_stacked(stacked: Mapping[str, Tensor]) -> int:
-    """The common leading size S of a stacked dict; ValueError if empty or inconsistent."""
+    """The common leading size S of a stacked dict.
+
+    Args:
+        stacked: name -> tensor, each with the same leading dimension.
+
+    Returns:
+        S, the size of the leading dimension.
+
+    Raises:
+        ValueError: the dict is empty, a tensor is 0-dimensional, or the leading sizes
+            differ.
+
+    Example:
+        >>> import torch
+        >>> num_stacked({"weight": torch.zeros(7, 2, 3), "bias": torch.zeros(7, 2)})
+        7
+    """
     if not stacked:
         raise ValueError("Invalid stacked parameters: {} (expected at least one tensor)")
     sizes = {name: tensor.shape[0] if tensor.dim() else None for name, tensor in stacked.items()}
@@ -47,7 +83,24 @@ def num_stacked(stacked: Mapping[str, Tensor]) -> int:
 
 
 def stack_states(states: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """Stack equally-keyed dicts of tensors along a new leading dimension (detached copies)."""
+    """Stack equally-keyed dicts of tensors along a new leading dimension.
+
+    Args:
+        states: dicts with the same keys, in the same order; tensors under one key share
+            a shape.
+
+    Returns:
+        name -> tensor ``[len(states), *shape]``: new memory, detached from autograd.
+
+    Raises:
+        ValueError: ``states`` is empty or the keys differ.
+
+    Example:
+        >>> import torch
+        >>> stack_states([{"w": torch.zeros(2)}, {"w": torch.ones(2)}])["w"]
+        tensor([[0., 0.],
+                [1., 1.]])
+    """
     if not states:
         raise ValueError("Invalid states: [] (expected at least one dict of tensors)")
     keys = list(states[0])
@@ -61,7 +114,21 @@ def stack_states(states: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
 
 
 def stack_modules(modules: Sequence[nn.Module], *, buffers: bool = False) -> dict[str, Tensor]:
-    """Stack the parameters (and, with ``buffers=True``, the buffers) of same-shaped modules."""
+    """Stack the parameters (and, with ``buffers=True``, the buffers) of same-shaped modules.
+
+    Args:
+        modules: modules of one architecture.
+        buffers: also stack the buffers (default: False).
+
+    Returns:
+        The stacked dict (see :func:`stack_states`), keyed as ``named_parameters()``.
+
+    Example:
+        >>> import torch
+        >>> stacked = stack_modules([torch.nn.Linear(3, 2) for _ in range(5)])
+        >>> {name: tuple(tensor.shape) for name, tensor in stacked.items()}
+        {'weight': (5, 2, 3), 'bias': (5, 2)}
+    """
     states = []
     for module in modules:
         state = dict(module.named_parameters())
@@ -72,11 +139,162 @@ def stack_modules(modules: Sequence[nn.Module], *, buffers: bool = False) -> dic
 
 
 def unstack(stacked: Mapping[str, Tensor], index: int) -> dict[str, Tensor]:
-    """The ``index``-th entry of a stacked dict (views, not copies)."""
+    """The ``index``-th entry of a stacked dict (views, not copies).
+
+    Args:
+        stacked: name -> tensor with a leading dimension S.
+        index: an integer in [-S, S).
+
+    Returns:
+        name -> ``stacked[name][index]``.
+
+    Raises:
+        IndexError: ``index`` is out of range.
+
+    Example:
+        >>> import torch
+        >>> unstack({"w": torch.arange(6.0).reshape(3, 2)}, -1)
+        {'w': tensor([4., 5.])}
+    """
     size = num_stacked(stacked)
-    if not -size <= index < size:
-        raise IndexError(f"Invalid index: {index} (expected an integer in [{-size}, {size}))")
+    if isinstance(index, bool) or not isinstance(index, int) or not -size <= index < size:
+        raise IndexError(f"Invalid index: {index!r} (expected an integer in [{-size}, {size}))")
     return {name: tensor[index] for name, tensor in stacked.items()}
+
+
+def _tensor_slots(module: nn.Module) -> dict[str, tuple[Tensor, list[_Slot]]]:
+    """Every parameter and buffer name of ``module``, tied names included.
+
+    Returns:
+        name -> (the tensor, every slot holding that tensor). Two tied names map to the
+        same tensor and the same slots, so swapping through either name swaps both.
+    """
+    slots_by_tensor: dict[int, list[_Slot]] = {}
+    named: dict[str, Tensor] = {}
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        for table in (owner._parameters, owner._buffers):
+            for key, tensor in table.items():
+                if tensor is None:
+                    continue
+                name = f"{prefix}.{key}" if prefix else key
+                named[name] = tensor
+                slots = slots_by_tensor.setdefault(id(tensor), [])
+                if not any(existing is table and k == key for existing, k in slots):
+                    slots.append((table, key))
+    return {name: (tensor, slots_by_tensor[id(tensor)]) for name, tensor in named.items()}
+
+
+def _bind(module: nn.Module, names: Sequence[str]) -> list[tuple[dict, str, str]]:
+    """Where each stacked name goes in ``module``: a list of (table, key, name).
+
+    Raises:
+        KeyError: a name is not a parameter or buffer of ``module``.
+        ValueError: two names given are tied (the same tensor), which is ambiguous.
+    """
+    slots = _tensor_slots(module)
+    unknown = [name for name in names if name not in slots]
+    if unknown:
+        raise KeyError(
+            f"Invalid stacked parameters: names {sorted(unknown)} are not parameters or "
+            f"buffers of {type(module).__name__}"
+        )
+    bound: list[tuple[dict, str, str]] = []
+    seen: dict[int, str] = {}
+    for name in names:
+        tensor, tensor_slots = slots[name]
+        if id(tensor) in seen:
+            raise ValueError(
+                f"Invalid stacked parameters: names {seen[id(tensor)]!r} and {name!r} are the "
+                f"same (tied) tensor of {type(module).__name__} (expected one of them)"
+            )
+        seen[id(tensor)] = name
+        bound.extend((table, key, name) for table, key in tensor_slots)
+    return bound
+
+
+def _bind_all(module: nn.Module) -> tuple[dict[str, Tensor], list[tuple[dict, str, str]]]:
+    """Every tensor of ``module`` and where it goes, in one traversal (the ensemble's case).
+
+    Returns:
+        (name -> tensor, one name per tensor: the first, as ``named_parameters()`` gives it;
+        the bound slots, as :func:`_bind` gives them for those names).
+    """
+    tensors: dict[str, Tensor] = {}
+    canonical: dict[int, str] = {}
+    bound: list[tuple[dict, str, str]] = []
+    seen_slots: set[tuple[int, str]] = set()
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        for table in (owner._parameters, owner._buffers):
+            for key, tensor in table.items():
+                if tensor is None or (id(table), key) in seen_slots:
+                    continue
+                seen_slots.add((id(table), key))
+                name = canonical.get(id(tensor))
+                if name is None:
+                    name = f"{prefix}.{key}" if prefix else key
+                    canonical[id(tensor)] = name
+                    tensors[name] = tensor
+                bound.append((table, key, name))
+    return tensors, bound
+
+
+def _in_dims(args: Sequence[Any], per_sample_inputs: bool) -> tuple[Any, ...]:
+    """The ``in_dims`` of the inputs: 0 on every tensor leaf when per sample, else None."""
+    if not per_sample_inputs:
+        return tuple(None for _ in args)
+    return tuple(
+        tree_map(lambda leaf: 0 if isinstance(leaf, Tensor) else None, arg) for arg in args
+    )
+
+
+def _check_per_sample_inputs(args: Sequence[Any], size: int) -> None:
+    for position, arg in enumerate(args):
+        for leaf in tree_flatten(arg)[0]:
+            if isinstance(leaf, Tensor) and (leaf.dim() == 0 or leaf.shape[0] != size):
+                raise ValueError(
+                    f"Invalid input {position}: shape {tuple(leaf.shape)} (expected a leading "
+                    f"dimension of {size}, one slice per stacked entry, with "
+                    "per_sample_inputs=True)"
+                )
+
+
+def check_chunk_size(chunk_size: Any) -> int | None:
+    """Check ``chunk_size``: None or an integer >= 1."""
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"Invalid chunk_size: {chunk_size!r} (expected None or an integer >= 1)")
+    return chunk_size
+
+
+def _vmapped_call(
+    module: nn.Module,
+    bound: Sequence[tuple[dict, str, str]],
+    stacked: dict[str, Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    per_sample_inputs: bool,
+    chunk_size: int | None,
+    randomness: str,
+) -> Any:
+    """The package's one vmapped forward (arguments already checked)."""
+
+    def run(entry: dict[str, Tensor], *inputs: Any) -> Any:
+        saved = [table[key] for table, key, _ in bound]
+        try:
+            for table, key, name in bound:
+                table[key] = entry[name]
+            return module(*inputs, **kwargs)
+        finally:
+            for (table, key, _), original in zip(bound, saved, strict=True):
+                table[key] = original
+
+    in_dims = (0, *_in_dims(args, per_sample_inputs))
+    batched: Callable[..., Any] = vmap(
+        run, in_dims=in_dims, randomness=randomness, chunk_size=chunk_size
+    )
+    return batched(stacked, *args)
 
 
 def call_stacked(
@@ -88,54 +306,60 @@ def call_stacked(
     randomness: str = "different",
     **kwargs: Any,
 ) -> Any:
-    """Run ``module`` once per stacked entry, all entries in one vmapped call.
+    r"""Run ``module`` once per stacked entry, all entries in one vmapped call.
+
+    Entry i computes ``module(*args, **kwargs)`` with the parameters and buffers named in
+    ``stacked`` replaced by ``stacked[name][i]``; every other parameter and buffer keeps
+    the module's own value, shared by all entries. Autograd flows into ``stacked``; buffers
+    that the forward updates in place (BatchNorm's running statistics in train mode) are
+    updated in their stacked tensor, entry by entry, so stack them when the module trains.
 
     Args:
-        module: the model; its own parameters and buffers fill in any name absent from
-            ``stacked``. It is not modified.
+        module: the model; it is not modified (its tensors are swapped back afterwards).
         stacked: name -> tensor with a leading dimension S (see the module docstring).
-        *args: the module's positional inputs.
+        *args: the module's positional inputs (tensors or pytrees of tensors).
         per_sample_inputs: False (default): every entry sees the same inputs; True: each
             tensor in ``args`` has a leading dimension S and entry i sees slice i.
-        chunk_size: evaluate at most this many entries at a time (bounds activation
-            memory); None evaluates all at once.
-        randomness: ``torch.func.vmap``'s randomness mode; "different" (default) gives
-            each entry its own dropout mask.
+        chunk_size: evaluate at most this many entries at a time, so activation memory
+            stays bounded by ``chunk_size`` entries (default: None, all S at once). The
+            result is the same.
+        randomness: ``torch.func.vmap``'s randomness mode (default: "different", each
+            entry draws its own dropout mask; "same": one mask for all; "error").
         **kwargs: keyword inputs, shared by all entries.
 
     Returns:
-        The module's output with a leading dimension S (for each tensor in the output).
+        The module's output with a leading dimension S (on every tensor of the output).
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+        KeyError: a name in ``stacked`` is not a parameter or buffer of ``module``.
+        ValueError: inconsistent leading sizes, tied names given twice, a bad
+            ``chunk_size`` or ``randomness``, or (with ``per_sample_inputs``) an input
+            whose leading dimension is not S.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh())
+        >>> samples = {"0.weight": torch.randn(10, 4, 3)}  # the bias stays shared
+        >>> call_stacked(model, samples, torch.randn(6, 3), chunk_size=4).shape
+        torch.Size([10, 6, 4])
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"Invalid module: {module!r} (expected an nn.Module)")
     size = num_stacked(stacked)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or chunk_size < 1):
-        raise ValueError(f"Invalid chunk_size: {chunk_size!r} (expected None or an integer >= 1)")
-    shared = {
-        name: tensor
-        for name, tensor in [*module.named_parameters(), *module.named_buffers()]
-        if name not in stacked
-    }
-    unknown = set(stacked) - {n for n, _ in module.named_parameters()} - {
-        n for n, _ in module.named_buffers()
-    }
-    if unknown:
-        raise KeyError(
-            f"Invalid stacked parameters: names {sorted(unknown)} are not parameters or "
-            f"buffers of {type(module).__name__}"
-        )
+    chunk_size = check_chunk_size(chunk_size)
+    check_choice("randomness", randomness, RANDOMNESS)
+    check_bool("per_sample_inputs", per_sample_inputs)
+    bound = _bind(module, list(stacked))
     if per_sample_inputs:
-        for position, arg in enumerate(args):
-            if isinstance(arg, Tensor) and (arg.dim() == 0 or arg.shape[0] != size):
-                raise ValueError(
-                    f"Invalid input {position}: shape {tuple(arg.shape)} (expected a leading "
-                    f"dimension of {size}, one slice per stacked entry, with "
-                    "per_sample_inputs=True)"
-                )
-
-    def run(entry: dict[str, Tensor], *inputs: Any) -> Any:
-        return functional_call(module, (entry, shared), inputs, kwargs, strict=False)
-
-    in_dims = (0, *((0 if isinstance(a, Tensor) else None) if per_sample_inputs else None
-                    for a in args))
-    return vmap(run, in_dims=in_dims, randomness=randomness, chunk_size=chunk_size)(
-        dict(stacked), *args
+        _check_per_sample_inputs(args, size)
+    return _vmapped_call(
+        module,
+        bound,
+        dict(stacked),
+        args,
+        kwargs,
+        per_sample_inputs=per_sample_inputs,
+        chunk_size=chunk_size,
+        randomness=randomness,
     )

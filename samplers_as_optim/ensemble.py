@@ -1,0 +1,702 @@
+r"""A deep ensemble as one module: K members stacked, run in one vmapped call.
+
+:class:`ParallelEnsemble` holds K copies of a model's parameters and buffers stacked
+along a leading dimension and runs all members through
+:func:`~samplers_as_optim.stacked.call_stacked` (one ``torch.func.vmap``). Any optimizer
+over ``ensemble.parameters()`` then trains every member at once: ``torch.optim.SGD`` gives
+a deep ensemble (Lakshminarayanan et al., 2017), :class:`~samplers_as_optim.SGHMC` gives
+parallel SGMCMC, the "Bayesian deep ensemble" of the posteriors paper, Section 4.2: K
+independent chains whose final states are K (asymptotically) exact posterior samples.
+
+The loss convention. Train on the sum over members of each member's usual mean loss,
+
+.. math::
+
+    \mathcal L(\theta_1, \dots, \theta_K) = \sum_{k=1}^K L_k(\theta_k), \qquad
+    \nabla_{\theta_k} \mathcal L = \nabla L_k(\theta_k),
+
+so member k's gradient is exactly what a single model would get: it does not depend on
+K, and ``SGHMC(ensemble.parameters(), num_data=N)`` applies to every member the update of
+a single SGHMC chain on N training examples (``num_data`` is the training-set size, not
+K N). Averaging over members instead would divide every gradient by K, silently changing
+the learning rate and, for a sampler, the temperature. :func:`ensemble_loss` (and the
+method :meth:`ParallelEnsemble.loss`) applies a loss per member and sums, so this is the
+easy thing to write. The samplers draw noise element by element, so with a stacked
+parameter the members' noise is independent.
+
+Data. Deep ensembles and parallel chains usually see the data in a different order per
+member: pass one batch per member, ``ensemble(x, per_member_inputs=True)`` with ``x`` of
+shape ``[K, B, ...]`` (e.g. ``x_train[perms[:, i:i + B]]`` for K permutations), and
+``per_member_targets=True`` to the loss.
+
+Exactness. Member k computes what its own model would, with vmap's batched kernels:
+outputs and gradients equal a separately run model to rounding, and bit for bit where
+the batched matmul rounds like the single one (on the CPU builds tested, for the MLPs in
+the tests and benchmarks, 20 steps of SGD match K separately trained models exactly).
+
+Memory. One vmapped call holds all K members' activations at once, where a loop over K
+models holds one member's; for activation-heavy models :meth:`ParallelEnsemble.backward`
+runs forward and backward a chunk of members at a time.
+
+Example:
+    >>> import torch
+    >>> import torch.nn.functional as F
+    >>> from samplers_as_optim import SGHMC
+    >>> from samplers_as_optim.ensemble import ParallelEnsemble
+    >>> _ = torch.manual_seed(0)
+    >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    >>> ensemble = ParallelEnsemble(net, num_members=5, seed=0)
+    >>> optimizer = SGHMC(ensemble.parameters(), lr=1e-2, num_data=100, seed=0)
+    >>> x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    >>> outputs = ensemble(x)  # [5, 16, 3]: every member sees the same batch
+    >>> loss = ensemble.loss(F.cross_entropy, outputs, y)  # sum of the members' mean losses
+    >>> optimizer.zero_grad()
+    >>> loss.backward()
+    >>> optimizer.step()
+    >>> ensemble.member(2)(x).shape  # an ordinary nn.Module
+    torch.Size([16, 3])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import vmap
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ._random import derive_seed
+from ._validation import check_bool, check_choice, check_positive_int, check_seed
+from .stacked import (
+    RANDOMNESS,
+    _bind_all,
+    _check_per_sample_inputs,
+    _vmapped_call,
+    check_chunk_size,
+)
+
+__all__ = ["ParallelEnsemble", "ensemble_loss"]
+
+
+def ensemble_loss(
+    loss_fn: Callable[[Any, Any], Tensor],
+    outputs: Any,
+    targets: Any,
+    *,
+    per_member_targets: bool = False,
+) -> Tensor:
+    r"""The sum over members of each member's mean loss: :math:`\sum_k L(o_k, y_k)`.
+
+    ``loss_fn`` is applied to each member's outputs separately (with ``torch.func.vmap``,
+    so any loss written for one model works), then the K scalars are summed. Member k's
+    gradient is then the gradient a single model would get, bit for bit (see the module
+    docstring). For torch's unweighted cross-entropy or NLL with shared class-index
+    targets the K B examples go through ``loss_fn`` at once instead (faster, the same
+    gradients bit for bit; the value may differ in the last bit).
+
+    Args:
+        loss_fn: ``loss_fn(outputs_k, targets_k)`` returns member k's loss as a scalar,
+            usually a mean over the batch (``F.cross_entropy``, ``nn.MSELoss()``, ...).
+        outputs: the ensemble's outputs, a tensor (or pytree of tensors) with leading
+            dimension K.
+        targets: shared by all members (default), e.g. ``[B]`` class labels; or, with
+            ``per_member_targets=True``, one set per member with leading dimension K.
+        per_member_targets: whether ``targets`` carries a leading member dimension
+            (default: False).
+
+    Returns:
+        A scalar tensor: the sum of the K members' losses.
+
+    Raises:
+        ValueError: ``outputs`` (or per-member ``targets``) lack a common leading
+            dimension, or ``loss_fn`` does not return a scalar per member.
+
+    Example:
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> outputs = torch.zeros(3, 4, 2)  # K = 3 members, B = 4, two classes
+        >>> ensemble_loss(F.cross_entropy, outputs, torch.tensor([0, 1, 1, 0]))
+        tensor(2.0794)
+    """
+    check_bool("per_member_targets", per_member_targets)
+    size = _leading_size("outputs", outputs)
+    if per_member_targets:
+        target_size = _leading_size("targets", targets)
+        if target_size != size:
+            raise ValueError(
+                f"Invalid targets: leading dimension {target_size} (expected {size}, one set "
+                "of targets per member, with per_member_targets=True)"
+            )
+
+    def member_loss(member_outputs: Any, member_targets: Any) -> Tensor:
+        value = loss_fn(member_outputs, member_targets)
+        if not isinstance(value, Tensor) or value.dim() != 0:
+            shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(
+                f"Invalid loss_fn: it returned {shape} per member (expected a scalar tensor, "
+                "the member's mean loss: use reduction='mean')"
+            )
+        return value
+
+    if not per_member_targets and _is_plain_class_nll(loss_fn, outputs, targets):
+        # Fast path, same gradients bit for bit: with shared class-index targets, torch's
+        # mean over all K*B examples is divided by K*B, and K * (g / (K*B)) rounds exactly
+        # as g / B does, so each member's gradient is the one a single model gets.
+        size = outputs.shape[0]
+        flat_targets = targets.expand(size, *targets.shape).reshape(-1, *targets.shape[1:])
+        return loss_fn(outputs.flatten(0, 1), flat_targets) * size
+    in_dims = (0, 0 if per_member_targets else None)
+    return vmap(member_loss, in_dims=in_dims)(outputs, targets).sum()
+
+
+def _is_plain_class_nll(loss_fn: Any, outputs: Any, targets: Any) -> bool:
+    """Whether ``loss_fn`` is torch's unweighted mean cross-entropy or NLL on class indices."""
+    if loss_fn is F.cross_entropy or loss_fn is F.nll_loss:
+        pass
+    elif type(loss_fn) in (nn.CrossEntropyLoss, nn.NLLLoss):
+        if loss_fn.weight is not None or loss_fn.reduction != "mean":
+            return False
+        if getattr(loss_fn, "label_smoothing", 0.0) != 0.0:
+            return False
+    else:
+        return False
+    return (
+        isinstance(outputs, Tensor)
+        and isinstance(targets, Tensor)
+        and outputs.dim() >= 3
+        and not targets.is_floating_point()
+        and targets.dim() == outputs.dim() - 2
+    )
+
+
+def _leading_size(name: str, value: Any) -> int:
+    leaves = [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, Tensor)]
+    sizes = {tuple(leaf.shape[:1]) for leaf in leaves}
+    if not leaves or len(sizes) != 1 or () in sizes:
+        shapes = [tuple(leaf.shape) for leaf in leaves]
+        raise ValueError(
+            f"Invalid {name}: shapes {shapes} (expected tensors with a common leading "
+            "member dimension)"
+        )
+    return sizes.pop()[0]
+
+
+def _reset(module: nn.Module) -> None:
+    """Draw fresh values for every parameter and buffer, as the module's constructor does.
+
+    Calls ``reset_parameters()`` (or ``nn.MultiheadAttention``'s ``_reset_parameters()``)
+    on every submodule that has one, parents first.
+
+    Raises:
+        ValueError: a submodule owns parameters but neither it nor an ancestor can reset
+            them (so every member would start equal).
+    """
+    resettable: set[str] = set()
+    for prefix, submodule in module.named_modules():
+        reset = getattr(submodule, "reset_parameters", None)
+        if not callable(reset):
+            reset = getattr(submodule, "_reset_parameters", None)
+        if callable(reset):
+            resettable.add(prefix)
+            reset()
+            continue
+        own = [key for key, value in submodule._parameters.items() if value is not None]
+        parts = prefix.split(".") if prefix else []
+        ancestors = {".".join(parts[:depth]) for depth in range(len(parts))}
+        if own and not ancestors & resettable:
+            where = f"submodule {prefix!r}" if prefix else "the module itself"
+            raise ValueError(
+                f"Invalid module_or_factory: {where} ({type(submodule).__name__}) owns "
+                f"parameters {own} but has no reset_parameters() to draw them again for each "
+                "member (expected a factory, e.g. lambda: MyNet(), or "
+                "ParallelEnsemble.from_modules)"
+            )
+
+
+def _tensors(module: nn.Module) -> dict[str, Tensor]:
+    """A module's parameters, then its buffers, by name (tied tensors once)."""
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+def _layout(module: nn.Module) -> dict[str, tuple[Any, ...]]:
+    return {
+        name: (
+            "parameter" if isinstance(tensor, nn.Parameter) else "buffer",
+            tuple(tensor.shape),
+            tensor.dtype,
+            tensor.device,
+            tensor.requires_grad,
+        )
+        for name, tensor in _tensors(module).items()
+    }
+
+
+def _check_same_layout(
+    argname: str, index: int, module: Any, first: nn.Module, expected: dict[str, tuple[Any, ...]]
+) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"Invalid {argname}: member {index} is a {type(module).__name__} (expected an "
+            "nn.Module)"
+        )
+    if type(module) is not type(first):
+        raise ValueError(
+            f"Invalid {argname}: member {index} is a {type(module).__name__} (expected a "
+            f"{type(first).__name__}, like member 0)"
+        )
+    layout = _layout(module)
+    if list(layout) != list(expected):
+        raise ValueError(
+            f"Invalid {argname}: member {index} has parameters and buffers "
+            f"{sorted(layout)} (expected {sorted(expected)}, like member 0)"
+        )
+    fields = ("kind", "shape", "dtype", "device", "requires_grad")
+    for name, description in layout.items():
+        for field, got, want in zip(fields, description, expected[name], strict=True):
+            if got != want:
+                raise ValueError(
+                    f"Invalid {argname}: member {index} has {name!r} with {field} {got} "
+                    f"(expected {want}, like member 0)"
+                )
+
+
+@contextlib.contextmanager
+def _member_rng(seed: int | None, index: int) -> Iterator[None]:
+    """Seed torch's RNG for member ``index`` (and restore it after); nothing when seed is None."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng():
+        torch.manual_seed(derive_seed(seed, index))
+        yield
+
+
+def _stack_members(
+    members: Iterator[nn.Module], num_members: int, argname: str
+) -> tuple[nn.Module, dict[str, Tensor]]:
+    """Copy each member into preallocated ``[K, ...]`` storage, one member alive at a time.
+
+    Returns:
+        (the first member, name -> stacked tensor).
+    """
+    first: nn.Module | None = None
+    expected: dict[str, tuple[Any, ...]] = {}
+    storage: dict[str, Tensor] = {}
+    with torch.no_grad():
+        for index in range(num_members):
+            member = next(members)
+            if first is None:
+                if not isinstance(member, nn.Module):
+                    raise TypeError(
+                        f"Invalid {argname}: it produced a {type(member).__name__} (expected "
+                        "an nn.Module)"
+                    )
+                if any(
+                    isinstance(t, nn.parameter.UninitializedTensorMixin)
+                    for t in _tensors(member).values()
+                ):
+                    raise ValueError(
+                        f"Invalid {argname}: {type(member).__name__} has uninitialized (lazy) "
+                        "parameters (expected a module whose shapes are known: run one "
+                        "forward pass first)"
+                    )
+                first = member
+                expected = _layout(member)
+                storage = {
+                    name: torch.empty(
+                        (num_members, *tensor.shape), dtype=tensor.dtype, device=tensor.device
+                    )
+                    for name, tensor in _tensors(member).items()
+                }
+            else:
+                _check_same_layout(argname, index, member, first, expected)
+            for name, tensor in _tensors(member).items():
+                storage[name][index].copy_(tensor)
+    assert first is not None
+    return first, storage
+
+
+def _template(first: nn.Module, storage: Mapping[str, Tensor]) -> nn.Module:
+    """A copy of ``first`` whose parameters and buffers are the stacked tensors."""
+    memo: dict[int, Any] = {}
+    for name, tensor in _tensors(first).items():
+        if isinstance(tensor, nn.Parameter):
+            memo[id(tensor)] = nn.Parameter(storage[name], requires_grad=tensor.requires_grad)
+        else:
+            memo[id(tensor)] = storage[name]
+    return copy.deepcopy(first, memo)
+
+
+class ParallelEnsemble(nn.Module):
+    r"""K models with stacked parameters, trained and run in parallel by one vmapped call.
+
+    The members' parameters and buffers live in ``ensemble.module``, a copy of the model
+    whose every tensor has a leading member dimension K (``ensemble.module[0].weight`` has
+    shape ``[K, out, in]``); ``named_parameters()``, ``state_dict()`` and optimizers see
+    these ``[K, ...]`` tensors. The forward swaps each member's slice into the model inside
+    ``torch.func.vmap`` (:func:`~samplers_as_optim.stacked.call_stacked`), so any model
+    that runs under ``vmap`` works: dropout draws a different mask per member
+    (``randomness="different"``), and BatchNorm in train mode updates each member's own
+    running statistics.
+
+    Members are initialised independently: with a factory, ``factory()`` is called K times;
+    with a module, K copies of it are re-initialised with each submodule's
+    ``reset_parameters()`` (its own values are not used; to start from given weights, use
+    :meth:`from_modules`). With ``seed=None`` the draws come from torch's global RNG in
+    member order, exactly as ``[factory() for _ in range(K)]`` would make them; with an
+    integer seed, member k is drawn under its own seed derived from ``(seed, k)`` and the
+    global RNG is left untouched.
+
+    Train on :meth:`loss` (the sum over members of each member's mean loss): with
+    ``torch.optim.SGD`` this is a deep ensemble, with ``SGHMC(num_data=N)`` parallel SGHMC
+    (see the module docstring for why the sum is the right convention).
+
+    Args:
+        module_or_factory: an ``nn.Module`` to re-initialise K times, or a callable that
+            returns a new module of one architecture each time it is called.
+        num_members: K, the number of members (an integer >= 1).
+        seed: None (default: torch's global RNG) or an integer in [0, 2**64) that makes
+            the initialisation reproducible on its own.
+        chunk_size: run at most this many members at a time in the forward (default:
+            None, all at once); bounds activation memory for prediction at the cost of
+            speed. The results are the same.
+        randomness: ``torch.func.vmap``'s randomness mode (default: "different": each
+            member draws its own dropout mask; "same"; "error").
+
+    Example:
+        >>> import torch
+        >>> _ = torch.manual_seed(0)
+        >>> factory = lambda: torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+        >>> ensemble = ParallelEnsemble(factory, 6)
+        >>> ensemble.module[0].weight.shape
+        torch.Size([6, 4, 3])
+        >>> ensemble(torch.randn(10, 3)).shape  # a batch shared by all members
+        torch.Size([6, 10, 4])
+        >>> ensemble(torch.randn(6, 10, 3), per_member_inputs=True).shape  # one per member
+        torch.Size([6, 10, 4])
+        >>> ensemble.module[1].num_batches_tracked  # each member's BatchNorm statistics
+        tensor([2, 2, 2, 2, 2, 2])
+    """
+
+    def __init__(
+        self,
+        module_or_factory: nn.Module | Callable[[], nn.Module],
+        num_members: int,
+        *,
+        seed: int | None = None,
+        chunk_size: int | None = None,
+        randomness: str = "different",
+    ) -> None:
+        super().__init__()
+        num_members = check_positive_int("num_members", num_members)
+        seed = check_seed(seed)
+        if isinstance(module_or_factory, nn.Module):
+            members = self._reset_copies(module_or_factory, seed)
+        elif callable(module_or_factory):
+            members = self._factory_calls(module_or_factory, seed)
+        else:
+            raise TypeError(
+                f"Invalid module_or_factory: {module_or_factory!r} (expected an nn.Module or "
+                "a callable that returns one)"
+            )
+        first, storage = _stack_members(members, num_members, "module_or_factory")
+        self._setup(_template(first, storage), num_members, chunk_size, randomness)
+
+    @staticmethod
+    def _reset_copies(module: nn.Module, seed: int | None) -> Iterator[nn.Module]:
+        work = copy.deepcopy(module)  # one working copy, re-initialised for each member
+        index = 0
+        while True:
+            with _member_rng(seed, index):
+                _reset(work)
+            yield work
+            index += 1
+
+    @staticmethod
+    def _factory_calls(factory: Callable[[], nn.Module], seed: int | None) -> Iterator[Any]:
+        index = 0
+        while True:
+            with _member_rng(seed, index):
+                member = factory()
+            yield member
+            index += 1
+
+    def _setup(
+        self, template: nn.Module, num_members: int, chunk_size: Any, randomness: Any
+    ) -> None:
+        self.module = template
+        self.num_members = num_members
+        self.chunk_size = check_chunk_size(chunk_size)
+        self.randomness = check_choice("randomness", randomness, RANDOMNESS)
+
+    @classmethod
+    def from_modules(
+        cls,
+        modules: Sequence[nn.Module],
+        *,
+        chunk_size: int | None = None,
+        randomness: str = "different",
+    ) -> ParallelEnsemble:
+        r"""An ensemble whose members start as copies of given (e.g. trained) modules.
+
+        Args:
+            modules: K modules of one class and architecture (same parameter and buffer
+                names, shapes, dtypes and devices). They are copied, not modified; passing
+                one module K times gives K identical members.
+            chunk_size: as in the constructor.
+            randomness: as in the constructor.
+
+        Returns:
+            The ensemble; member k equals ``modules[k]``.
+
+        Raises:
+            ValueError: ``modules`` is empty or its entries differ in class or layout.
+            TypeError: an entry is not an ``nn.Module``.
+
+        Example:
+            >>> import torch
+            >>> models = [torch.nn.Linear(2, 1) for _ in range(3)]
+            >>> ensemble = ParallelEnsemble.from_modules(models)
+            >>> torch.equal(ensemble.member(1).weight, models[1].weight)
+            True
+        """
+        if isinstance(modules, nn.Module) or not isinstance(modules, Sequence) or not modules:
+            raise ValueError(
+                f"Invalid modules: {modules!r} (expected a non-empty sequence of nn.Modules)"
+            )
+        ensemble = cls.__new__(cls)
+        nn.Module.__init__(ensemble)
+        first, storage = _stack_members(iter(modules), len(modules), "modules")
+        ensemble._setup(_template(first, storage), len(modules), chunk_size, randomness)
+        return ensemble
+
+    # ------------------------------------------------------------------ the stacked layout
+    def stacked(self, *, buffers: bool = True) -> dict[str, Tensor]:
+        """The members' parameters (and buffers) by the model's own names, each ``[K, ...]``.
+
+        These are the ensemble's tensors themselves (not copies): the layout every method's
+        samples share, ready for :func:`~samplers_as_optim.stacked.call_stacked` with the
+        original model, or with ``ensemble.member(0)``.
+
+        Args:
+            buffers: include the buffers (default: True).
+
+        Returns:
+            name -> tensor with leading dimension K.
+        """
+        check_bool("buffers", buffers)
+        tensors = dict(self.module.named_parameters())
+        if buffers:
+            tensors.update(self.module.named_buffers())
+        return tensors
+
+    def member(self, index: int) -> nn.Module:
+        """Member ``index`` as an ordinary module (a copy of its current values).
+
+        Args:
+            index: an integer in [-K, K).
+
+        Returns:
+            A new module of the model's class holding member ``index``'s parameters and
+            buffers (detached copies; ``requires_grad`` and the train/eval mode as here).
+
+        Raises:
+            IndexError: ``index`` is out of range.
+        """
+        size = self.num_members
+        if isinstance(index, bool) or not isinstance(index, int) or not -size <= index < size:
+            raise IndexError(f"Invalid index: {index!r} (expected an integer in [{-size}, {size}))")
+        memo: dict[int, Any] = {}
+        with torch.no_grad():
+            for tensor in self.stacked().values():
+                value = tensor[index].clone()
+                if isinstance(tensor, nn.Parameter):
+                    value = nn.Parameter(value, requires_grad=tensor.requires_grad)
+                memo[id(tensor)] = value
+        return copy.deepcopy(self.module, memo)
+
+    def members(self) -> list[nn.Module]:
+        """All members as ordinary modules (see :meth:`member`)."""
+        return [self.member(index) for index in range(self.num_members)]
+
+    # ------------------------------------------------------------------ forward and loss
+    def forward(self, *args: Any, per_member_inputs: bool = False, **kwargs: Any) -> Any:
+        """Run every member on the inputs, in one vmapped call.
+
+        Args:
+            *args: the model's positional inputs, shared by all members (``[B, ...]``), or
+                with ``per_member_inputs=True`` one batch per member (``[K, B, ...]``).
+            per_member_inputs: whether each tensor in ``args`` has a leading member
+                dimension (default: False).
+            **kwargs: keyword inputs, shared by all members.
+
+        Returns:
+            The model's output with a leading member dimension K.
+
+        Raises:
+            ValueError: ``per_member_inputs=True`` and an input's leading dimension is not K.
+        """
+        check_bool("per_member_inputs", per_member_inputs)
+        stacked, bound = _bind_all(self.module)
+        if per_member_inputs:
+            _check_per_sample_inputs(args, self.num_members)
+        return _vmapped_call(
+            self.module,
+            bound,
+            stacked,
+            args,
+            kwargs,
+            per_sample_inputs=per_member_inputs,
+            chunk_size=self.chunk_size,
+            randomness=self.randomness,
+        )
+
+    def loss(
+        self,
+        loss_fn: Callable[[Any, Any], Tensor],
+        outputs: Any,
+        targets: Any,
+        *,
+        per_member_targets: bool = False,
+    ) -> Tensor:
+        """The training loss: the sum over members of each member's mean loss.
+
+        See :func:`ensemble_loss`; this method also checks that ``outputs`` has K members.
+
+        Args:
+            loss_fn: ``loss_fn(outputs_k, targets_k)`` -> member k's scalar mean loss.
+            outputs: this ensemble's outputs, leading dimension K.
+            targets: shared by all members, or one set per member (leading dimension K)
+                with ``per_member_targets=True``.
+            per_member_targets: whether ``targets`` has a leading member dimension.
+
+        Returns:
+            A scalar tensor.
+        """
+        size = _leading_size("outputs", outputs)
+        if size != self.num_members:
+            raise ValueError(
+                f"Invalid outputs: leading dimension {size} (expected {self.num_members}, "
+                "one output per member)"
+            )
+        return ensemble_loss(loss_fn, outputs, targets, per_member_targets=per_member_targets)
+
+    def backward(
+        self,
+        loss_fn: Callable[[Any, Any], Tensor],
+        *args: Any,
+        targets: Any,
+        chunk_size: int | None = None,
+        per_member_inputs: bool = False,
+        per_member_targets: bool = False,
+        **kwargs: Any,
+    ) -> Tensor:
+        """Forward, loss and backward, at most ``chunk_size`` members at a time.
+
+        Accumulates into every parameter's ``.grad`` the gradients of
+        ``self.loss(loss_fn, self(*args), targets)``, exactly as calling ``.backward()``
+        on that loss would, but runs the members in chunks, each chunk's forward followed
+        at once by its backward: only one chunk's activations are alive at a time, so
+        training memory is the parameters, their gradients and ``chunk_size`` members'
+        activations (the whole ensemble's activations with a plain ``.backward()``).
+        Smaller chunks cost speed (one vmapped call per chunk). Dropout masks are drawn
+        per chunk, so with dropout the result differs from the unchunked run as any
+        other draw would.
+
+        Args:
+            loss_fn: as for :meth:`loss`.
+            *args: the model's inputs, as for :meth:`forward`.
+            targets: as for :meth:`loss` (keyword-only).
+            chunk_size: members per chunk (default: None, all at once).
+            per_member_inputs: as for :meth:`forward`.
+            per_member_targets: as for :meth:`loss`.
+            **kwargs: keyword inputs of the model, shared by all members.
+
+        Returns:
+            The loss (detached): the sum over members of each member's mean loss.
+
+        Example:
+            >>> import torch
+            >>> import torch.nn.functional as F
+            >>> ensemble = ParallelEnsemble(lambda: torch.nn.Linear(3, 2), 4, seed=0)
+            >>> optimizer = torch.optim.SGD(ensemble.parameters(), lr=0.1)
+            >>> x, y = torch.randn(5, 3), torch.tensor([0, 1, 1, 0, 1])
+            >>> optimizer.zero_grad()
+            >>> loss = ensemble.backward(F.cross_entropy, x, targets=y, chunk_size=2)
+            >>> optimizer.step()
+        """
+        chunk_size = check_chunk_size(chunk_size)
+        check_bool("per_member_inputs", per_member_inputs)
+        check_bool("per_member_targets", per_member_targets)
+        size = self.num_members
+        if per_member_inputs:
+            _check_per_sample_inputs(args, size)
+        if per_member_targets and _leading_size("targets", targets) != size:
+            raise ValueError(
+                f"Invalid targets: leading dimension {_leading_size('targets', targets)} "
+                f"(expected {size}, one set of targets per member, with "
+                "per_member_targets=True)"
+            )
+        if chunk_size is None or chunk_size >= size:
+            outputs = self(*args, per_member_inputs=per_member_inputs, **kwargs)
+            loss = ensemble_loss(loss_fn, outputs, targets, per_member_targets=per_member_targets)
+            loss.backward()
+            return loss.detach()
+        stacked, bound = _bind_all(self.module)
+        for tensor in stacked.values():
+            if tensor.requires_grad and tensor.grad is None:
+                tensor.grad = torch.zeros_like(tensor)
+        step = chunk_size
+        total = None
+        for start in range(0, size, step):
+            stop = min(start + step, size)
+            entry = {}
+            for name, tensor in stacked.items():
+                # A leaf view of the chunk whose .grad is a view of the stacked .grad:
+                # autograd accumulates into it in place, so no full-size gradient is ever
+                # materialised for a chunk.
+                view = tensor.detach()[start:stop]
+                if tensor.requires_grad:
+                    view.requires_grad_()
+                    view.grad = tensor.grad[start:stop]
+                entry[name] = view
+
+            def part(value: Any, flag: bool, start: int = start, stop: int = stop) -> Any:
+                if not flag:
+                    return value
+                return tree_map(lambda v: v[start:stop] if isinstance(v, Tensor) else v, value)
+
+            outputs = _vmapped_call(
+                self.module,
+                bound,
+                entry,
+                tuple(part(arg, per_member_inputs) for arg in args),
+                kwargs,
+                per_sample_inputs=per_member_inputs,
+                chunk_size=None,
+                randomness=self.randomness,
+            )
+            loss = ensemble_loss(
+                loss_fn,
+                outputs,
+                part(targets, per_member_targets),
+                per_member_targets=per_member_targets,
+            )
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None
+        return total
+
+    def extra_repr(self) -> str:
+        """The number of members (and the forward's settings when not the default)."""
+        text = f"num_members={self.num_members}"
+        if self.chunk_size is not None:
+            text += f", chunk_size={self.chunk_size}"
+        if self.randomness != "different":
+            text += f", randomness={self.randomness!r}"
+        return text
