@@ -1,0 +1,638 @@
+r"""Bayesian model averaging, predictive uncertainty and its decomposition, and metrics.
+
+The inputs are per-sample model outputs with a leading sample dimension ``S``, exactly what
+:func:`~samplers_as_optim.stacked.call_stacked` returns for stacked samples from any method
+(SGMCMC, ensembles, Laplace, VI): logits ``[S, B, ..., K]`` (classes last) for
+classification, means and variances ``[S, B, ...]`` for regression.
+
+**Classification.** The Bayesian model average (BMA) of the per-sample predictive
+distributions :math:`p_s = \mathrm{softmax}(f_s)` is computed in log space,
+
+.. math::
+    \log \bar p = \operatorname{logsumexp}_s(\log p_s) - \log S,
+
+so that confident samples whose probabilities underflow still contribute exactly. Its
+entropy splits into an aleatoric and an epistemic part (e.g. Depeweg et al. 2018):
+
+.. math::
+    \underbrace{H[\bar p]}_{\text{total}}
+    = \underbrace{\tfrac{1}{S}\textstyle\sum_s H[p_s]}_{\text{aleatoric}}
+    + \underbrace{\tfrac{1}{S}\textstyle\sum_s \mathrm{KL}(p_s \,\|\, \bar p)}
+      _{\text{epistemic (mutual information)}},
+
+with :math:`H[p] = -\sum_k p_k \log p_k` in nats and :math:`0 \log 0 = 0`. The epistemic
+term is computed as the mean KL divergence and clamped at 0 (rounding can make a tiny
+mutual information negative); its absolute accuracy is that of the log-probabilities, about
+1e-7 nats in float32 and 1e-15 in float64, so compare tiny values in float64.
+
+**Regression.** For per-sample Gaussian predictions :math:`N(\mu_s, \sigma^2_s)` the BMA is
+the mixture :math:`\frac{1}{S}\sum_s N(\mu_s, \sigma_s^2)`, whose mean and variance follow
+from the law of total variance:
+
+.. math::
+    \bar\mu = \tfrac{1}{S}\textstyle\sum_s \mu_s, \qquad
+    \underbrace{\sigma^2}_{\text{total}}
+    = \underbrace{\tfrac{1}{S}\textstyle\sum_s \sigma^2_s}_{\text{aleatoric}}
+    + \underbrace{\tfrac{1}{S}\textstyle\sum_s (\mu_s - \bar\mu)^2}_{\text{epistemic}}.
+
+**Metrics** take the BMA outputs: :func:`accuracy`, :func:`nll`, :func:`brier`,
+:func:`ece` and :func:`regression_nll` measure a predictive distribution against labels;
+:func:`auroc` scores out-of-distribution detection from any uncertainty score;
+:func:`agreement` and :func:`total_variation` compare two predictive distributions, as
+Izmailov et al. (2021) compare approximate posteriors with HMC.
+
+References:
+    Depeweg, Hernández-Lobato, Doshi-Velez and Udluft (2018). Decomposition of
+    uncertainty in Bayesian deep learning for efficient and risk-sensitive learning. *ICML*.
+
+    Guo, Pleiss, Sun and Weinberger (2017). On calibration of modern neural networks.
+    *ICML*. (Expected calibration error.)
+
+    Brier (1950). Verification of forecasts expressed in terms of probability. *Monthly
+    Weather Review* 78(1).
+
+    Izmailov, Vikram, Hoffman and Wilson (2021). What are Bayesian neural network
+    posteriors really like? *ICML*. (Top-1 agreement and total variation.)
+
+Example:
+    >>> import torch
+    >>> from samplers_as_optim import predictive
+    >>> from samplers_as_optim.stacked import call_stacked, stack_modules
+    >>> _ = torch.manual_seed(0)
+    >>> members = [torch.nn.Linear(4, 3) for _ in range(8)]     # 8 posterior samples
+    >>> logits = call_stacked(members[0], stack_modules(members), torch.randn(5, 4))
+    >>> prediction = predictive.classification(logits)
+    >>> prediction.probs.shape, prediction.epistemic.shape
+    (torch.Size([5, 3]), torch.Size([5]))
+    >>> torch.allclose(prediction.total, prediction.aleatoric + prediction.epistemic)
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import _ranks
+from ._validation import check_choice, check_positive_int
+
+__all__ = [
+    "ClassificationPrediction",
+    "RegressionPrediction",
+    "accuracy",
+    "agreement",
+    "auroc",
+    "brier",
+    "classification",
+    "ece",
+    "nll",
+    "regression",
+    "regression_nll",
+    "total_variation",
+]
+
+Reduction = Literal["mean", "sum", "none"]
+_REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")
+
+
+class ClassificationPrediction(NamedTuple):
+    """Bayesian model average of a classifier and its uncertainty (see :func:`classification`).
+
+    Attributes:
+        log_probs: ``[B, ..., K]`` log of the averaged predictive probabilities.
+        probs: ``[B, ..., K]`` the averaged predictive probabilities.
+        total: ``[B, ...]`` entropy of ``probs`` (nats).
+        aleatoric: ``[B, ...]`` mean entropy of the per-sample predictions.
+        epistemic: ``[B, ...]`` mutual information between the label and the parameters.
+    """
+
+    log_probs: Tensor
+    probs: Tensor
+    total: Tensor
+    aleatoric: Tensor
+    epistemic: Tensor
+
+
+class RegressionPrediction(NamedTuple):
+    """Mean and variance of a Gaussian-mixture predictive (see :func:`regression`).
+
+    Attributes:
+        mean: ``[B, ...]`` predictive mean.
+        total: ``[B, ...]`` predictive variance, ``aleatoric + epistemic``.
+        aleatoric: ``[B, ...]`` mean of the per-sample noise variances.
+        epistemic: ``[B, ...]`` variance of the per-sample means (over samples, ddof 0).
+    """
+
+    mean: Tensor
+    total: Tensor
+    aleatoric: Tensor
+    epistemic: Tensor
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_tensor(name: str, value: object, *, min_dim: int, layout: str) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(
+            f"Invalid {name}: {type(value).__name__} (expected a torch.Tensor {layout})"
+        )
+    if not value.is_floating_point():
+        raise TypeError(f"Invalid {name}: dtype {value.dtype} (expected a floating tensor)")
+    if value.dim() < min_dim or value.numel() == 0:
+        raise ValueError(
+            f"Invalid {name}: shape {tuple(value.shape)} (expected a non-empty tensor {layout})"
+        )
+    return value
+
+
+def _check_probs(name: str, probs: object) -> Tensor:
+    probs = _check_tensor(name, probs, min_dim=1, layout="[B, ..., K] of probabilities")
+    if bool(((probs < 0) | (probs > 1) | probs.isnan()).any()):
+        raise ValueError(
+            f"Invalid {name}: values outside [0, 1] (expected probabilities, e.g. "
+            "ClassificationPrediction.probs; apply softmax to logits)"
+        )
+    return probs
+
+
+def _check_targets(targets: object, probs: Tensor) -> Tensor:
+    if not isinstance(targets, Tensor) or targets.is_floating_point() or targets.is_complex():
+        raise TypeError(
+            f"Invalid targets: {targets!r} (expected an integer tensor of class indices)"
+        )
+    if targets.shape != probs.shape[:-1]:
+        raise ValueError(
+            f"Invalid targets: shape {tuple(targets.shape)} (expected {tuple(probs.shape[:-1])},"
+            " the predictions' shape without the class dimension)"
+        )
+    classes = probs.shape[-1]
+    if bool(((targets < 0) | (targets >= classes)).any()):
+        raise ValueError(
+            f"Invalid targets: values outside [0, {classes}) (expected class indices for "
+            f"{classes} classes)"
+        )
+    return targets.to(device=probs.device, dtype=torch.long)
+
+
+def _check_same_shape(first: Tensor, second: Tensor, names: tuple[str, str]) -> None:
+    if first.shape != second.shape:
+        raise ValueError(
+            f"Invalid {names[1]}: shape {tuple(second.shape)} (expected the shape of "
+            f"{names[0]}, {tuple(first.shape)})"
+        )
+
+
+def _reduce(values: Tensor, reduction: str) -> Tensor:
+    check_choice("reduction", reduction, _REDUCTIONS)
+    if reduction == "mean":
+        return values.mean()
+    if reduction == "sum":
+        return values.sum()
+    return values
+
+
+def _compute_dtype(tensor: Tensor) -> Tensor:
+    """Half precision is averaged in float32; float32 and float64 are kept."""
+    return tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
+
+
+def _plogp(probs: Tensor, log_probs: Tensor) -> Tensor:
+    """Elementwise p log p with 0 log 0 = 0, also where log p is -inf.
+
+    The logarithm is masked before the product so that gradients stay finite too.
+    """
+    return probs * torch.where(probs > 0, log_probs, 0.0)
+
+
+# --------------------------------------------------------------------------- averaging
+
+
+def classification(logits: Tensor) -> ClassificationPrediction:
+    r"""Bayesian model average of per-sample logits, with its uncertainty decomposition.
+
+    .. math::
+        \log \bar p = \operatorname{logsumexp}_s \log\mathrm{softmax}(f_s) - \log S,
+        \quad H[\bar p] = \tfrac{1}{S}\textstyle\sum_s H[p_s]
+        + \tfrac{1}{S}\textstyle\sum_s \mathrm{KL}(p_s \| \bar p)
+
+    Args:
+        logits: ``[S, B, ..., K]``: S samples, any batch shape, classes last (what
+            ``call_stacked`` returns). ``-inf`` marks impossible classes. float16/bfloat16
+            are averaged in float32.
+
+    Returns:
+        :class:`ClassificationPrediction` ``(log_probs, probs, total, aleatoric,
+        epistemic)``; entropies in nats.
+
+    Raises:
+        TypeError: ``logits`` is not a floating tensor.
+        ValueError: fewer than 2 dimensions, or logits that give NaN (NaN, +inf, or every
+            class -inf).
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import predictive
+        >>> agree = torch.tensor([[[2.0, 0.0]], [[2.0, 0.0]]])    # S=2 samples, B=1, K=2
+        >>> disagree = torch.tensor([[[4.0, 0.0]], [[0.0, 4.0]]])
+        >>> predictive.classification(agree).epistemic
+        tensor([0.])
+        >>> p = predictive.classification(disagree)
+        >>> p.probs, bool(p.epistemic > p.aleatoric)
+        (tensor([[0.5000, 0.5000]]), True)
+    """
+    logits = _check_tensor("logits", logits, min_dim=2, layout="[samples, ..., classes] of logits")
+    log_p = torch.log_softmax(_compute_dtype(logits), dim=-1)
+    # A class that every sample rules out (-inf throughout) stays at -inf; it is kept out of
+    # logsumexp, whose gradient there would be exp(-inf - (-inf)) = NaN.
+    impossible = torch.isneginf(log_p).all(dim=0)
+    log_mean = torch.logsumexp(torch.where(impossible, 0.0, log_p), dim=0)
+    log_mean = torch.where(impossible, -math.inf, log_mean - math.log(log_p.shape[0]))
+    if bool(log_mean.isnan().any()):
+        raise ValueError(
+            "Invalid logits: they give NaN probabilities (expected finite logits, or -inf for "
+            "impossible classes but not for every class)"
+        )
+    probs = log_mean.exp()
+    p = log_p.exp()
+    total = -_plogp(probs, log_mean).sum(dim=-1)
+    aleatoric = -_plogp(p, log_p).sum(dim=-1).mean(dim=0)
+    epistemic = _plogp(p, log_p - log_mean).sum(dim=-1).mean(dim=0).clamp(min=0.0)
+    return ClassificationPrediction(log_mean, probs, total, aleatoric, epistemic)
+
+
+def regression(means: Tensor, variances: Tensor | float) -> RegressionPrediction:
+    r"""Mean and variance of the Gaussian-mixture BMA, split by the law of total variance.
+
+    .. math::
+        \bar\mu = \tfrac{1}{S}\textstyle\sum_s \mu_s, \qquad
+        \sigma^2 = \tfrac{1}{S}\textstyle\sum_s \sigma_s^2
+        + \tfrac{1}{S}\textstyle\sum_s (\mu_s - \bar\mu)^2
+
+    Args:
+        means: ``[S, B, ...]`` per-sample predictive means.
+        variances: per-sample noise variances ``[S, B, ...]``, or anything that broadcasts
+            to ``means`` (``[B, ...]``, a scalar tensor or a float: a known noise variance).
+            Must be >= 0.
+
+    Returns:
+        :class:`RegressionPrediction` ``(mean, total, aleatoric, epistemic)``, each
+        ``[B, ...]``.
+
+    Raises:
+        TypeError: ``means`` is not a floating tensor or ``variances`` not a number/tensor.
+        ValueError: ``means`` without a sample dimension, ``variances`` that do not
+            broadcast, are negative or NaN.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import predictive
+        >>> means = torch.tensor([[1.0, 0.0], [3.0, 0.0]])        # S=2 samples, B=2
+        >>> prediction = predictive.regression(means, 0.5)
+        >>> prediction.mean, prediction.epistemic, prediction.total
+        (tensor([2., 0.]), tensor([1., 0.]), tensor([1.5000, 0.5000]))
+    """
+    means = _compute_dtype(
+        _check_tensor("means", means, min_dim=1, layout="[samples, B, ...] of means")
+    )
+    variances = _check_variances(variances, means)
+    mean = means.mean(dim=0)
+    epistemic = (means - mean).square().mean(dim=0)
+    aleatoric = variances.expand_as(means).mean(dim=0)
+    return RegressionPrediction(mean, aleatoric + epistemic, aleatoric, epistemic)
+
+
+def _check_variances(variances: object, means: Tensor, *, positive: bool = False) -> Tensor:
+    if isinstance(variances, bool) or not isinstance(variances, (Tensor, int, float)):
+        raise TypeError(
+            f"Invalid variances: {type(variances).__name__} (expected a tensor or a number)"
+        )
+    variances = torch.as_tensor(variances, dtype=means.dtype, device=means.device)
+    try:
+        torch.broadcast_shapes(variances.shape, means.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"Invalid variances: shape {tuple(variances.shape)} (expected a shape that "
+            f"broadcasts to the means' {tuple(means.shape)})"
+        ) from None
+    bad = variances.isnan() | (variances <= 0 if positive else variances < 0)
+    if bool(bad.any()):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"Invalid variances: values not {bound} (expected variances {bound})")
+    return variances
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def accuracy(probs: Tensor, targets: Tensor, *, reduction: Reduction = "mean") -> Tensor:
+    """Top-1 accuracy: 1 where ``argmax(probs) == target``.
+
+    Args:
+        probs: ``[B, ..., K]`` predictive probabilities (any scores with the same argmax,
+            e.g. log-probabilities, work too).
+        targets: ``[B, ...]`` integer class indices.
+        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"`` (per-input 0/1 values).
+
+    Returns:
+        The reduced accuracy (float tensor).
+
+    Raises:
+        TypeError: bad tensor types.
+        ValueError: shape mismatch, targets outside ``[0, K)`` or an unknown ``reduction``.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import predictive
+        >>> predictive.accuracy(torch.tensor([[0.9, 0.1], [0.2, 0.8]]), torch.tensor([0, 0]))
+        tensor(0.5000)
+    """
+    probs = _check_tensor("probs", probs, min_dim=1, layout="[B, ..., K] of probabilities")
+    targets = _check_targets(targets, probs)
+    return _reduce((probs.argmax(dim=-1) == targets).to(probs.dtype), reduction)
+
+
+def nll(log_probs: Tensor, targets: Tensor, *, reduction: Reduction = "mean") -> Tensor:
+    r"""Negative log predictive probability of the labels, :math:`-\log \bar p_{y}` (nats).
+
+    Takes log-probabilities (:attr:`ClassificationPrediction.log_probs`) so that confident
+    mistakes are measured without underflow, like ``torch.nn.functional.nll_loss``.
+
+    Args:
+        log_probs: ``[B, ..., K]`` log predictive probabilities.
+        targets: ``[B, ...]`` integer class indices.
+        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"``.
+
+    Returns:
+        The reduced NLL.
+
+    Raises:
+        TypeError: bad tensor types.
+        ValueError: shape mismatch, targets outside ``[0, K)``, positive log-probabilities
+            or an unknown ``reduction``.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import predictive
+        >>> log_probs = torch.tensor([[0.5, 0.5], [0.25, 0.75]]).log()
+        >>> predictive.nll(log_probs, torch.tensor([0, 1]), reduction="none")
+        tensor([0.6931, 0.2877])
+    """
+    log_probs = _check_tensor(
+        "log_probs", log_probs, min_dim=1, layout="[B, ..., K] of log-probabilities"
+    )
+    if bool((log_probs > 0).any() | log_probs.isnan().any()):
+        raise ValueError(
+            "Invalid log_probs: values above 0 or NaN (expected log-probabilities, e.g. "
+            "ClassificationPrediction.log_probs)"
+        )
+    targets = _check_targets(targets, log_probs)
+    picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return _reduce(-picked, reduction)
+
+
+def brier(probs: Tensor, targets: Tensor, *, reduction: Reduction = "mean") -> Tensor:
+    r"""Brier score :math:`\sum_k (\bar p_k - \mathbb{1}[y = k])^2`, in [0, 2] (Brier 1950).
+
+    The multiclass definition, summed over classes (scikit-learn's ``brier_score_loss``
+    with ``scale_by_half=False``).
+
+    Args:
+        probs: ``[B, ..., K]`` predictive probabilities.
+        targets: ``[B, ...]`` integer class indices.
+        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"``.
+
+    Returns:
+        The reduced Brier score.
+
+    Raises:
+        TypeError: bad tensor types.
+        ValueError: probabilities outside [0, 1], shape mismatch, targets outside
+            ``[0, K)`` or an unknown ``reduction``.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import predictive
+        >>> predictive.brier(torch.tensor([[0.75, 0.25]]), torch.tensor([0]))
+        tensor(0.1250)
+    """
+    probs = _check_probs("probs", probs)
+    targets = _check_targets(targets, probs)
+    one_hot = torch.nn.functional.one_hot(targets, probs.shape[-1]).to(probs.dtype)
+    return _reduce((probs - one_hot).square().sum(dim=-1), reduction)
+
+
+def ece(probs: Tensor, targets: Tensor, *, num_bins: int = 15) -> Tensor:
+    r"""Expected calibration error of the top-label confidence (Guo et al. 2017, eq. 3).
+
+    .. math::
+        \mathrm{ECE} = \sum_{m=1}^{M} \frac{|B_m|}{n}
+        \big|\mathrm{acc}(B_m) - \mathrm{conf}(B_m)\big|,
+
+    where :math:`B_m` holds the inputs whose confidence :math:`\max_k \bar p_k` lies in
+    :math:`((m-1)/M, m/M]` (:math:`B_1` also takes confidence 0), :math:`\mathrm{acc}` is
+    the fraction whose argmax is the label and :math:`\mathrm{conf}` the mean confidence.
+
+    Args:
+        probs: ``[B, ..., K]`` predictive probabilities (all inputs are pooled).
+        targets: ``[B, ...]`` integer class indices.
+        num_bins: M, equal-width confidence bins, an integer >= 1; default 15 (Guo et al.).
+
+    Returns:
+        ECE, a scalar tensor in [0, 1].
+
+    Raises:
+        TypeError: bad tensor types or a non-integer ``num_bins``.
+        ValueError: probabilities outside [0, 1], shape mismatch, targets outside
+            ``[0, K)`` or ``num_bins`` < 1.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import predictive
+        >>> probs = torch.tensor([[0.9, 0.1], [0.9, 0.1], [0.6, 0.4], [0.6, 0.4]])
+        >>> predictive.ece(probs, torch.tensor([0, 0, 0, 1]), num_bins=10)
+        tensor(0.1000)
+    """
+    num_bins = check_positive_int("num_bins", num_bins)
+    probs = _check_probs("probs", probs)
+    targets = _check_targets(targets, probs)
+    confidence, predicted = probs.reshape(-1, probs.shape[-1]).max(dim=-1)
+    correct = (predicted == targets.reshape(-1)).to(probs.dtype)
+    edges = torch.linspace(0, 1, num_bins + 1, dtype=torch.float64, device=probs.device)
+    bins = torch.bucketize(confidence.to(torch.float64), edges[1:-1], right=False)
+    gap = torch.zeros(num_bins, dtype=torch.float64, device=probs.device)
+    gap.index_add_(0, bins, (correct - confidence).to(torch.float64))  # n_m (acc_m - conf_m)
+    return (gap.abs().sum() / confidence.numel()).to(probs.dtype)
+
+
+def regression_nll(
+    means: Tensor,
+    variances: Tensor | float,
+    targets: Tensor,
+    *,
+    reduction: Reduction = "mean",
+) -> Tensor:
+    r"""Negative log density of the targets under the Gaussian-mixture BMA (nats).
+
+    .. math::
+        -\log \tfrac{1}{S}\textstyle\sum_s N(y \mid \mu_s, \sigma_s^2)
+        = -\operatorname{logsumexp}_s\Big[-\tfrac12\log(2\pi\sigma_s^2)
+          - \tfrac{(y-\mu_s)^2}{2\sigma_s^2}\Big] + \log S
+
+    This is the exact BMA likelihood, not that of a Gaussian with the mixture's moments.
+
+    Args:
+        means: ``[S, B, ...]`` per-sample predictive means.
+        variances: per-sample noise variances broadcasting to ``means`` (a float for a
+            known noise variance); must be > 0.
+        targets: ``[B, ...]`` observed values.
+        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"``.
+
+    Returns:
+        The reduced NLL.
+
+    Raises:
+        TypeError: bad tensor types.
+        ValueError: shape mismatch, variances not > 0 or an unknown ``reduction``.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import predictive
+        >>> predictive.regression_nll(torch.zeros(3, 1), 1.0, torch.zeros(1))  # log(2π)/2
+        tensor(0.9189)
+    """
+    means = _compute_dtype(
+        _check_tensor("means", means, min_dim=1, layout="[samples, B, ...] of means")
+    )
+    variances = _check_variances(variances, means, positive=True)
+    targets = _check_tensor("targets", targets, min_dim=0, layout="[B, ...] of targets")
+    if targets.shape != means.shape[1:]:
+        raise ValueError(
+            f"Invalid targets: shape {tuple(targets.shape)} (expected {tuple(means.shape[1:])},"
+            " the means' shape without the sample dimension)"
+        )
+    variances = variances.expand_as(means)
+    log_density = -0.5 * (
+        torch.log(2 * math.pi * variances) + (targets - means).square() / variances
+    )
+    log_mixture = torch.logsumexp(log_density, dim=0) - math.log(means.shape[0])
+    return _reduce(-log_mixture, reduction)
+
+
+def auroc(in_scores: Tensor, out_scores: Tensor) -> Tensor:
+    r"""Area under the ROC curve for telling out-of-distribution inputs from any score.
+
+    Higher scores should mean "more likely out of distribution" (e.g.
+    :attr:`ClassificationPrediction.total` or ``.epistemic``, or a regression variance).
+    The AUROC is the probability that a random out-of-distribution input scores higher than
+    a random in-distribution one, ties counting one half (the Mann-Whitney statistic):
+
+    .. math::
+        \mathrm{AUROC} = \frac{R_{\text{out}} - n_{\text{out}}(n_{\text{out}}+1)/2}
+                              {n_{\text{in}}\, n_{\text{out}}},
+
+    with :math:`R_{\text{out}}` the sum of the out-of-distribution scores' average ranks in
+    the pooled sample. 0.5 is chance, 1 perfect separation.
+
+    Args:
+        in_scores: scores on in-distribution inputs (any shape, flattened).
+        out_scores: scores on out-of-distribution inputs (any shape, flattened).
+
+    Returns:
+        AUROC, a float64 scalar tensor.
+
+    Raises:
+        TypeError: either is not a floating tensor.
+        ValueError: either is empty or holds NaN.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import predictive
+        >>> predictive.auroc(torch.tensor([0.1, 0.2, 0.4]), torch.tensor([0.3, 0.5]))
+        tensor(0.8333, dtype=torch.float64)
+    """
+    in_scores = _check_tensor("in_scores", in_scores, min_dim=0, layout="of scores")
+    out_scores = _check_tensor("out_scores", out_scores, min_dim=0, layout="of scores")
+    dtype = torch.promote_types(in_scores.dtype, out_scores.dtype)
+    pooled = torch.cat([in_scores.reshape(-1).to(dtype), out_scores.reshape(-1).to(dtype)])
+    if bool(pooled.isnan().any()):
+        raise ValueError("Invalid scores: NaN values (expected comparable, non-NaN scores)")
+    n_in, n_out = in_scores.numel(), out_scores.numel()
+    values, order = _ranks.sort_rows(pooled.detach().unsqueeze(0))
+    ranks = _ranks.average_ranks(values.to(pooled.device))[0]
+    rank_sum = ranks[order[0].to(pooled.device) >= n_in].sum()
+    return (rank_sum - n_out * (n_out + 1) / 2) / (n_in * n_out)
+
+
+def agreement(probs: Tensor, other: Tensor, *, reduction: Reduction = "mean") -> Tensor:
+    r"""Top-1 agreement: 1 where the two predictive distributions have the same argmax.
+
+    .. math::
+        \mathrm{agreement}(p, q) = \tfrac{1}{B}\textstyle\sum_i
+        \mathbb{1}\big[\arg\max_k p_{ik} = \arg\max_k q_{ik}\big]
+
+    Izmailov et al. (2021) use it to measure how closely an approximate posterior's
+    predictions follow a reference (HMC) predictive distribution.
+
+    Args:
+        probs: ``[B, ..., K]`` predictive probabilities (or any scores with their argmax).
+        other: the other predictive distribution, same shape.
+        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"``.
+
+    Returns:
+        The reduced agreement, in [0, 1] for ``"mean"``.
+
+    Raises:
+        TypeError: bad tensor types.
+        ValueError: shapes differ or an unknown ``reduction``.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import predictive
+        >>> p = torch.tensor([[0.6, 0.4], [0.3, 0.7]])
+        >>> q = torch.tensor([[0.9, 0.1], [0.8, 0.2]])
+        >>> predictive.agreement(p, q)
+        tensor(0.5000)
+    """
+    probs = _check_tensor("probs", probs, min_dim=1, layout="[B, ..., K] of probabilities")
+    other = _check_tensor("other", other, min_dim=1, layout="[B, ..., K] of probabilities")
+    _check_same_shape(probs, other, ("probs", "other"))
+    same = probs.argmax(dim=-1) == other.argmax(dim=-1)
+    return _reduce(same.to(probs.dtype), reduction)
+
+
+def total_variation(probs: Tensor, other: Tensor, *, reduction: Reduction = "mean") -> Tensor:
+    r"""Total variation distance between two predictive distributions, per input in [0, 1].
+
+    .. math::
+        \mathrm{TV}(p, q) = \tfrac{1}{2}\textstyle\sum_k |p_k - q_k|
+
+    averaged over inputs with ``reduction="mean"`` (Izmailov et al. 2021).
+
+    Args:
+        probs: ``[B, ..., K]`` predictive probabilities.
+        other: the other predictive distribution, same shape.
+        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"``.
+
+    Returns:
+        The reduced total variation distance.
+
+    Raises:
+        TypeError: bad tensor types.
+        ValueError: probabilities outside [0, 1], shapes differ or an unknown ``reduction``.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import predictive
+        >>> p = torch.tensor([[0.5, 0.5, 0.0]])
+        >>> q = torch.tensor([[0.25, 0.25, 0.5]])
+        >>> predictive.total_variation(p, q)
+        tensor(0.5000)
+    """
+    probs = _check_probs("probs", probs)
+    other = _check_probs("other", other)
+    _check_same_shape(probs, other, ("probs", "other"))
+    return _reduce(0.5 * (probs - other).abs().sum(dim=-1), reduction)
