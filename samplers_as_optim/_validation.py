@@ -57,6 +57,23 @@ def _real(name: str, value: Any, expected: str, where: str) -> float:
     return float(value)
 
 
+def _integer(name: str, value: Any, expected: str, where: str, *, low: int, high: int | None):
+    """Return ``value`` as an int in [low, high) (Python, NumPy or 0-dim tensor integers).
+
+    TypeError for bools and non-integers, ValueError outside the range; ``expected``
+    describes the allowed values in the message.
+    """
+    if isinstance(value, bool):
+        _fail(name, value, expected, where, TypeError)
+    try:
+        number = operator.index(value)
+    except TypeError:
+        _fail(name, value, expected, where, TypeError)
+    if number < low or (high is not None and number >= high):
+        _fail(name, value, expected, where)
+    return number
+
+
 def check_finite(name: str, value: Any, *, where: str = "") -> float:
     """Check that ``value`` is a finite real number and return it as a float."""
     expected = "a finite number"
@@ -109,15 +126,7 @@ def check_momentum(value: Any, *, where: str = "") -> float:
 def check_num_data(value: Any, *, where: str = "") -> int:
     """Check ``num_data``: the training-set size, a positive integer."""
     expected = "a positive integer: the number of training examples"
-    if isinstance(value, bool):
-        _fail("num_data", value, expected, where, TypeError)
-    try:
-        number = operator.index(value)
-    except TypeError:
-        _fail("num_data", value, expected, where, TypeError)
-    if number < 1:
-        _fail("num_data", value, expected, where)
-    return number
+    return _integer("num_data", value, expected, where, low=1, high=None)
 
 
 def check_seed(value: Any, *, where: str = "") -> int | None:
@@ -125,15 +134,7 @@ def check_seed(value: Any, *, where: str = "") -> int | None:
     if value is None:
         return None
     expected = "None or an integer in [0, 2**64)"
-    if isinstance(value, bool):
-        _fail("seed", value, expected, where, TypeError)
-    try:
-        number = operator.index(value)
-    except TypeError:
-        _fail("seed", value, expected, where, TypeError)
-    if not 0 <= number < _SEED_LIMIT:
-        _fail("seed", value, expected, where)
-    return number
+    return _integer("seed", value, expected, where, low=0, high=_SEED_LIMIT)
 
 
 def check_bool(name: str, value: Any, *, where: str = "") -> bool:
@@ -152,16 +153,7 @@ def check_foreach(value: Any, *, where: str = "") -> bool | None:
 
 def check_nonnegative_integer(name: str, value: Any, *, where: str = "") -> int:
     """Check that ``value`` is an integer >= 0 (not a bool) and return it as an int."""
-    expected = "an integer >= 0"
-    if isinstance(value, bool):
-        _fail(name, value, expected, where, TypeError)
-    try:
-        number = operator.index(value)
-    except TypeError:
-        _fail(name, value, expected, where, TypeError)
-    if number < 0:
-        _fail(name, value, expected, where)
-    return number
+    return _integer(name, value, "an integer >= 0", where, low=0, high=None)
 
 
 def check_positive(name: str, value: Any, *, where: str = "") -> float:
@@ -175,16 +167,7 @@ def check_positive(name: str, value: Any, *, where: str = "") -> float:
 
 def check_positive_int(name: str, value: Any, *, where: str = "") -> int:
     """Check that ``value`` is an integer >= 1 (bools rejected) and return it."""
-    expected = "an integer >= 1"
-    if isinstance(value, bool):
-        _fail(name, value, expected, where, TypeError)
-    try:
-        number = operator.index(value)
-    except TypeError:
-        _fail(name, value, expected, where, TypeError)
-    if number < 1:
-        _fail(name, value, expected, where)
-    return number
+    return _integer(name, value, "an integer >= 1", where, low=1, high=None)
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...], *, where: str = "") -> str:

@@ -27,6 +27,7 @@ from .._validation import (
     check_seed,
     check_temperature,
 )
+from ._common import default_foreach
 
 __all__ = ["SamplerOptimizer"]
 
@@ -54,8 +55,10 @@ def check_sgd_only_flags(differentiable: Any, fused: Any) -> None:
 class SamplerOptimizer(Optimizer):
     """Base class of the SGMCMC optimizers; not used directly.
 
-    Subclasses set ``requires_positive_temperature`` and implement
-    ``_check_group_combinations`` and ``_update_group``.
+    A subclass spells out its public signature (``torch.optim.SGD``'s plus ``num_data``,
+    ``temperature`` and ``seed``) and passes its ``locals()`` here; it sets
+    ``requires_positive_temperature`` and implements ``_check_group_combinations`` and
+    ``_update_group``.
     """
 
     requires_positive_temperature: bool = False
@@ -63,9 +66,17 @@ class SamplerOptimizer(Optimizer):
     #: per-parameter state kept in its own dtype on load (torch casts to the param's dtype)
     own_dtype_state: tuple[str, ...] = ()
 
-    def __init__(self, params: Any, defaults: dict[str, Any], *, seed: int | None) -> None:
+    def __init__(self, arguments: dict[str, Any]) -> None:
+        """Build from the public constructor's arguments (its ``locals()``).
+
+        Everything but ``params``, ``seed``, ``differentiable`` and ``fused`` becomes a
+        param-group default, validated before anything is built.
+        """
+        defaults = {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
+        params = defaults.pop("params")
+        seed = check_seed(defaults.pop("seed"))
+        check_sgd_only_flags(defaults.pop("differentiable"), defaults.pop("fused"))
         self.check_hyperparameters(defaults, where="")
-        seed = check_seed(seed)
         self._noise = NoiseStream(seed_from_global_rng() if seed is None else seed)
         self._steps = 0
         super().__init__(params, defaults)
@@ -210,7 +221,12 @@ class SamplerOptimizer(Optimizer):
             noise = None
             if temperature > 0:
                 noise = self._noise.standard_normal(params, step=self._steps, stream=index)
-            self._update_group(group, params, grads, noise, lr=lr, temperature=temperature)
+            foreach = group["foreach"]
+            if foreach is None:
+                foreach = default_foreach(params)
+            self._update_group(
+                group, params, grads, noise, lr=lr, temperature=temperature, foreach=foreach
+            )
         self._steps += 1
         return loss
 
@@ -223,7 +239,9 @@ class SamplerOptimizer(Optimizer):
         *,
         lr: float,
         temperature: float,
+        foreach: bool,
     ) -> None:
+        """Call the sampler's kernel on one group's parameters with a gradient and step."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ state

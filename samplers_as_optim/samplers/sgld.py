@@ -42,8 +42,8 @@ from torchopt.base import GradientTransformation
 
 from .._validation import check_bool, check_finite
 from . import _docs, _transform
-from ._common import apply_step_, buckets, default_foreach, effective_grad, effective_grads
-from ._optimizer import SamplerOptimizer, check_sgd_only_flags
+from ._common import apply_step_, buckets, effective_grad, effective_grads
+from ._optimizer import SamplerOptimizer
 from ._transform import (
     KernelInput,
     KernelOutput,
@@ -145,19 +145,7 @@ class SGLD(SamplerOptimizer):
         fused: bool | None = None,
         seed: int | None = None,
     ) -> None:
-        check_sgd_only_flags(differentiable, fused)
-        defaults = {
-            "lr": lr,
-            "momentum": momentum,
-            "dampening": dampening,
-            "weight_decay": weight_decay,
-            "nesterov": nesterov,
-            "temperature": temperature,
-            "num_data": num_data,
-            "maximize": maximize,
-            "foreach": foreach,
-        }
-        super().__init__(params, defaults, seed=seed)
+        super().__init__(locals())
 
     @classmethod
     def _check_group_combinations(
@@ -185,10 +173,8 @@ class SGLD(SamplerOptimizer):
         *,
         lr: float,
         temperature: float,
+        foreach: bool,
     ) -> None:
-        foreach = group["foreach"]
-        if foreach is None:
-            foreach = default_foreach(params)
         directions = sgld_direction(
             params,
             grads,

@@ -55,8 +55,8 @@ from torchopt.base import GradientTransformation
 
 from .._validation import check_finite, check_momentum
 from . import _docs, _transform
-from ._common import apply_step_, buckets, default_foreach, effective_grad, effective_grads
-from ._optimizer import SamplerOptimizer, check_sgd_only_flags
+from ._common import apply_step_, buckets, effective_grad, effective_grads
+from ._optimizer import SamplerOptimizer
 from ._transform import (
     KernelInput,
     KernelOutput,
@@ -205,19 +205,7 @@ class SGNHT(SamplerOptimizer):
         fused: bool | None = None,
         seed: int | None = None,
     ) -> None:
-        check_sgd_only_flags(differentiable, fused)
-        defaults = {
-            "lr": lr,
-            "momentum": momentum,
-            "dampening": dampening,
-            "weight_decay": weight_decay,
-            "nesterov": nesterov,
-            "temperature": temperature,
-            "num_data": num_data,
-            "maximize": maximize,
-            "foreach": foreach,
-        }
-        super().__init__(params, defaults, seed=seed)
+        super().__init__(locals())
 
     @classmethod
     def _check_group_combinations(
@@ -239,11 +227,9 @@ class SGNHT(SamplerOptimizer):
         *,
         lr: float,
         temperature: float,
+        foreach: bool,
     ) -> None:
         assert noise is not None  # temperature > 0 is validated
-        foreach = group["foreach"]
-        if foreach is None:
-            foreach = default_foreach(params)
         states = [self.state[p] for p in params]
         for param, state in zip(params, states, strict=True):
             if "momentum_buffer" not in state:
