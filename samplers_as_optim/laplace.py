@@ -130,7 +130,9 @@ class Laplace:
             two are what :attr:`precision` returns, so a fitted posterior can be the next
             task's prior.
         temperature: T, multiplies the covariance (default: 1.0; a finite number >= 0;
-            0 gives the point mass at :math:`\theta_*`).
+            0 gives the point mass at :math:`\theta_*`). The fit does not depend on it:
+            set ``la.temperature = T`` after ``fit`` to sweep temperatures without
+            refitting.
 
     Example:
         >>> import torch
@@ -174,7 +176,7 @@ class Laplace:
         self.noise_std: float | None = getattr(self.likelihood, "noise_std", None)
         self.curvature = check_choice("curvature", curvature, ("ggn", "ef"))
         self.structure = check_choice("structure", structure, ("diag", "dense"))
-        self.temperature = check_temperature(temperature)
+        self.temperature = temperature
         reference = self._reference()
         if self.structure == "dense":
             check_dense_fits(self.treated.numel, reference.dtype, reference.device)
@@ -310,6 +312,15 @@ class Laplace:
         return self._mean, self._precision
 
     # ------------------------------------------------------------------ the Gaussian
+    @property
+    def temperature(self) -> float:
+        """T, which multiplies the covariance; settable (validated) without refitting."""
+        return self._temperature
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        self._temperature = check_temperature(value)
+
     @property
     def mean(self) -> dict[str, Tensor]:
         r""":math:`\theta_*`: name -> the treated parameter's value when :meth:`fit` ran."""

@@ -240,7 +240,10 @@ _SHARED_ARGS = r"""model: the network; its parameters with ``requires_grad=True`
         temperature: T, the target is ``(p(D | θ) p(θ)) ** (1 / T)`` (default: 1.0; a
             finite number >= 0).
         init_std: initial posterior standard deviation of every weight (default: 1e-3;
-            a finite number > 0); the mean starts at the model's current weights.
+            a finite number > 0); the mean starts at the model's current weights. From
+            this small start the standard deviations grow slowly at T = 1 on a neural
+            network: budget a few hundred epochs (on scikit-learn's digits, Adam at 3e-2
+            cosine-annealed to 0 over 200 epochs converged; a constant 1e-2 had not at 300).
         stl: stick-the-landing estimate in :meth:`kl_loss` (default: True); False uses
             the closed-form expectation."""
 

@@ -182,6 +182,24 @@ def test_zero_curvature_leaves_the_prior(structure, curvature):
 
 
 @pytest.mark.parametrize("structure", ["diag", "dense"])
+def test_setting_the_temperature_after_fit_equals_refitting(structure):
+    x, y = class_data()
+    model = mlp()
+    kwargs = {"num_data": 50, "likelihood": "classification", "structure": structure}
+    swept = Laplace(model, **kwargs).fit(loader(x, y))
+    swept.temperature = 0.3
+    refit = Laplace(model, temperature=0.3, **kwargs).fit(loader(x, y))
+    generator = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    a, b = swept.sample(4, generator=generator()), refit.sample(4, generator=generator())
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    with pytest.raises(
+        ValueError, match=re.escape("Invalid temperature: nan (expected a finite number >= 0)")
+    ):
+        swept.temperature = math.nan
+    assert swept.temperature == 0.3
+
+
+@pytest.mark.parametrize("structure", ["diag", "dense"])
 def test_covariance_scales_with_temperature(structure):
     x, y = class_data()
     model = mlp()
