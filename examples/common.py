@@ -102,6 +102,19 @@ def torch_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+def warm_up() -> None:
+    """Pay torch's one-off start-up costs before timing anything.
+
+    The first optimizer step in a process takes about a second (torch.optim loads its
+    compiler hooks lazily); without this the first method timed would carry it. Draws no
+    random numbers.
+    """
+    weight = torch.zeros(2, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=0.0)
+    weight.sum().backward()
+    optimizer.step()
+
+
 def progress(iterable: Iterable[Any], description: str, **kwargs: Any) -> Iterable[Any]:
     """A tqdm progress bar on stderr (silent when stderr is not a terminal or in CI)."""
     disable = not sys.stderr.isatty() or bool(os.environ.get("CI"))
