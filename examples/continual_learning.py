@@ -12,7 +12,7 @@ far. Three learners:
   amended EWC of Huszár 2018, one penalty, the latest posterior's). Episode 1 is trained
   exactly as SGD; after each episode ``Laplace(model, prior_precision=previous
   precision).fit(task)`` gives the posterior q_t, and episode t+1 minimises its mean loss
-  plus ``-q_t.log_prob(model) / N_{t+1}`` (see ``Laplace.log_prob``), at temperature 1: no
+  plus ``q_t.penalty(model) / N_{t+1}`` (see ``Laplace.penalty``), at temperature 1: no
   tuned penalty strength.
 * **Offline**: the unrealistic upper reference, trained at every episode on the union of
   all tasks so far (continuing from its previous weights), with weight decay
@@ -188,7 +188,7 @@ class LaplaceLearner:
                 epochs=epochs,
                 weight_decay=0.0,
                 generator=generator,
-                penalty=lambda: -previous.log_prob(self.model) / num_data,
+                penalty=lambda: previous.penalty(self.model) / num_data,
             )
             prior = previous.precision
         self.posterior = Laplace(

@@ -385,7 +385,8 @@ class Laplace:
 
         Differentiable in ``params``. Continual learning (the posterior as the next
         task's prior; Kirkpatrick et al. 2017, Huszár 2018): train the next task on
-        ``mean_nll - la.log_prob(model) / num_data_next`` and fit its Laplace with
+        ``mean_nll + la.penalty(model) / num_data_next`` (:meth:`penalty`, the same up to a
+        constant) and fit its Laplace with
         ``prior_precision=la.precision``; at T = 1 this is the Bayesian online update. At
         T != 1, the next task's prior is the temperature-1 Gaussian, whose negative
         log-density is ``-T * la.log_prob(model)`` up to a constant.
@@ -398,12 +399,48 @@ class Laplace:
         Returns:
             A scalar, or one value per sample for stacked input.
         """
-        mean, precision = self._fitted()
         if self.temperature == 0.0:
             raise ValueError(
                 "Invalid temperature: 0.0 (expected > 0 for log_prob: at temperature 0 the "
                 "posterior is a point mass)"
             )
+        quad, logdet = self._quadratic(params)
+        size, temperature = self.treated.numel, self.temperature
+        return (
+            -0.5 * quad / temperature
+            + 0.5 * (logdet - size * math.log(temperature))
+            - 0.5 * size * math.log(2 * math.pi)
+        )
+
+    def penalty(self, params: Mapping[str, Tensor] | nn.Module) -> Tensor:
+        r"""The next task's prior term: the quadratic form of the precision at ``params``.
+
+        .. math::
+
+            \text{penalty}(\theta) = \tfrac12(\theta-\theta_*)^\top\Lambda(\theta-\theta_*).
+
+        The negative log-density of the temperature-1 posterior without its constant
+        (so a printed training loss is not offset): train the next task on
+        ``mean_nll + la.penalty(model) / num_data_next`` and fit its Laplace with
+        ``prior_precision=la.precision``. Independent of ``temperature``; differentiable
+        in ``params``; the same inputs as :meth:`log_prob`.
+
+        Example:
+            >>> import torch
+            >>> from torch.utils.data import DataLoader, TensorDataset
+            >>> from samplers_as_optim import Laplace
+            >>> model = torch.nn.Linear(2, 1)
+            >>> x, y = torch.randn(32, 2), torch.randn(32, 1)
+            >>> la = Laplace(model, num_data=32, likelihood="regression", noise_std=1.0)
+            >>> la = la.fit(DataLoader(TensorDataset(x, y), batch_size=8))
+            >>> float(la.penalty(model))  # zero at the mean
+            0.0
+        """
+        return 0.5 * self._quadratic(params)[0]
+
+    def _quadratic(self, params: Mapping[str, Tensor] | nn.Module) -> tuple[Tensor, Tensor]:
+        """``(theta - mean)^T Lambda (theta - mean)`` (per sample) and ``log det Lambda``."""
+        mean, precision = self._fitted()
         if isinstance(params, nn.Module):
             params = dict(params.named_parameters())
         missing = [name for name in self.treated.names if name not in params]
@@ -417,20 +454,11 @@ class Laplace:
                 f"{tuple(shape)}, optionally with one leading sample dimension)"
             )
         delta = self.treated.flatten(params, batch_dims) - self.treated.flatten(mean)
-        size = self.treated.numel
         if isinstance(precision, dict):
             diag = self.treated.flatten(precision)
-            quad = (delta.square() * diag).sum(-1)
-            logdet = diag.log().sum()
-        else:
-            quad = (delta @ self._cholesky).square().sum(-1)
-            logdet = 2.0 * self._cholesky.diagonal().log().sum()
-        temperature = self.temperature
-        return (
-            -0.5 * quad / temperature
-            + 0.5 * (logdet - size * math.log(temperature))
-            - 0.5 * size * math.log(2 * math.pi)
-        )
+            return (delta.square() * diag).sum(-1), diag.log().sum()
+        quad = (delta @ self._cholesky).square().sum(-1)
+        return quad, 2.0 * self._cholesky.diagonal().log().sum()
 
     # ------------------------------------------------------------------ predictions
     def predict(

@@ -348,6 +348,25 @@ def test_sample_moments_dense():
 
 
 @pytest.mark.parametrize("structure", ["diag", "dense"])
+def test_penalty_is_the_temperature_one_quadratic(structure):
+    x, y = class_data()
+    model = mlp()
+    la = Laplace(
+        model, num_data=40, likelihood="classification", structure=structure, temperature=0.7
+    ).fit(loader(x, y))
+    names = tuple(la.mean)
+    draws = la.sample(3, generator=torch.Generator().manual_seed(4))
+    delta = torch.cat([draws[n].reshape(3, -1) for n in names], 1) - flat(la.mean, names)
+    precision = la.precision if structure == "dense" else torch.diag(flat(la.precision, names))
+    expected = 0.5 * torch.einsum("sp,pq,sq->s", delta, precision, delta)
+    assert_close(la.penalty(draws), expected, rtol=1e-10)
+    # the same as -T * log_prob up to a constant, and zero at the mean
+    constant = la.penalty(draws) + 0.7 * la.log_prob(draws)
+    assert_close(constant, constant[0].expand(3), rtol=1e-10)
+    assert float(la.penalty(la.mean)) == 0.0
+
+
+@pytest.mark.parametrize("structure", ["diag", "dense"])
 def test_log_prob_matches_torch_distributions(structure):
     x, y = class_data()
     model = mlp()
