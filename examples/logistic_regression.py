@@ -133,7 +133,7 @@ from samplers_as_optim import (
     diagnostics,
 )
 
-PRIOR_STD = 1.0  # N(0, PRIOR_STD^2) on every coefficient; used by the Pyro model and VI
+PRIOR_STD = 1.0  # N(0, PRIOR_STD^2) on every coefficient, in the Pyro model
 BATCH = 32
 NUTS_ROW = "NUTS (2nd chain)"  # scored like the other methods: the noise floor
 MOMENTUM = 0.9
@@ -182,19 +182,14 @@ def model(x: Tensor, y: Tensor | None, batch: Tensor | None = None) -> None:
         pyro.sample("y", dist.Bernoulli(logits=x[index] @ w + b), obs=labels)
 
 
-def log_joint(
-    pyro_model: Callable[..., Any], params: dict[str, Tensor], *args: Any, prior: bool = True
-) -> Tensor:
+def log_joint(pyro_model: Callable[..., Any], params: dict[str, Tensor], *args: Any) -> Tensor:
     """The composition: a Pyro model conditioned on θ, traced, its log-densities summed.
 
     For :func:`model` and ``args = (x, y, batch)``: ``log p(θ) + (N/B) Σ_batch log p(y_i |
-    x_i, θ)`` (the plate scales the batch); without the prior term when ``prior=False``.
+    x_i, θ)`` (the plate scales the batch).
     """
     conditioned = poutine.condition(pyro_model, data=params)
-    trace = poutine.trace(conditioned).get_trace(*args)
-    if prior:
-        return trace.log_prob_sum()
-    return trace.log_prob_sum(site_filter=lambda name, site: site["is_observed"])
+    return poutine.trace(conditioned).get_trace(*args).log_prob_sum()
 
 
 class PyroLogJoint(nn.Module):
@@ -225,9 +220,9 @@ class PyroLogJoint(nn.Module):
         for name in self.sites:
             getattr(self, name).copy_(trace.nodes[name]["value"])
 
-    def forward(self, *args: Any, prior: bool = True) -> Tensor:
+    def forward(self, *args: Any) -> Tensor:
         params = {name: getattr(self, name) for name in self.sites}
-        return log_joint(self.pyro_model, params, *self.data, *args, prior=prior)
+        return log_joint(self.pyro_model, params, *self.data, *args)
 
 
 def flatten(samples: dict[str, Tensor]) -> Tensor:
@@ -333,15 +328,16 @@ def run_vi(
     """Mean-field or full-covariance VI on the Pyro log-likelihood; ``samples`` draws from q."""
     num_data = len(x)
     torch.manual_seed(seed)
-    vi = family(PyroLogJoint(model, x, y), num_data=num_data, prior_std=PRIOR_STD, init_std=0.1)
+    # prior_std=None: the Pyro log joint already holds the prior, stated once, in the model
+    vi = family(PyroLogJoint(model, x, y), num_data=num_data, prior_std=None, init_std=0.1)
     optimizer = torch.optim.Adam(vi.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     generator = torch.Generator().manual_seed(seed)
     stream = batches(num_data, BATCH, generator)
     for _ in range(steps):
         optimizer.zero_grad()
-        # the likelihood from Pyro; the N(0, PRIOR_STD^2) prior and the entropy from the VI
-        loss = -vi(next(stream), prior=False, generator=generator) / num_data + vi.kl_loss()
+        # the log joint (prior and likelihood) from Pyro; the tempered entropy from the VI
+        loss = -vi(next(stream), generator=generator) / num_data + vi.kl_loss()
         loss.backward()
         optimizer.step()
         scheduler.step()

@@ -76,7 +76,7 @@ class _GaussianVI(nn.Module):
         model: nn.Module,
         *,
         num_data: int,
-        prior_std: float,
+        prior_std: float | None,
         temperature: float,
         init_std: float,
         stl: bool,
@@ -84,7 +84,7 @@ class _GaussianVI(nn.Module):
         super().__init__()
         self.treated = Treated.of(model)
         self.num_data = check_num_data(num_data)
-        self.prior_std = check_positive("prior_std", prior_std)
+        self.prior_std = None if prior_std is None else check_positive("prior_std", prior_std)
         self.temperature = check_temperature(temperature)
         self.init_std = check_positive("init_std", init_std)
         self.stl = check_bool("stl", stl)
@@ -164,7 +164,9 @@ class _GaussianVI(nn.Module):
             \frac1N\big(\mathbb E_q[-\log p(\theta)] - T\,\mathcal H(q)\big)
             \;=\; \frac1N\,\mathbb E_q\big[-\log p(\theta) + T\log q(\theta)\big],
 
-        which is KL(q‖p)/N at T = 1. With ``stl=True``: the estimate at the draws of
+        which is KL(q‖p)/N at T = 1. With ``prior_std=None`` the prior term is left to the
+        user's loss (see the class's Args) and this is :math:`\frac TN\mathbb E_q[\log q]`.
+        With ``stl=True``: the estimate at the draws of
         the last :meth:`forward` (averaged over them), :math:`\log q` with stopped
         variational parameters (stick-the-landing); with ``stl=False``: the closed form,
         :math:`\mathbb E_q[-\log p] = \frac{|\mu|^2 + \mathrm{tr}\,\Sigma}{2\sigma_p^2} +
@@ -173,22 +175,32 @@ class _GaussianVI(nn.Module):
         Returns:
             A scalar; add it to the mean NLL of the batch.
         """
-        size = self.treated.numel
-        variance = self.prior_std**2
-        const = 0.5 * size * math.log(2 * math.pi * variance)
         if not self.stl:
-            second_moment = self._flat_mean().square().sum() + self._trace_covariance()
-            neg_log_prior = 0.5 * second_moment / variance + const
-            return (neg_log_prior - self.temperature * self.entropy()) / self.num_data
+            return (self._neg_log_prior_mean() - self.temperature * self.entropy()) / self.num_data
         if self._last is None:
             raise RuntimeError(
                 "kl_loss() with stl=True needs the draws of a forward pass: call the wrapper "
                 "on a batch first"
             )
         flat = self._last
-        neg_log_prior = 0.5 * flat.square().sum(-1) / variance + const
-        value = neg_log_prior + self.temperature * self._log_q_stopped(flat)
+        value = self.temperature * self._log_q_stopped(flat)
+        if self.prior_std is not None:
+            value = value + self._neg_log_prior(flat)
         return value.mean() / self.num_data
+
+    def _neg_log_prior(self, flat: Tensor) -> Tensor:
+        """(n,) -log p(theta) of the Gaussian prior at flat draws."""
+        return 0.5 * flat.square().sum(-1) / self.prior_std**2 + self._prior_constant()
+
+    def _neg_log_prior_mean(self) -> Tensor:
+        """E_q[-log p(theta)] in closed form (0 when the loss carries the prior)."""
+        if self.prior_std is None:
+            return self._flat_mean().new_zeros(())
+        second_moment = self._flat_mean().square().sum() + self._trace_covariance()
+        return 0.5 * second_moment / self.prior_std**2 + self._prior_constant()
+
+    def _prior_constant(self) -> float:
+        return 0.5 * self.treated.numel * math.log(2 * math.pi * self.prior_std**2)
 
     @torch.no_grad()
     def sample(self, n: int, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
@@ -236,7 +248,9 @@ _SHARED_ARGS = r"""model: the network; its parameters with ``requires_grad=True`
         num_data: the number of training examples N (required, a positive integer).
         prior_std: standard deviation of the prior N(0, prior_std**2) on every treated
             weight (required; a finite number > 0); the same as ``weight_decay = 1 /
-            (num_data * prior_std**2)``.
+            (num_data * prior_std**2)``. Or None: the loss you add :meth:`kl_loss` to
+            already holds the prior, ``-log p(theta) / num_data`` at the draw (a Pyro
+            model's log joint, say), and :meth:`kl_loss` is the entropy term alone.
         temperature: T, the target is ``(p(D | θ) p(θ)) ** (1 / T)`` (default: 1.0; a
             finite number >= 0).
         init_std: initial posterior standard deviation of every weight (default: 1e-3;
@@ -292,7 +306,7 @@ class MeanFieldVI(_GaussianVI):
         model: nn.Module,
         *,
         num_data: int,
-        prior_std: float,
+        prior_std: float | None,
         temperature: float = 1.0,
         init_std: float = 1e-3,
         stl: bool = True,
@@ -372,7 +386,7 @@ class FullCovarianceVI(_GaussianVI):
         model: nn.Module,
         *,
         num_data: int,
-        prior_std: float,
+        prior_std: float | None,
         temperature: float = 1.0,
         init_std: float = 1e-3,
         stl: bool = True,

@@ -138,6 +138,38 @@ def _naive_log_q(vi, flat):
     return torch.distributions.MultivariateNormal(vi.loc, scale_tril=vi.scale_tril()).log_prob(flat)
 
 
+@pytest.mark.parametrize("stl", [True, False])
+def test_prior_none_leaves_the_prior_to_the_loss(stl):
+    """prior_std=None + the prior written into the loss is the same objective."""
+    torch.manual_seed(6)
+    model = nn.Linear(3, 2)
+    kwargs = {"num_data": 7, "temperature": 0.4, "init_std": 0.3, "stl": stl}
+    with_prior = FullCovarianceVI(model, prior_std=0.8, **kwargs)
+    without = FullCovarianceVI(model, prior_std=None, **kwargs)
+    without.load_state_dict(with_prior.state_dict())
+    x = torch.randn(1, 3)
+    with_prior(x, num_samples=50, generator=torch.Generator().manual_seed(1))
+    without(x, num_samples=50, generator=torch.Generator().manual_seed(1))
+    prior = torch.distributions.Normal(0.0, 0.8)
+    if stl:
+        flat = without._last.detach()
+        neg_log_prior = -prior.log_prob(flat).sum(-1).mean()
+    else:
+        loc, tril = without.loc.detach(), without.scale_tril().detach()
+        second_moment = loc.square().sum() + tril.square().sum()
+        neg_log_prior = 0.5 * second_moment / 0.64 + 4 * math.log(2 * math.pi * 0.64)
+    torch.testing.assert_close(
+        with_prior.kl_loss().detach(),
+        without.kl_loss().detach() + neg_log_prior / 7,
+        rtol=1e-12,
+        atol=0,
+    )
+    if not stl:  # the entropy term alone
+        torch.testing.assert_close(
+            without.kl_loss().detach(), -0.4 * without.entropy().detach() / 7
+        )
+
+
 @pytest.mark.parametrize("cls", BOTH)
 @pytest.mark.parametrize("temperature", [1.0, 0.3])
 def test_closed_form_and_stl_estimate_agree(cls, temperature):
@@ -230,7 +262,7 @@ CONSTRUCTION_ERRORS = [
     ({"num_data": 0}, ValueError, "Invalid num_data: 0 (expected a positive integer"),
     ({"prior_std": 0.0}, ValueError, "Invalid prior_std: 0.0 (expected a finite number > 0)"),
     ({"prior_std": math.nan}, ValueError, "Invalid prior_std: nan (expected a finite number > 0)"),
-    ({"prior_std": None}, TypeError, "Invalid prior_std: None (expected a finite number > 0)"),
+    ({"prior_std": "1"}, TypeError, "Invalid prior_std: '1' (expected a finite number > 0)"),
     (
         {"temperature": -0.5},
         ValueError,
