@@ -21,12 +21,19 @@ CPU generator (Mersenne Twister): for one seed the two give different numbers, a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["NoiseStream", "derive_seed", "seed_from_global_rng"]
+__all__ = [
+    "NoiseStream",
+    "chunk_bounds",
+    "chunked_draws_match",
+    "derive_seed",
+    "seed_from_global_rng",
+]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
@@ -83,8 +90,26 @@ class NoiseStream:
             self._generators[device] = generator
         return generator
 
+    def generators(
+        self, like: Sequence[Tensor], *, step: int, stream: int
+    ) -> list[torch.Generator]:
+        """The generator to draw each tensor's noise from, re-seeded for ``(step, stream)``.
+
+        The devices of ``like`` are numbered in order of first appearance; device ``j`` is
+        seeded with ``derive_seed(seed, step, stream, j)``. Tensors on one device share
+        its generator, so their noise must be drawn in the order of ``like``.
+        """
+        seeded: dict[torch.device, torch.Generator] = {}
+        for tensor in like:
+            device = tensor.device
+            if device not in seeded:
+                generator = self._generator(device)
+                generator.manual_seed(derive_seed(self.seed, step, stream, len(seeded)))
+                seeded[device] = generator
+        return [seeded[tensor.device] for tensor in like]
+
     def standard_normal(self, like: Sequence[Tensor], *, step: int, stream: int) -> list[Tensor]:
-        """Draw ``xi ~ N(0, I)`` shaped like each tensor of ``like``.
+        """Draw ``xi ~ N(0, I)`` shaped like each tensor of ``like``, in order.
 
         Args:
             like: tensors giving the shape, dtype and device of each draw.
@@ -92,20 +117,43 @@ class NoiseStream:
             stream: an independent stream within the step (the param group index).
 
         Returns:
-            One fresh tensor per entry of ``like``. The devices of ``like`` are numbered
-            in order of first appearance; device ``j`` is seeded with
-            ``derive_seed(seed, step, stream, j)``.
+            One fresh tensor per entry of ``like`` (see :meth:`generators` for the seeds).
         """
-        seeded: dict[torch.device, torch.Generator] = {}
-        noise = []
-        for tensor in like:
-            device = tensor.device
-            generator = seeded.get(device)
-            if generator is None:
-                generator = self._generator(device)
-                generator.manual_seed(derive_seed(self.seed, step, stream, len(seeded)))
-                seeded[device] = generator
-            noise.append(
-                torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype, device=device)
-            )
-        return noise
+        generators = self.generators(like, step=step, stream=stream)
+        return [
+            torch.randn(t.shape, generator=g, dtype=t.dtype, device=t.device)
+            for t, g in zip(like, generators, strict=True)
+        ]
+
+
+def chunk_bounds(numel: int, size: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges of at most ``size + 15`` elements covering ``range(numel)``.
+
+    A last range shorter than 16 is merged into the one before: drawn this way, chunk by
+    chunk with ``normal_``, a tensor's noise equals one ``torch.randn`` of the whole
+    tensor (torch's CPU kernel fills blocks of 16), which :func:`chunked_draws_match`
+    checks for the running torch.
+    """
+    bounds = [[start, min(numel, start + size)] for start in range(0, numel, size)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < 16:
+        last = bounds.pop()
+        bounds[-1][1] = last[1]
+    return [(start, stop) for start, stop in bounds]
+
+
+@functools.cache
+def chunked_draws_match(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether chunked ``normal_`` draws equal one ``randn`` here (checked once per kind)."""
+    for numel in (5, 16, 3 * 64 + 5, 3 * 64 + 21, 1000):
+        whole = torch.randn(
+            numel, generator=torch.Generator(device).manual_seed(numel), dtype=dtype, device=device
+        )
+        generator = torch.Generator(device).manual_seed(numel)
+        scratch = torch.empty(64 + 15, dtype=dtype, device=device)
+        parts = [
+            scratch[: stop - start].normal_(generator=generator).clone()
+            for start, stop in chunk_bounds(numel, 64)
+        ]
+        if not torch.equal(whole, torch.cat(parts)):
+            return False
+    return True

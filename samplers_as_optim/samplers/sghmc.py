@@ -53,7 +53,7 @@ from torchopt.base import GradientTransformation
 
 from .._validation import check_bool, check_finite, check_momentum
 from . import _docs, _transform
-from ._common import apply_step_, buckets, effective_grad, effective_grads
+from ._common import buckets, effective_grad, effective_grads
 from ._optimizer import SamplerOptimizer
 from ._transform import (
     KernelInput,
@@ -243,27 +243,30 @@ class SGHMC(SamplerOptimizer):
         )
         cls._reject_at_positive_temperature("dampening", group["dampening"], 0, temperature, where)
 
-    def _update_group(
+    def _state_fields(self, group: dict[str, Any]) -> tuple[str, ...]:
+        # as in torch.optim.SGD, no state is kept without momentum
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def _kernel(
         self,
         group: dict[str, Any],
         params: list[Tensor],
         grads: list[Tensor],
+        buffers: list[list[Tensor | None]],
         noise: list[Tensor] | None,
         *,
         lr: float,
         temperature: float,
         foreach: bool,
-    ) -> None:
-        momentum = group["momentum"]
-        # as in torch.optim.SGD, no state is kept without momentum
-        states = [self.state[p] for p in params] if momentum != 0 else None
-        directions, buffers = sghmc_direction(
+    ) -> tuple[list[Tensor], list[list[Tensor | None]]]:
+        momentum_buffers = buffers[0] if buffers else [None] * len(params)
+        directions, momentum_buffers = sghmc_direction(
             params,
             grads,
-            [None] * len(params) if states is None else [s.get("momentum_buffer") for s in states],
+            momentum_buffers,
             noise,
             lr=lr,
-            momentum=momentum,
+            momentum=group["momentum"],
             temperature=temperature,
             num_data=group["num_data"],
             weight_decay=group["weight_decay"],
@@ -272,10 +275,7 @@ class SGHMC(SamplerOptimizer):
             maximize=group["maximize"],
             foreach=foreach,
         )
-        if states is not None:
-            for state, buffer in zip(states, buffers, strict=True):
-                state["momentum_buffer"] = buffer
-        apply_step_(params, directions, lr=lr, as_sgd=temperature == 0, foreach=foreach)
+        return directions, [momentum_buffers] if buffers else []
 
 
 SGHMC.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo, a drop-in for ``torch.optim.SGD``.

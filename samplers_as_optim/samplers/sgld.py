@@ -42,7 +42,7 @@ from torchopt.base import GradientTransformation
 
 from .._validation import check_bool, check_finite
 from . import _docs, _transform
-from ._common import apply_step_, buckets, effective_grad, effective_grads
+from ._common import buckets, effective_grad, effective_grads
 from ._optimizer import SamplerOptimizer
 from ._transform import (
     KernelInput,
@@ -164,17 +164,18 @@ class SGLD(SamplerOptimizer):
             )
         cls._reject_at_positive_temperature("dampening", group["dampening"], 0, temperature, where)
 
-    def _update_group(
+    def _kernel(
         self,
         group: dict[str, Any],
         params: list[Tensor],
         grads: list[Tensor],
+        buffers: list[list[Tensor | None]],
         noise: list[Tensor] | None,
         *,
         lr: float,
         temperature: float,
         foreach: bool,
-    ) -> None:
+    ) -> tuple[list[Tensor], list[list[Tensor | None]]]:
         directions = sgld_direction(
             params,
             grads,
@@ -186,7 +187,7 @@ class SGLD(SamplerOptimizer):
             maximize=group["maximize"],
             foreach=foreach,
         )
-        apply_step_(params, directions, lr=lr, as_sgd=temperature == 0, foreach=foreach)
+        return directions, []
 
 
 SGLD.__doc__ = rf"""Stochastic gradient Langevin dynamics, a drop-in for ``torch.optim.SGD``.

@@ -55,7 +55,7 @@ from torchopt.base import GradientTransformation
 
 from .._validation import check_finite, check_momentum
 from . import _docs, _transform
-from ._common import apply_step_, buckets, effective_grad, effective_grads
+from ._common import buckets, effective_grad, effective_grads
 from ._optimizer import SamplerOptimizer
 from ._transform import (
     KernelInput,
@@ -218,29 +218,35 @@ class SGNHT(SamplerOptimizer):
         )
         cls._reject_at_positive_temperature("dampening", group["dampening"], 0, temperature, where)
 
-    def _update_group(
+    #: the thermostat reduces over a whole tensor, so tensors are never chunked
+    chunked_kernel = False
+
+    def _state_fields(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("momentum_buffer", "thermostat")
+
+    def _init_state(self, group: dict[str, Any], param: Tensor, state: dict[str, Any]) -> None:
+        state["momentum_buffer"], state["thermostat"] = sgnht_initial_state(
+            param, group["momentum"]
+        )
+
+    def _kernel(
         self,
         group: dict[str, Any],
         params: list[Tensor],
         grads: list[Tensor],
+        buffers: list[list[Tensor | None]],
         noise: list[Tensor] | None,
         *,
         lr: float,
         temperature: float,
         foreach: bool,
-    ) -> None:
+    ) -> tuple[list[Tensor], list[list[Tensor | None]]]:
         assert noise is not None  # temperature > 0 is validated
-        states = [self.state[p] for p in params]
-        for param, state in zip(params, states, strict=True):
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"], state["thermostat"] = sgnht_initial_state(
-                    param, group["momentum"]
-                )
-        directions, _, _ = sgnht_direction(
+        directions, momentum_buffers, thermostats = sgnht_direction(
             params,
             grads,
-            [state["momentum_buffer"] for state in states],
-            [state["thermostat"] for state in states],
+            buffers[0],
+            buffers[1],
             noise,
             lr=lr,
             momentum=group["momentum"],
@@ -250,7 +256,7 @@ class SGNHT(SamplerOptimizer):
             maximize=group["maximize"],
             foreach=foreach,
         )
-        apply_step_(params, directions, lr=lr, as_sgd=temperature == 0, foreach=foreach)
+        return directions, [momentum_buffers, thermostats]
 
 
 SGNHT.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat, a drop-in for ``torch.optim.SGD``.

@@ -1,0 +1,112 @@
+"""The CPU chunked update is the whole-tensor update, bit for bit.
+
+On the CPU without foreach, tensors larger than ``CHUNK`` elements are updated chunk by
+chunk (kernel on views, noise drawn into a scratch chunk). These tests shrink ``CHUNK``
+so that small tensors take that path, with chunks whose tails are shorter than 16.
+"""
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import samplers_as_optim.samplers._optimizer as optimizer_module
+from samplers_as_optim import SGHMC, SGLD, SGNHT, transforms
+from samplers_as_optim._random import NoiseStream, chunk_bounds, chunked_draws_match
+
+SIZES = [(5,), (64,), (65,), (79,), (80,), (7, 50), (1000,), (3, 4, 17)]
+
+
+def run(cls, chunk, monkeypatch, *, dtype=torch.float32, steps=4, **kwargs):
+    monkeypatch.setattr(optimizer_module, "CHUNK", chunk)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(size, dtype=dtype)) for size in SIZES]
+    opt = cls(params, num_data=100, foreach=False, seed=3, **kwargs)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator, dtype=dtype)
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (SGLD, {"lr": 0.01}),
+        (SGHMC, {"lr": 0.01, "momentum": 0.9, "weight_decay": 1e-3}),
+        (SGHMC, {"lr": 0.01, "momentum": 0.9, "temperature": 0.0, "nesterov": True}),
+        (SGHMC, {"lr": 0.01, "momentum": 0.5, "maximize": True}),
+    ],
+)
+def test_chunked_update_equals_whole_tensor_update(cls, kwargs, dtype, monkeypatch):
+    whole, whole_opt = run(cls, 10**9, monkeypatch, dtype=dtype, **kwargs)
+    chunked, chunked_opt = run(cls, 32, monkeypatch, dtype=dtype, **kwargs)
+    for a, b in zip(whole, chunked, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(whole, chunked, strict=True):
+        assert whole_opt.state[a].keys() == chunked_opt.state[b].keys()
+        for key in whole_opt.state[a]:
+            assert torch.equal(whole_opt.state[a][key], chunked_opt.state[b][key])
+
+
+def test_chunked_sghmc_at_zero_temperature_is_sgd(monkeypatch):
+    chunked, _ = run(SGHMC, 32, monkeypatch, lr=0.05, momentum=0.9, temperature=0.0, dampening=0.1)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(size)) for size in SIZES]
+    sgd = torch.optim.SGD(params, lr=0.05, momentum=0.9, dampening=0.1, foreach=False)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator)
+        sgd.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, chunked, strict=True))
+
+
+def test_chunked_optimizer_equals_the_transform(monkeypatch):
+    """The transform draws whole tensors; the chunked Optimizer draws the same numbers."""
+    chunked, _ = run(SGHMC, 32, monkeypatch, lr=0.01, momentum=0.9, steps=3)
+    torch.manual_seed(0)
+    params = [torch.randn(size) for size in SIZES]
+    tx = transforms.sghmc(0.01, momentum=0.9, num_data=100, seed=3, foreach=False)
+    state = tx.init(params)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=generator) for p in params]
+        updates, state = tx.update(grads, state, params=params, inplace=False)
+        params = [p + u for p, u in zip(params, updates, strict=True)]
+    assert all(torch.equal(a, b) for a, b in zip(params, chunked, strict=True))
+
+
+def test_sgnht_is_never_chunked(monkeypatch):
+    """Its thermostat reduces over a whole tensor; with or without CHUNK the same chain."""
+    whole, _ = run(SGNHT, 10**9, monkeypatch, lr=0.01)
+    small, _ = run(SGNHT, 32, monkeypatch, lr=0.01)
+    assert all(torch.equal(a, b) for a, b in zip(whole, small, strict=True))
+
+
+@given(st.integers(1, 5000), st.integers(16, 512))
+def test_chunk_bounds_cover_in_order_with_no_tail_shorter_than_16(numel, size):
+    bounds = chunk_bounds(numel, size)
+    assert bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+    assert all(stop - start <= size + 15 for start, stop in bounds)
+    if len(bounds) > 1:
+        assert bounds[-1][1] - bounds[-1][0] >= 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_chunked_draws_equal_whole_draws_on_this_torch(dtype):
+    assert chunked_draws_match(torch.device("cpu"), dtype)
+    like = [torch.empty(4099, dtype=dtype)]
+    stream = NoiseStream(9)
+    whole = stream.standard_normal(like, step=2, stream=1)[0]
+    (generator,) = stream.generators(like, step=2, stream=1)
+    scratch = torch.empty(64 + 15, dtype=dtype)
+    parts = [
+        scratch[: b - a].normal_(generator=generator).clone() for a, b in chunk_bounds(4099, 64)
+    ]
+    assert torch.equal(whole, torch.cat(parts))
