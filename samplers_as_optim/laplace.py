@@ -433,7 +433,7 @@ class Laplace:
             >>> x, y = torch.randn(32, 2), torch.randn(32, 1)
             >>> la = Laplace(model, num_data=32, likelihood="regression", noise_std=1.0)
             >>> la = la.fit(DataLoader(TensorDataset(x, y), batch_size=8))
-            >>> float(la.penalty(model))  # zero at the mean
+            >>> la.penalty(model).item()  # zero at the mean
             0.0
         """
         return 0.5 * self._quadratic(params)[0]
