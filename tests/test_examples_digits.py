@@ -134,3 +134,17 @@ def check_ood_detection(results: dict) -> None:
     # mode; 0.023 and 0.072 at seed 0. No margin is asserted beyond the sign.
     assert parallel["auroc_epistemic"] > sgd["auroc_total"]
     assert parallel["auroc_epistemic"] > serial["auroc_epistemic"]
+
+
+@pytest.mark.slow
+def test_quickstart_runs_and_its_cold_sampler_matches_sgd(example, capsys) -> None:
+    """The README's smallest example: SGD, SGHMC at T=1 and T=0.1 on digits.
+
+    Asserted: every method above 95% accuracy (seen: >= 0.970), and the cold sampler's
+    BMA within 0.01 nats of SGD's NLL (seen: 0.0004 better), the T -> 0 limit.
+    """
+    rows = {row["method"].split(" (")[0]: row for row in example("quickstart").main()}
+    assert set(rows) == {"SGD", "SGHMC T=1", "SGHMC T=0.1"}
+    assert all(row["accuracy"] > 0.95 for row in rows.values())
+    assert abs(rows["SGHMC T=0.1"]["NLL"] - rows["SGD"]["NLL"]) < 0.01
+    assert "SGHMC T=1 (BMA of 40)" in capsys.readouterr().out
