@@ -216,7 +216,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--methods", nargs="*", default=None)
+    parser.add_argument(
+        "--methods", nargs="*", default=None, choices=[*METHODS, *LAPLACE_TORCH_BACKENDS]
+    )
     parser.add_argument(
         "--laplace-torch-python",
         default=None,
