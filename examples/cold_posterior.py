@@ -104,7 +104,6 @@ order vary more between seeds.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 import time
@@ -117,10 +116,10 @@ import torch
 import torch.nn.functional as F
 from common import (
     digits,
+    example_arguments,
     member_minibatches,
     minibatches,
     mlp,
-    output_path,
     print_table,
     progress,
     torch_threads,
@@ -497,14 +496,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 temperatures, short runs")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", type=Path, default=None, help="the figure (PNG)")
-    args = parser.parse_args(argv)
-    results = run(quick=args.quick, seed=args.seed)
+    quick, seed, path = example_arguments(
+        argv, __doc__, quick="4 temperatures, short runs", figure="cold_posterior.png"
+    )
+    results = run(quick=quick, seed=seed)
     results["table"] = tables(results)
-    path = args.output if args.output is not None else output_path("cold_posterior.png")
     plot(results, path)
     results["figure"] = str(path)
     print(f"figure: {path}")

@@ -5,6 +5,7 @@ minutes; nothing here is part of the library.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
@@ -22,6 +23,22 @@ def output_path(name: str) -> Path:
     """Where an example writes its figures (``examples/output/``, created on demand)."""
     OUTPUT.mkdir(parents=True, exist_ok=True)
     return OUTPUT / name
+
+
+def example_arguments(
+    argv: list[str] | None, doc: str | None, *, quick: str, figure: str
+) -> tuple[bool, int, Path]:
+    """The examples' command line: ``--quick``, ``--seed`` and ``--output`` (the figure).
+
+    Returns:
+        ``(quick, seed, figure_path)``, the path defaulting to ``examples/output/<figure>``.
+    """
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=None, help="the figure (PNG)")
+    args = parser.parse_args(argv)
+    return args.quick, args.seed, args.output or output_path(figure)
 
 
 def digits(

@@ -70,7 +70,6 @@ example, protected the recent tasks better and the first one worse.)
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from collections.abc import Callable
@@ -81,9 +80,9 @@ import torch
 import torch.nn.functional as F
 from common import (
     digits,
+    example_arguments,
     minibatches,
     mlp,
-    output_path,
     print_table,
     progress,
     torch_threads,
@@ -312,13 +311,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer epochs per episode")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", type=Path, default=None, help="the figure (PNG)")
-    args = parser.parse_args(argv)
-    results = run(quick=args.quick, seed=args.seed)
-    path = args.output if args.output is not None else output_path("continual_learning.png")
+    quick, seed, path = example_arguments(
+        argv, __doc__, quick="fewer epochs per episode", figure="continual_learning.png"
+    )
+    results = run(quick=quick, seed=seed)
     plot(results, path)
     print_table(
         results["rows"],

@@ -105,7 +105,6 @@ dominates a model this small, for NUTS and the SGHMC steps alike).
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 import warnings
@@ -116,7 +115,7 @@ from typing import Any
 import pyro
 import pyro.distributions as dist
 import torch
-from common import output_path, print_table, progress, torch_threads, warm_up
+from common import example_arguments, print_table, progress, torch_threads, warm_up
 from pyro import poutine
 from pyro.infer import MCMC, NUTS, Predictive
 from pyro.poutine.util import site_is_subsample
@@ -547,13 +546,10 @@ COLUMNS = [
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer samples and steps")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", type=Path, default=None, help="the figure (PNG)")
-    args = parser.parse_args(argv)
-    results = run(quick=args.quick, seed=args.seed)
-    path = args.output if args.output is not None else output_path("logistic_regression.png")
+    quick, seed, path = example_arguments(
+        argv, __doc__, quick="fewer samples and steps", figure="logistic_regression.png"
+    )
+    results = run(quick=quick, seed=seed)
     plot(results, path)
     print_table(
         results["rows"],

@@ -74,7 +74,6 @@ What does not, at this scale:
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from collections.abc import Callable
@@ -86,10 +85,10 @@ import torch
 import torch.nn.functional as F
 from common import (
     digits,
+    example_arguments,
     member_minibatches,
     minibatches,
     mlp,
-    output_path,
     print_table,
     progress,
     torch_threads,
@@ -360,14 +359,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="shorter runs")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", type=Path, default=None, help="the figure (PNG)")
-    args = parser.parse_args(argv)
-    results = run(quick=args.quick, seed=args.seed)
+    quick, seed, path = example_arguments(
+        argv, __doc__, quick="shorter runs", figure="ood_detection.png"
+    )
+    results = run(quick=quick, seed=seed)
     results["table"] = table(results)
-    path = args.output if args.output is not None else output_path("ood_detection.png")
     plot(results, path)
     results["figure"] = str(path)
     print(f"figure: {path}")

@@ -22,3 +22,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def device() -> torch.device:
     """CUDA when available (the GPU check), otherwise the CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def float64_default():
+    """Run the test with float64 as torch's default dtype (exactness tests), then restore."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)

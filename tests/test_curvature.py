@@ -19,12 +19,7 @@ from samplers_as_optim._likelihoods import CallableLikelihood, Classification, R
 DT = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(DT)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def brute_force(model, treated, x, y, kind, likelihood):

@@ -25,12 +25,7 @@ NOISE = 0.5
 PRIOR = 2.0
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(DT)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def blr_data(n=40, d=3, seed=0):

@@ -24,12 +24,7 @@ PRIOR_STD = 1.0
 BOTH = [MeanFieldVI, FullCovarianceVI]
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(DT)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def blr(n=40):
