@@ -4,6 +4,7 @@ Crossed with the registry of samplers under test (STYLE: optax's _OPTIMIZERS_UND
 """
 
 import copy
+import inspect
 import io
 
 import pytest
@@ -347,3 +348,15 @@ def test_zero_grad_and_repr_work_as_for_sgd():
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
     assert "temperature: 1.0" in repr(opt) and "num_data: 10" in repr(opt)
+
+
+# ---------------------------------------------------------------- documentation
+@pytest.mark.parametrize("case", SAMPLERS, ids=repr)
+def test_every_argument_is_documented_and_the_example_names_the_class(case):
+    """Docstrings that drift from signatures are caught (STYLE: Docstrings)."""
+    doc = case.cls.__doc__
+    for name in inspect.signature(case.cls.__init__).parameters:
+        if name != "self":
+            assert f"\n        {name}: " in doc, f"{case.cls.__name__}: {name} is not documented"
+    assert f"from samplers_as_optim import {case.cls.__name__}" in doc
+    assert ".. math::" in doc and "References:" in doc
