@@ -315,19 +315,23 @@ def _run(settings: Settings, seed: int) -> dict[str, Any]:
     with torch.no_grad():
         record("Deep ensemble", ensemble(x_test), started)
 
+    # Laplace around the MAP: the fit does not depend on T (the covariance is T / Λ), so
+    # each curvature is fitted once and its temperature set in the sweep.
     loader = DataLoader(TensorDataset(x, y), batch_size=256)
+    laplaces = {
+        curvature: Laplace(
+            map_model,
+            num_data=num_data,
+            likelihood="classification",
+            curvature=curvature,
+            prior_precision=prior_precision,
+        ).fit(loader)
+        for curvature in ("ef", "ggn")
+    }
     for temperature in progress(settings.temperatures, "temperatures"):
-        # Laplace around the MAP: the fit does not depend on T, the covariance is T / Λ.
-        for curvature in ("ef", "ggn"):
+        for curvature, laplace in laplaces.items():
+            laplace.temperature = temperature
             started = time.perf_counter()
-            laplace = Laplace(
-                map_model,
-                num_data=num_data,
-                likelihood="classification",
-                curvature=curvature,
-                prior_precision=prior_precision,
-                temperature=temperature,
-            ).fit(loader)
             for linear in (False, True):
                 with torch.no_grad():
                     logits = laplace.predict(
