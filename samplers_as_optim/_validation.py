@@ -21,6 +21,7 @@ import torch
 __all__ = [
     "check_bool",
     "check_choice",
+    "check_chunk_size",
     "check_finite",
     "check_foreach",
     "check_learning_rate",
@@ -163,6 +164,13 @@ def check_positive(name: str, value: Any, *, where: str = "") -> float:
     if not (math.isfinite(number) and number > 0.0):
         _fail(name, value, expected, where)
     return number
+
+
+def check_chunk_size(value: Any, *, where: str = "") -> int | None:
+    """Check ``chunk_size``: None (no chunking) or an integer >= 1."""
+    if value is None:
+        return None
+    return _integer("chunk_size", value, "None or an integer >= 1", where, low=1, high=None)
 
 
 def check_positive_int(name: str, value: Any, *, where: str = "") -> int:

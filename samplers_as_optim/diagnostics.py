@@ -103,7 +103,12 @@ import torch
 from torch import Tensor
 
 from . import _ranks
-from ._validation import check_choice, check_finite, check_open_unit_interval, check_positive_int
+from ._validation import (
+    check_choice,
+    check_chunk_size,
+    check_finite,
+    check_open_unit_interval,
+)
 
 __all__ = [
     "Diagnostics",
@@ -240,10 +245,6 @@ def _check_samples(
     if not samples.is_floating_point():
         samples = samples.to(torch.float64)  # integers and bools: exact in float64
     return samples
-
-
-def _check_chunk_size(chunk_size: object) -> int | None:
-    return None if chunk_size is None else check_positive_int("chunk_size", chunk_size)
 
 
 def _superchain_order(superchains: object, chains: int, device: torch.device) -> tuple[Tensor, int]:
@@ -635,7 +636,7 @@ def rhat(samples: Tensor, *, method: RhatMethod = "rank", chunk_size: int | None
 def _rhat(samples: object, method: str, chunk_size: object, *, name: str) -> Tensor:
     samples = _check_samples(samples, min_chains=2, purpose="R-hat", name=name)
     check_choice("method", method, _RHAT_METHODS)
-    results = _compute(samples, _rhat_names(method), chunk_size=_check_chunk_size(chunk_size))
+    results = _compute(samples, _rhat_names(method), chunk_size=check_chunk_size(chunk_size))
     return _combine_rhat(results, method)
 
 
@@ -687,7 +688,7 @@ def nested_rhat(
     check_choice("method", method, _RHAT_METHODS)
     nested = _superchain_order(superchains, samples.shape[0], samples.device)
     results = _compute(
-        samples, _rhat_names(method), nested=nested, chunk_size=_check_chunk_size(chunk_size)
+        samples, _rhat_names(method), nested=nested, chunk_size=check_chunk_size(chunk_size)
     )
     return _combine_rhat(results, method)
 
@@ -738,7 +739,7 @@ def ess(
     check_choice("method", method, _ESS_METHODS)
     prob = check_open_unit_interval("prob", prob)
     name = f"ess_{method}"
-    return _compute(samples, {name}, prob=prob, chunk_size=_check_chunk_size(chunk_size))[name]
+    return _compute(samples, {name}, prob=prob, chunk_size=check_chunk_size(chunk_size))[name]
 
 
 def diagnose(samples: Tensor, *, prob: float = 0.05, chunk_size: int | None = None) -> Diagnostics:
@@ -772,7 +773,7 @@ def diagnose(samples: Tensor, *, prob: float = 0.05, chunk_size: int | None = No
     samples = _check_samples(samples, min_chains=2, purpose="R-hat")
     prob = check_open_unit_interval("prob", prob)
     wanted = {"rhat_bulk", "rhat_folded", "ess_bulk", "ess_tail"}
-    results = _compute(samples, wanted, prob=prob, chunk_size=_check_chunk_size(chunk_size))
+    results = _compute(samples, wanted, prob=prob, chunk_size=check_chunk_size(chunk_size))
     return Diagnostics(_combine_rhat(results, "rank"), results["ess_bulk"], results["ess_tail"])
 
 

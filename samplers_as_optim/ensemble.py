@@ -71,13 +71,18 @@ from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ._random import derive_seed
-from ._validation import check_bool, check_choice, check_positive_int, check_seed
+from ._validation import (
+    check_bool,
+    check_choice,
+    check_chunk_size,
+    check_positive_int,
+    check_seed,
+)
 from .stacked import (
     RANDOMNESS,
     _bind_all,
     _check_per_sample_inputs,
     _vmapped_call,
-    check_chunk_size,
 )
 
 __all__ = ["ParallelEnsemble", "ensemble_loss"]

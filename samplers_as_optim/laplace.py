@@ -72,6 +72,7 @@ from ._likelihoods import make_likelihood
 from ._memory import check_dense_fits
 from ._validation import (
     check_choice,
+    check_chunk_size,
     check_num_data,
     check_positive,
     check_positive_int,
@@ -498,8 +499,7 @@ class Laplace:
         samples = self.sample(num_samples, generator=generator)
         if not linear:
             return call_stacked(self.model, samples, x, chunk_size=chunk_size)
-        if chunk_size is not None:
-            chunk_size = check_positive_int("chunk_size", chunk_size)
+        chunk_size = check_chunk_size(chunk_size)
         mean = self._fitted()[0]
         deltas = {name: samples[name] - mean[name] for name in self.treated.names}
 

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._validation import check_bool, check_choice
+from ._validation import check_bool, check_choice, check_chunk_size
 
 __all__ = ["call_stacked", "num_stacked", "stack_modules", "stack_states", "unstack"]
 
@@ -256,15 +256,6 @@ def _check_per_sample_inputs(args: Sequence[Any], size: int) -> None:
                     f"dimension of {size}, one slice per stacked entry, with "
                     "per_sample_inputs=True)"
                 )
-
-
-def check_chunk_size(chunk_size: Any) -> int | None:
-    """Check ``chunk_size``: None or an integer >= 1."""
-    if chunk_size is None:
-        return None
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"Invalid chunk_size: {chunk_size!r} (expected None or an integer >= 1)")
-    return chunk_size
 
 
 def _vmapped_call(

@@ -438,12 +438,12 @@ def test_cuda_matches_cpu():  # pragma: no cover - runs where a GPU is available
         (
             lambda: diagnostics.rhat(torch.zeros(2, 8), chunk_size=0),
             ValueError,
-            r"Invalid chunk_size: 0 \(expected an integer >= 1\)",
+            r"Invalid chunk_size: 0 \(expected None or an integer >= 1\)",
         ),
         (
             lambda: diagnostics.rhat(torch.zeros(2, 8), chunk_size=True),
             TypeError,
-            r"Invalid chunk_size: True",
+            r"Invalid chunk_size: True \(expected None or an integer >= 1\)",
         ),
         (
             lambda: diagnostics.nested_rhat(torch.zeros(6, 8), 4),

@@ -647,9 +647,13 @@ def test_use_errors():
     ):
         la.predict(x, num_samples=-3)
     with pytest.raises(
-        ValueError, match=re.escape("Invalid chunk_size: 0 (expected an integer >= 1)")
+        ValueError, match=re.escape("Invalid chunk_size: 0 (expected None or an integer >= 1)")
     ):
         la.predict(x, linear=True, chunk_size=0)
+    with pytest.raises(  # the sampled path says the same (one validator)
+        ValueError, match=re.escape("Invalid chunk_size: 0 (expected None or an integer >= 1)")
+    ):
+        la.predict(x, linear=False, chunk_size=0)
     with pytest.raises(
         TypeError, match=re.escape("Invalid linear: 'yes' (expected True or False)")
     ):

@@ -230,8 +230,9 @@ def test_error_messages(members, device):
         call_stacked(module, {"nope": torch.zeros(6, 1)}, x)
     with pytest.raises(ValueError, match=r"Invalid input 0: shape \(2, 5\) \(expected a leading"):
         call_stacked(module, stacked, x, per_sample_inputs=True)
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match=r"Invalid chunk_size: .* \(expected None or an"):
+    for bad, error in ((0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)):
+        message = rf"Invalid chunk_size: {bad!r} \(expected None or an integer >= 1\)"
+        with pytest.raises(error, match=message):
             call_stacked(module, stacked, x, chunk_size=bad)
     with pytest.raises(ValueError, match=r"Invalid randomness: 'sometimes' \(expected one of"):
         call_stacked(module, stacked, x, randomness="sometimes")
