@@ -27,7 +27,7 @@ from .._validation import (
     check_seed,
     check_temperature,
 )
-from ._common import apply_step_, default_foreach
+from ._common import apply_step_, default_foreach, may_be_non_finite
 
 __all__ = ["SamplerOptimizer"]
 
@@ -169,21 +169,10 @@ class SamplerOptimizer(Optimizer):
     ) -> None:
         """Raise, before anything changes, if any gradient holds NaN or infinity.
 
-        Fast path: the sum of per-tensor L2 norms (one foreach reduction and one host
-        synchronisation per device and dtype) is finite exactly when every gradient is,
-        except when it overflows; only then are the tensors checked one by one.
+        Fast path :func:`may_be_non_finite`; only on suspicion are the tensors checked one
+        by one, to name the culprit.
         """
-        by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-        for _, _, _, grads in gathered:
-            for grad in grads:
-                by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
-        suspect = False
-        for grads in by_kind.values():
-            total = torch.stack(torch._foreach_norm(grads)).sum()
-            if not bool(torch.isfinite(total)):
-                suspect = True
-                break
-        if not suspect:
+        if not may_be_non_finite([grad for *_, grads in gathered for grad in grads]):
             return
         for index, group, _, _ in gathered:
             for position, param in enumerate(group["params"]):

@@ -35,7 +35,7 @@ from torchopt.base import GradientTransformation
 
 from .._random import NoiseStream, seed_from_global_rng
 from .._validation import check_seed
-from ._common import buckets, default_foreach
+from ._common import buckets, default_foreach, may_be_non_finite
 from ._optimizer import SamplerOptimizer
 
 __all__ = [
@@ -127,24 +127,19 @@ def _path_name(path: tuple[Any, ...]) -> str:
 def _refuse_non_finite(name: str, updates: Any, leaves: list[Tensor | None], count: int) -> None:
     """Raise FloatingPointError, before anything changes, if an update holds NaN or inf.
 
-    One reduction and host synchronisation per device and dtype; skipped inside a
+    Fast path :func:`may_be_non_finite` (the Optimizers' guard); skipped inside a
     ``torch.func`` transform (vmap, grad), where a value cannot steer Python control flow.
     """
     present = [leaf for leaf in leaves if leaf is not None]
-    if _in_functorch(present):
+    if _in_functorch(present) or not may_be_non_finite([leaf.detach() for leaf in present]):
         return
-    present = [leaf.detach() for leaf in present]
-    for index in buckets(present):
-        bucket = [present[i] for i in index]
-        if bool(torch.isfinite(torch.stack(torch._foreach_norm(bucket)).sum())):
-            continue  # the fast path: every tensor is finite (or the sum overflowed)
-        paths, all_leaves, _ = pytree.tree_flatten_with_path(updates, none_is_leaf=True)
-        for path, leaf in zip(paths, all_leaves, strict=True):
-            if leaf is not None and not bool(torch.isfinite(leaf).all()):
-                raise FloatingPointError(
-                    f"{name} refused step {count + 1}: non-finite gradient in updates"
-                    f"{_path_name(path)} of shape {tuple(leaf.shape)}; nothing was changed"
-                )
+    paths, all_leaves, _ = pytree.tree_flatten_with_path(updates, none_is_leaf=True)
+    for path, leaf in zip(paths, all_leaves, strict=True):
+        if leaf is not None and not bool(torch.isfinite(leaf).all()):
+            raise FloatingPointError(
+                f"{name} refused step {count + 1}: non-finite gradient in updates"
+                f"{_path_name(path)} of shape {tuple(leaf.shape)}; nothing was changed"
+            )
 
 
 def _in_functorch(tensors: list[Tensor]) -> bool:
