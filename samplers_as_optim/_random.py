@@ -32,6 +32,7 @@ __all__ = [
     "chunk_bounds",
     "chunked_draws_match",
     "derive_seed",
+    "draw_standard_normal",
     "seed_from_global_rng",
 ]
 
@@ -119,11 +120,17 @@ class NoiseStream:
         Returns:
             One fresh tensor per entry of ``like`` (see :meth:`generators` for the seeds).
         """
-        generators = self.generators(like, step=step, stream=stream)
-        return [
-            torch.randn(t.shape, generator=g, dtype=t.dtype, device=t.device)
-            for t, g in zip(like, generators, strict=True)
-        ]
+        return draw_standard_normal(like, self.generators(like, step=step, stream=stream))
+
+
+def draw_standard_normal(
+    like: Sequence[Tensor], generators: Sequence[torch.Generator]
+) -> list[Tensor]:
+    """One ``torch.randn`` shaped like each tensor, from its generator, in order."""
+    return [
+        torch.randn(t.shape, generator=g, dtype=t.dtype, device=t.device)
+        for t, g in zip(like, generators, strict=True)
+    ]
 
 
 def chunk_bounds(numel: int, size: int) -> list[tuple[int, int]]:

@@ -17,7 +17,13 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .._random import NoiseStream, chunk_bounds, chunked_draws_match, seed_from_global_rng
+from .._random import (
+    NoiseStream,
+    chunk_bounds,
+    chunked_draws_match,
+    draw_standard_normal,
+    seed_from_global_rng,
+)
 from .._validation import (
     check_bool,
     check_foreach,
@@ -35,13 +41,6 @@ _SAMPLER_KEY = "sampler"
 
 #: Tensors with more elements than this are updated in chunks of this size on the CPU.
 CHUNK = 2**17
-
-
-def _draw(tensors: list[Tensor], generators: list[torch.Generator]) -> list[Tensor]:
-    return [
-        torch.randn(t.shape, generator=g, dtype=t.dtype, device=t.device)
-        for t, g in zip(tensors, generators, strict=True)
-    ]
 
 
 def _at_group(index: int) -> str:
@@ -256,7 +255,7 @@ class SamplerOptimizer(Optimizer):
         if not foreach and self._chunkable(params, grads, buffers, temperature):
             self._update_in_chunks(group, params, grads, buffers, generators, **kwargs)
             return
-        noise = None if generators is None else _draw(params, generators)
+        noise = None if generators is None else draw_standard_normal(params, generators)
         directions, new_buffers = self._kernel(
             group, params, grads, buffers, noise, foreach=foreach, **kwargs
         )
@@ -309,7 +308,9 @@ class SamplerOptimizer(Optimizer):
             if small:
                 noise = None
                 if generators is not None:
-                    noise = _draw([params[i] for i in small], [generators[i] for i in small])
+                    noise = draw_standard_normal(
+                        [params[i] for i in small], [generators[i] for i in small]
+                    )
                 bs = [[field[i] for i in small] for field in buffers]
                 update([params[i] for i in small], [grads[i] for i in small], bs, noise)
                 small.clear()
