@@ -26,8 +26,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from peak_memory import peak_tensor_bytes
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 from torch.testing import assert_close
 
 from samplers_as_optim import SGHMC
@@ -434,16 +434,6 @@ def test_backward_in_chunks_gives_the_same_gradients_and_statistics(per_member, 
             assert_close(other.grad, tensor.grad, msg=name)
 
 
-def _peak_tensor_bytes(run) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    current = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        current += event.self_cpu_memory_usage
-        peak = max(peak, current)
-    return peak
-
-
 def test_backward_in_chunks_bounds_training_memory():
     torch.manual_seed(0)
     x, y = torch.randn(256, 4), torch.randint(0, 2, (256,))
@@ -456,7 +446,7 @@ def test_backward_in_chunks_bounds_training_memory():
             )
             ensemble.backward(F.cross_entropy, x, targets=y, chunk_size=chunk_size)
 
-        return _peak_tensor_bytes(run)
+        return peak_tensor_bytes(run)
 
     full, chunked = step(None), step(1)
     # all 8 members' hidden layers at once vs one member's (parameters and gradients,

@@ -11,9 +11,9 @@ as it was (also when its forward raises), and every error message.
 
 import pytest
 import torch
+from peak_memory import peak_tensor_bytes
 from torch import nn
 from torch.func import functional_call
-from torch.profiler import ProfilerActivity, profile
 from torch.testing import assert_close
 
 from samplers_as_optim.stacked import (
@@ -88,17 +88,6 @@ def test_chunking_gives_identical_outputs_and_gradients(members, device, chunk_s
         assert torch.equal(grads_full[name], grads_chunked[name])
 
 
-def _peak_tensor_bytes(run) -> int:
-    """Peak of the running sum of every op's own allocations and frees (torch profiler)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    current = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        current += event.self_cpu_memory_usage
-        peak = max(peak, current)
-    return peak
-
-
 def test_chunking_bounds_activation_memory():
     torch.manual_seed(0)
     wide = [nn.Sequential(nn.Linear(4, 256), nn.Tanh(), nn.Linear(256, 1)) for _ in range(16)]
@@ -106,8 +95,8 @@ def test_chunking_bounds_activation_memory():
     x = torch.randn(128, 4)
     activation = 128 * 256 * 4  # bytes of one entry's hidden layer
     with torch.no_grad():
-        full = _peak_tensor_bytes(lambda: call_stacked(wide[0], stacked, x))
-        chunked = _peak_tensor_bytes(lambda: call_stacked(wide[0], stacked, x, chunk_size=2))
+        full = peak_tensor_bytes(lambda: call_stacked(wide[0], stacked, x))
+        chunked = peak_tensor_bytes(lambda: call_stacked(wide[0], stacked, x, chunk_size=2))
     # all 16 entries' hidden layers at once (pre- and post-activation: 2 x 16) vs those
     # of one chunk of 2 entries (2 x 2) plus the small output
     assert full >= 32 * activation
