@@ -92,20 +92,22 @@ class NoiseStream:
         return generator
 
     def generators(
-        self, like: Sequence[Tensor], *, step: int, stream: int
+        self, like: Sequence[Tensor], *, step: int, stream: int, shard: int | None = None
     ) -> list[torch.Generator]:
         """The generator to draw each tensor's noise from, re-seeded for ``(step, stream)``.
 
         The devices of ``like`` are numbered in order of first appearance; device ``j`` is
-        seeded with ``derive_seed(seed, step, stream, j)``. Tensors on one device share
-        its generator, so their noise must be drawn in the order of ``like``.
+        seeded with ``derive_seed(seed, step, stream, j)``, or ``derive_seed(seed, step,
+        stream, j, shard)`` for one rank's shard of a sharded optimizer. Tensors on one
+        device share its generator, so their noise must be drawn in the order of ``like``.
         """
         seeded: dict[torch.device, torch.Generator] = {}
+        shards = () if shard is None else (shard,)
         for tensor in like:
             device = tensor.device
             if device not in seeded:
                 generator = self._generator(device)
-                generator.manual_seed(derive_seed(self.seed, step, stream, len(seeded)))
+                generator.manual_seed(derive_seed(self.seed, step, stream, len(seeded), *shards))
                 seeded[device] = generator
         return [seeded[tensor.device] for tensor in like]
 

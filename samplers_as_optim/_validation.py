@@ -94,7 +94,12 @@ def check_nonnegative(name: str, value: Any, *, where: str = "") -> float:
 
 
 def check_learning_rate(value: Any, *, where: str = "") -> float:
-    """Check ``lr``: a finite number >= 0 (a float or a one-element tensor)."""
+    """Check ``lr``: a finite number >= 0 (a float or a one-element tensor).
+
+    A tensor of several elements is a ``ValueError``, as in ``torch.optim``.
+    """
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        _fail("lr", value, "a finite number >= 0; Tensor lr must be 1-element", where)
     return check_nonnegative("lr", value, where=where)
 
 

@@ -220,9 +220,9 @@ def classification(logits: Tensor) -> ClassificationPrediction:
         + \tfrac{1}{S}\textstyle\sum_s \mathrm{KL}(p_s \| \bar p)
 
     Args:
-        logits: ``[S, B, ..., K]``: S samples, any batch shape, classes last (what
-            ``call_stacked`` returns). ``-inf`` marks impossible classes. float16/bfloat16
-            are averaged in float32.
+        logits: ``[S, B, ..., K]``: S samples, at least one batch dimension, classes
+            last (what ``call_stacked`` returns); a 2-D tensor is refused as ambiguous.
+            ``-inf`` marks impossible classes. float16/bfloat16 are averaged in float32.
 
     Returns:
         :class:`ClassificationPrediction` ``(log_probs, probs, total, aleatoric,
@@ -230,7 +230,7 @@ def classification(logits: Tensor) -> ClassificationPrediction:
 
     Raises:
         TypeError: ``logits`` is not a floating tensor.
-        ValueError: fewer than 2 dimensions, or logits that give NaN (NaN, +inf, or every
+        ValueError: fewer than 3 dimensions, or logits that give NaN (NaN, +inf, or every
             class -inf).
 
     Example:
@@ -245,6 +245,12 @@ def classification(logits: Tensor) -> ClassificationPrediction:
         (tensor([[0.5000, 0.5000]]), True)
     """
     logits = _check_tensor("logits", logits, min_dim=2, layout="[samples, ..., classes] of logits")
+    if logits.dim() == 2:
+        raise ValueError(
+            f"Invalid logits: shape {tuple(logits.shape)} (expected [samples, batch, ..., "
+            "classes]: a 2-D tensor is ambiguous; for one model's logits [B, C] use "
+            "logits.unsqueeze(0), for S samples of one input [S, C] use logits.unsqueeze(1))"
+        )
     log_p = torch.log_softmax(_compute_dtype(logits), dim=-1)
     # A class that every sample rules out (-inf throughout) stays at -inf; it is kept out of
     # logsumexp, whose gradient there would be exp(-inf - (-inf)) = NaN.

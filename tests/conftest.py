@@ -17,6 +17,11 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# Under pytest-xdist (-n auto) every core runs a worker: one torch thread each, so the
+# workers do not oversubscribe the cores. Results do not depend on the thread count.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def device() -> torch.device:

@@ -304,6 +304,12 @@ Y = torch.tensor([0, 1])
             r"Invalid logits: shape \(3,\) \(expected a non-empty tensor \[samples",
         ),
         (
+            lambda: predictive.classification(torch.zeros(8, 10)),
+            ValueError,
+            r"Invalid logits: shape \(8, 10\) \(expected \[samples, batch, \.\.\., classes\]: a "
+            r"2-D tensor is ambiguous; for one model's logits \[B, C\] use logits.unsqueeze\(0\)",
+        ),
+        (
             lambda: predictive.classification(torch.tensor([[[math.nan, 0.0]]])),
             ValueError,
             r"Invalid logits: they give NaN probabilities",

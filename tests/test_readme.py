@@ -42,6 +42,8 @@ def stand_ins() -> dict:
         "loader": DataLoader(train_set, batch_size=16),
         "x_test": torch.randn(10, 4),
         "y_test": torch.randint(0, 3, (10,)),
+        "x_val": torch.randn(12, 4),
+        "y_val": torch.randint(0, 3, (12,)),
         "x_ood": 3 * torch.randn(10, 4),
         "params": {"w": torch.zeros(3)},
         "grads": {"w": torch.ones(3)},

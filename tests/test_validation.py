@@ -33,8 +33,8 @@ COMMON_CASES = [
     ({"lr": "0.1"}, TypeError, "Invalid lr: '0.1' (expected a finite number >= 0)"),
     (
         {"lr": torch.tensor([0.1, 0.2])},
-        TypeError,
-        "Invalid lr: tensor([0.1000, 0.2000]) (expected a finite number >= 0)",
+        ValueError,  # as torch.optim: "Tensor lr must be 1-element"
+        "Invalid lr: tensor([0.1000, 0.2000]) (expected a finite number >= 0; Tensor lr must be 1-element)",
     ),
     (
         {"weight_decay": nan},

@@ -4,12 +4,21 @@ A subclass supplies its constructor (which builds ``defaults``), a per-group val
 and ``_update_group``, which calls the sampler's pure kernel. This base class owns
 everything else: param-group validation (at construction, on ``add_param_group`` and at
 every step, since a schedule may move any hyperparameter), gathering parameters with a
-gradient, the refusal of non-finite gradients, the noise stream and its place in
-``state_dict``.
+gradient, the refusal of non-finite gradients, and the chain's random state.
+
+The chain's random state is two integers per param group, ``group["seed"]`` and
+``group["step"]`` (the noise of a step is a pure function of them, see
+``samplers_as_optim._random``). They live in the param groups rather than beside them
+because every wrapper that saves an optimizer keeps its param groups:
+``ZeroRedundancyOptimizer`` rebuilds its consolidated ``state_dict`` from them and syncs
+them to each rank's optimizer on load, Lightning and the HF ``Trainer`` save
+``state_dict()`` as is, and ``copy.deepcopy``/``pickle`` go through ``__getstate__``,
+which holds only ``defaults``, ``state`` and ``param_groups``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +26,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .._distributed import agree_across_ranks
 from .._random import (
     NoiseStream,
     chunk_bounds,
@@ -29,6 +39,7 @@ from .._validation import (
     check_foreach,
     check_learning_rate,
     check_nonnegative,
+    check_nonnegative_integer,
     check_num_data,
     check_seed,
     check_temperature,
@@ -37,7 +48,12 @@ from ._common import apply_step_, default_foreach, may_be_non_finite
 
 __all__ = ["SamplerOptimizer"]
 
-_SAMPLER_KEY = "sampler"
+#: where checkpoints written before the chain state moved into the param groups kept it
+_LEGACY_SAMPLER_KEY = "sampler"
+#: the param-group entries that hold the chain's random state
+_CHAIN_KEYS = ("seed", "step")
+#: param-group entries that only a sampler (not torch.optim.SGD) writes
+_SAMPLER_ONLY_KEYS = ("num_data", "temperature")
 
 #: Tensors with more elements than this are updated in chunks of this size on the CPU.
 CHUNK = 2**17
@@ -71,6 +87,9 @@ class SamplerOptimizer(Optimizer):
     """
 
     requires_positive_temperature: bool = False
+    #: arguments of ``torch.optim.SGD``'s signature validated at construction but not
+    #: kept in the param groups (SGLD's ``momentum``, which must be 0)
+    signature_only_arguments: tuple[str, ...] = ()
     positive_temperature_reason: str = ""
     #: per-parameter state kept in its own dtype on load (torch casts to the param's dtype)
     own_dtype_state: tuple[str, ...] = ()
@@ -78,25 +97,61 @@ class SamplerOptimizer(Optimizer):
     def __init__(self, arguments: dict[str, Any]) -> None:
         """Build from the public constructor's arguments (its ``locals()``).
 
-        Everything but ``params``, ``seed``, ``differentiable`` and ``fused`` becomes a
-        param-group default, validated before anything is built.
+        Everything but ``params``, ``differentiable`` and ``fused`` becomes a param-group
+        default, validated before anything is built; ``seed`` (drawn from torch's global
+        RNG when None) and ``step`` (0) start the chain's random state.
         """
         defaults = {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
         params = defaults.pop("params")
         seed = check_seed(defaults.pop("seed"))
         check_sgd_only_flags(defaults.pop("differentiable"), defaults.pop("fused"))
         self.check_hyperparameters(defaults, where="")
-        self._noise = NoiseStream(seed_from_global_rng() if seed is None else seed)
-        self._steps = 0
+        for name in self.signature_only_arguments:
+            del defaults[name]
+        defaults["seed"] = seed_from_global_rng() if seed is None else seed
+        defaults["step"] = 0
+        self._reset_runtime(seed_given=seed is not None)
         super().__init__(params, defaults)
+
+    def _reset_runtime(self, *, seed_given: bool) -> None:
+        """Create what is not part of the chain's state: generator caches, rank agreement."""
+        self._streams: dict[int, NoiseStream] = {}
+        self._seed_given = seed_given
+        self._agreed = False
+        self._shard: int | None = None
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a pickled or deep-copied optimizer: the same chain continues.
+
+        ``torch.optim.Optimizer.__getstate__`` keeps ``defaults``, ``state`` and
+        ``param_groups``, which hold the whole chain (the seeds and step counters are in
+        the param groups); the generator caches are rebuilt here.
+        """
+        super().__setstate__(state)
+        self._reset_runtime(seed_given=True)
 
     # ------------------------------------------------------------------ validation
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group as ``torch.optim.Optimizer`` does, then validate it."""
+        """Validate a param group, then add it as ``torch.optim.Optimizer`` does.
+
+        Nothing is added when a value is invalid. A group added after some steps starts
+        at the current step counter and, unless it names its own ``seed``, the
+        optimizer's seed.
+        """
+        if isinstance(param_group, dict):
+            where = _at_group(len(getattr(self, "param_groups", [])))
+            if getattr(self, "param_groups", None):
+                param_group.setdefault("step", self.steps_taken)
+                param_group.setdefault("seed", self.seed)
+            candidate = {**self.defaults, **param_group}
+            self.check_hyperparameters(candidate, where=where)
+            self._check_chain_state(candidate, where=where)
         super().add_param_group(param_group)
-        self.check_hyperparameters(
-            self.param_groups[-1], where=_at_group(len(self.param_groups) - 1)
-        )
+
+    @staticmethod
+    def _check_chain_state(group: dict[str, Any], *, where: str) -> None:
+        check_seed(group["seed"], where=where)
+        check_nonnegative_integer("step", group["step"], where=where)
 
     @classmethod
     def check_hyperparameters(cls, group: dict[str, Any], *, where: str = "") -> None:
@@ -178,7 +233,7 @@ class SamplerOptimizer(Optimizer):
                 grad = param.grad
                 if grad is not None and not bool(torch.isfinite(grad).all()):
                     raise FloatingPointError(
-                        f"{type(self).__name__} refused step {self._steps + 1}: non-finite "
+                        f"{type(self).__name__} refused step {group['step'] + 1}: non-finite "
                         f"gradient in {self._describe(group, index, position)}; no parameter "
                         "or buffer was changed"
                     )
@@ -203,10 +258,14 @@ class SamplerOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._agreed:
+            self._agree_across_ranks()
         gathered = []
         for index, group in enumerate(self.param_groups):
             self.check_hyperparameters(group, where=_at_group(index))
+            self._check_chain_state(group, where=_at_group(index))
             params, grads = self._gather(group, index)
+            _check_representable(group, params, where=_at_group(index))
             gathered.append((index, group, params, grads))
         self._refuse_non_finite(gathered)
         for index, group, params, grads in gathered:
@@ -217,8 +276,28 @@ class SamplerOptimizer(Optimizer):
             if temperature > 0 and lr == 0:
                 continue  # a step of length zero: no time passes, nothing changes
             self._update_group(index, group, params, grads, lr=lr, temperature=temperature)
-        self._steps += 1
+        for group in self.param_groups:
+            group["step"] += 1
         return loss
+
+    def _agree_across_ranks(self) -> None:
+        """Under ``torch.distributed``, agree on the seeds once (see ``_distributed``)."""
+        agreement = agree_across_ranks(
+            [group["seed"] for group in self.param_groups],
+            [group["step"] for group in self.param_groups],
+            [[tuple(p.shape) for p in group["params"]] for group in self.param_groups],
+            given=self._seed_given,
+        )
+        for group, seed in zip(self.param_groups, agreement.seeds, strict=True):
+            group["seed"] = seed
+        self._shard = agreement.shard
+        self._agreed = True
+
+    def _stream(self, seed: int) -> NoiseStream:
+        stream = self._streams.get(seed)
+        if stream is None:
+            stream = self._streams[seed] = NoiseStream(seed)
+        return stream
 
     # ------------------------------------------------------------------ the update
     def _update_group(
@@ -250,7 +329,9 @@ class SamplerOptimizer(Optimizer):
         buffers = [[state.get(name) for state in states] for name in fields]
         generators = None
         if temperature > 0:
-            generators = self._noise.generators(params, step=self._steps, stream=index)
+            generators = self._stream(group["seed"]).generators(
+                params, step=group["step"], stream=index, shard=self._shard
+            )
         kwargs = {"lr": lr, "temperature": temperature}
         if not foreach and self._chunkable(params, grads, buffers, temperature):
             self._update_in_chunks(group, params, grads, buffers, generators, **kwargs)
@@ -365,23 +446,16 @@ class SamplerOptimizer(Optimizer):
     # ------------------------------------------------------------------ state
     @property
     def seed(self) -> int:
-        """The seed of this chain's noise (drawn from torch's global RNG if not given)."""
-        return self._noise.seed
+        """The seed of this chain's noise (drawn from torch's global RNG if not given).
+
+        Every param group holds it as ``group["seed"]``; this is the first group's.
+        """
+        return self.param_groups[0]["seed"]
 
     @property
     def steps_taken(self) -> int:
         """How many steps this optimizer has taken (restored by ``load_state_dict``)."""
-        return self._steps
-
-    def state_dict(self) -> dict[str, Any]:
-        """``torch.optim.Optimizer.state_dict`` plus ``"sampler": {"seed", "steps"}``.
-
-        The seed and the step counter are the chain's whole random state (see
-        ``samplers_as_optim._random``), so loading this dict continues the chain bit for bit.
-        """
-        state = super().state_dict()
-        state[_SAMPLER_KEY] = {"seed": self._noise.seed, "steps": self._steps}
-        return state
+        return max(group["step"] for group in self.param_groups)
 
     def _restore_own_dtype_state(self, state_dict: dict[str, Any]) -> None:
         saved_state = state_dict.get("state", {})
@@ -393,31 +467,92 @@ class SamplerOptimizer(Optimizer):
                         self.state[param][key] = value.to(device=param.device, copy=True)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by this class, or by ``torch.optim.SGD``.
+        """Load a state saved by a sampler (or a wrapper of one), or by ``torch.optim.SGD``.
 
-        Hyperparameters absent from the saved groups (``num_data`` and ``temperature``
-        when migrating from an SGD checkpoint) keep this optimizer's values, and the noise
-        stream then keeps this optimizer's seed and step counter.
+        A sampler's ``state_dict()`` holds the chain's random state in its param groups
+        (``"seed"`` and ``"step"``), so loading it continues the chain bit for bit; so
+        does the consolidated ``state_dict()`` of a ``ZeroRedundancyOptimizer`` over a
+        sampler. A genuine ``torch.optim.SGD`` checkpoint (no ``num_data`` or
+        ``temperature`` in its groups) loads too: its groups keep this optimizer's
+        ``num_data``, ``temperature``, seed and step counter. Everything is checked
+        before anything changes.
+
+        Raises:
+            ValueError: the groups hold sampler hyperparameters but no chain state (a
+                wrapper dropped it: loading would silently restart the noise), a saved
+                value is invalid, or a saved buffer holds NaN or infinity.
         """
         state_dict = dict(state_dict)
-        sampler = state_dict.pop(_SAMPLER_KEY, None)
-        saved_groups = state_dict.get("param_groups", [])
+        saved_groups = [dict(group) for group in state_dict.get("param_groups", [])]
+        legacy = state_dict.pop(_LEGACY_SAMPLER_KEY, None)
+        if legacy is not None:  # written by 0.1.0: {"seed", "steps"} beside the groups
+            for group in saved_groups:
+                group.update(seed=legacy["seed"], step=legacy["steps"])
+        elif not all(key in group for group in saved_groups for key in _CHAIN_KEYS):
+            found = sorted(
+                {key for group in saved_groups for key in _SAMPLER_ONLY_KEYS}
+                & {key for group in saved_groups for key in group}
+            )
+            if found:
+                raise ValueError(
+                    f"Invalid state_dict: its param groups hold {', '.join(found)} but not "
+                    "the chain's random state ('seed' and 'step'), so loading it would "
+                    "silently restart the noise (expected a sampler's state_dict(), or a "
+                    "torch.optim.SGD checkpoint, which has neither)"
+                )
+        _refuse_non_finite_state(state_dict.get("state", {}))
         if len(saved_groups) == len(self.param_groups):
-            state_dict["param_groups"] = [
+            saved_groups = [
                 {**{k: v for k, v in current.items() if k != "params"}, **saved}
                 for current, saved in zip(self.param_groups, saved_groups, strict=True)
             ]
-        if sampler is not None:
-            seed = check_seed(sampler["seed"])
-            steps = sampler["steps"]
-            if not (isinstance(steps, int) and steps >= 0):
-                raise ValueError(
-                    f"Invalid saved step counter: {steps!r} (expected an integer >= 0)"
-                )
+            for index, group in enumerate(saved_groups):
+                self.check_hyperparameters(group, where=_at_group(index))
+                self._check_chain_state(group, where=_at_group(index))
+        state_dict["param_groups"] = saved_groups
         super().load_state_dict(state_dict)
         self._restore_own_dtype_state(state_dict)
-        for index, group in enumerate(self.param_groups):
-            self.check_hyperparameters(group, where=_at_group(index))
-        if sampler is not None:
-            self._noise = NoiseStream(seed)
-            self._steps = steps
+        self._reset_runtime(seed_given=True)
+
+
+def _check_representable(group: dict[str, Any], params: list[Tensor], *, where: str) -> None:
+    r"""Raise unless the step's scalars fit the parameters' dtypes (before anything changes).
+
+    A kernel passes ``lr``, ``weight_decay`` and its noise scale to torch as scalars of
+    the parameters' dtype; one that overflows it fails in the middle of a step. Every
+    sampler's noise scale is at most :math:`\sqrt{2T/(N\,lr)}` (SGLD's; SGHMC's and
+    SGNHT's carry a factor :math:`1-\mu \le 1`), which is what is checked.
+    """
+    lr, temperature = float(group["lr"]), float(group["temperature"])
+    for dtype in {param.dtype for param in params}:
+        largest = torch.finfo(dtype).max
+        for name in ("lr", "weight_decay"):
+            if abs(float(group[name])) > largest:
+                raise ValueError(
+                    f"Invalid {name}{where}: {group[name]!r} (expected a value that fits "
+                    f"{dtype}, at most {largest:.3g})"
+                )
+        if temperature > 0 and lr > 0:
+            scale = math.sqrt(2.0 * temperature / (group["num_data"] * lr))
+            if not scale <= largest:
+                raise ValueError(
+                    f"Invalid temperature{where}: {group['temperature']!r} (expected a value "
+                    f"whose noise scale sqrt(2 T / (N lr)) = {scale:.3g} fits {dtype}, at "
+                    f"most {largest:.3g})"
+                )
+
+
+def _refuse_non_finite_state(saved_state: dict[Any, Any]) -> None:
+    """Raise if a saved per-parameter buffer holds NaN or infinity (before loading it)."""
+    for param_id, entries in saved_state.items():
+        for key, value in (entries or {}).items():
+            if (
+                isinstance(value, Tensor)
+                and value.is_floating_point()
+                and not bool(torch.isfinite(value).all())
+            ):
+                raise ValueError(
+                    f"Invalid state_dict: {key!r} of parameter {param_id} holds NaN or "
+                    "infinity (expected finite buffers: they would reach the parameters at "
+                    "the next step)"
+                )

@@ -147,11 +147,15 @@ class SGLD(SamplerOptimizer):
     ) -> None:
         super().__init__(locals())
 
+    signature_only_arguments = ("momentum",)
+
     @classmethod
     def _check_group_combinations(
         cls, group: dict[str, Any], temperature: float, where: str
     ) -> None:
-        if group["momentum"] != 0:
+        # momentum is accepted (SGD's signature) but kept out of the param groups, so that
+        # OneCycleLR/CyclicLR(cycle_momentum=True) fail when built, not at the first step
+        if group.get("momentum", 0) != 0:
             raise ValueError(
                 f"Invalid momentum{where}: {group['momentum']!r} (expected 0: SGLD has no "
                 "momentum; use SGHMC for momentum > 0)"

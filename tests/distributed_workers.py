@@ -1,0 +1,127 @@
+"""Worker functions run in 2 gloo processes on 127.0.0.1 by ``test_distributed_seeds.py``.
+
+Each worker initialises the process group, runs one scenario, writes what the test
+asserts to ``{out}/rank{r}.pt`` and destroys the process group. They live in a module of
+their own so that ``torch.multiprocessing.spawn`` can import them.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from samplers_as_optim import SGHMC
+
+LR, NUM_DATA = 0.01, 256
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)  # the same initial weights on every rank
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _batches(rank: int, count: int):
+    generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
+    for _ in range(count):
+        yield torch.randn(8, 4, generator=generator), torch.randint(0, 2, (8,), generator=generator)
+
+
+def _train(model, opt, rank, count, offset=0):
+    for index, (x, y) in enumerate(_batches(rank, offset + count)):
+        if index < offset:
+            continue
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _gathered(tensor: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, tensor)
+    return out
+
+
+def ddp_with_seed_none(rank: int, out: str) -> dict:
+    """The common recipe: a different global seed per rank, the sampler's seed=None."""
+    model = DistributedDataParallel(_model())
+    torch.manual_seed(100 + rank)  # after the model: seed=None draws from it
+    opt = SGHMC(model.parameters(), lr=LR, num_data=NUM_DATA)
+    _train(model, opt, rank, 30)
+    replicas = _gathered(_flat(model))
+    return {"max_difference": float((replicas[0] - replicas[1]).abs().max()), "seed": opt.seed}
+
+
+def ddp_with_different_seeds(rank: int, out: str) -> dict:
+    """Explicit seeds that differ: the first step refuses on every rank."""
+    model = DistributedDataParallel(_model())
+    opt = SGHMC(model.parameters(), lr=LR, num_data=NUM_DATA, seed=rank)
+    try:
+        _train(model, opt, rank, 1)
+    except ValueError as error:
+        return {"error": str(error), "changed": opt.steps_taken}
+    return {"error": None}
+
+
+def _zero(model, seed_offset: int, rank: int):
+    torch.manual_seed(seed_offset + rank)  # seed=None draws a different seed per rank
+    return ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=SGHMC, lr=LR, num_data=NUM_DATA
+    )
+
+
+def zero_resume(rank: int, out: str) -> dict:
+    """ZeRO over SGHMC: 20 steps straight equal 10, consolidate, save, load fresh, 10."""
+    model = DistributedDataParallel(_model())
+    opt = _zero(model, 100, rank)
+    _train(model, opt, rank, 10)
+    opt.consolidate_state_dict(to=0)
+    path = os.path.join(out, "checkpoint.pt")
+    if rank == 0:
+        torch.save({"model": model.module.state_dict(), "opt": opt.state_dict()}, path)
+    dist.barrier()
+    _train(model, opt, rank, 10, offset=10)
+    straight = _flat(model)
+
+    resumed_model = DistributedDataParallel(_model())
+    resumed = _zero(resumed_model, 555, rank)
+    checkpoint = torch.load(path, weights_only=False)
+    resumed_model.module.load_state_dict(checkpoint["model"])
+    resumed.load_state_dict(checkpoint["opt"])
+    _train(resumed_model, resumed, rank, 10, offset=10)
+    groups = checkpoint["opt"]["param_groups"]
+    return {
+        "equal": bool(torch.equal(straight, _flat(resumed_model))),
+        "chain_state": [(group["seed"], group["step"]) for group in groups],
+        "replicas_equal": bool(torch.equal(*_gathered(straight))),
+    }
+
+
+SCENARIOS = {
+    "ddp_with_seed_none": ddp_with_seed_none,
+    "ddp_with_different_seeds": ddp_with_different_seeds,
+    "zero_resume": zero_resume,
+}
+
+
+def run(rank: int, scenario: str, port: int, out: str) -> None:
+    """Entry point of each spawned process."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+    )
+    try:
+        result = SCENARIOS[scenario](rank, out)
+    except Exception:  # reported to the test, which fails with the traceback
+        result = {"traceback": traceback.format_exc()}
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
