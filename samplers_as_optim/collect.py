@@ -11,11 +11,25 @@ A sampler is an optimizer, so a chain is a training loop; these classes watch it
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
         collector.step()                       # keeps steps 1010, 1020, ..., 2000
+    model.eval()
     predictions = call_stacked(model, collector.samples, x_test)   # [100, B, C]
 
 The step counted as t (from 1) is kept when ``t > burn_in`` and ``(t - burn_in)`` is a
 multiple of ``thin``, until ``num_samples`` are held: the chain needs
 ``total_steps = burn_in + thin * num_samples`` steps.
+
+What a sample holds. From an ``nn.Module``: its parameters that require a gradient and
+its floating-point buffers that its ``state_dict`` saves, such as BatchNorm's
+``running_mean`` and ``running_var``: the statistics a sample was trained with are part
+of that sample, and evaluating it with the statistics of another step (the final ones)
+is a different, worse model. Not recorded, so :func:`call_stacked` uses the module's
+own, shared by all samples: frozen parameters (they do not move), integer buffers
+(counters such as ``num_batches_tracked``, which evaluation does not read) and
+non-persistent buffers (caches derived from the parameters). ``buffers=False`` records
+the parameters only. A :class:`~samplers_as_optim.ParallelEnsemble` gives the same
+tensors stacked, under the model's own names, so each sample is the whole ensemble,
+``[S, K, ...]`` (flatten the first two dimensions to predict with all S K draws). A
+mapping name -> tensor gives exactly those tensors.
 
 :class:`SampleCollector` stores the samples in storage allocated once, up front (never
 grown by concatenation), by default on the CPU so a GPU chain keeps its memory; with
@@ -25,24 +39,50 @@ dict name -> ``[S, ...]`` tensor, the stacked layout of
 :class:`~samplers_as_optim.ParallelEnsemble` and of every other method here, so one
 predictive path (:func:`~samplers_as_optim.stacked.call_stacked`) serves all of them.
 
-:class:`RunningMoments` keeps only the running mean and variance of the parameters
+Checkpoints and crashes. A store on disk keeps up with the chain, so after a crash it
+holds samples taken after the last checkpoint; resuming from that checkpoint must take
+them again, once. The collector's :meth:`~SampleCollector.state_dict` is small (counters
+and the store's identity: the samples stay in the store) and makes every sample it
+counts durable before it returns; put it in the same checkpoint as the model and the
+optimizer, and write that checkpoint atomically. After a crash,
+:meth:`SampleCollector.load` and :meth:`~SampleCollector.load_state_dict` rewind the
+store to the checkpoint, so the resumed chain (the samplers resume exactly; feed it the
+same batches, e.g. in an order that depends on the step) records the lost steps again:
+the store ends identical to an uninterrupted run's. Checkpoint at step 0 too: a store
+without any checkpoint is from a run that died at once, with nothing to resume (remove
+it and start again).
+
+.. code-block:: python
+
+    collector = SampleCollector(model, 200, burn_in=500, thin=10, path="samples")
+    for step in range(collector.total_steps):
+        if step % 100 == 0:                         # step 0 included
+            checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                          "collector": collector.state_dict(), "step": step}
+            torch.save(checkpoint, "checkpoint.pt.tmp")
+            os.replace("checkpoint.pt.tmp", "checkpoint.pt")    # atomic
+        ...  # one training step, then collector.step()
+
+    # after a crash: the model, the optimizer and the collector from the same checkpoint
+    checkpoint = torch.load("checkpoint.pt")
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    collector = SampleCollector.load("samples", model)
+    collector.load_state_dict(checkpoint["collector"])   # rewinds the store
+    # continue the loop from checkpoint["step"]
+
+:class:`RunningMoments` keeps only the running mean and variance of the same tensors
 (Welford's algorithm), for posterior means and standard deviations at the memory cost
 of two copies of the model.
-
-What is collected from a source: an ``nn.Module`` gives its parameters that require a
-gradient (frozen ones do not move; :func:`call_stacked` uses the module's own value for
-any name absent from the samples) and, with ``buffers=True``, its buffers. A
-:class:`~samplers_as_optim.ParallelEnsemble` gives its stacked tensors under the model's
-own names, so each sample is the whole ensemble, ``[S, K, ...]`` (flatten the first two
-dimensions to predict with all S K draws). A mapping name -> tensor gives exactly those
-tensors.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
-from collections.abc import Callable, Mapping
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +95,35 @@ from .ensemble import ParallelEnsemble
 __all__ = ["RunningMoments", "SampleCollector"]
 
 _FORMAT = "samplers_as_optim.samples"
-_VERSION = 1
+_VERSION = 2
 _INDEX = "index.json"
 
 
 # ---------------------------------------------------------------------- shared pieces
-def _reader(source: Any, buffers: bool) -> Callable[[], dict[str, Tensor]]:
-    """A function returning the source's current tensors, by the names chosen now."""
+def _sample_buffers(module: nn.Module) -> dict[str, Tensor]:
+    """The buffers a sample carries: floating-point (or complex) and persistent."""
+    chosen = {}
+    for name, buffer in module.named_buffers():
+        prefix, _, key = name.rpartition(".")
+        owner = module.get_submodule(prefix)
+        persistent = key not in owner._non_persistent_buffers_set
+        if persistent and (buffer.is_floating_point() or buffer.is_complex()):
+            chosen[name] = buffer
+    return chosen
+
+
+def _reader(
+    source: Any, buffers: bool, names: Sequence[str] | None = None
+) -> Callable[[], dict[str, Tensor]]:
+    """A function returning the source's current tensors.
+
+    Args:
+        source: a module, an ensemble or a mapping.
+        buffers: also the module's sample buffers (see :func:`_sample_buffers`).
+        names: None (choose the names now: the parameters that require grad and, with
+            ``buffers``, the sample buffers), or the names to read (a store's); a name
+            the source lacks is left out, for the caller's check to report.
+    """
     check_bool("buffers", buffers)
     if isinstance(source, ParallelEnsemble):
         module = source.module
@@ -82,22 +144,22 @@ def _reader(source: Any, buffers: bool) -> Callable[[], dict[str, Tensor]]:
             "mapping of names to tensors)"
         )
 
-    def current() -> dict[str, Tensor]:
-        tensors = dict(module.named_parameters())
+    if names is None:
+        chosen = [n for n, p in module.named_parameters() if p.requires_grad]
         if buffers:
-            tensors.update(module.named_buffers())
-        return tensors
-
-    names = [n for n, t in current().items() if not isinstance(t, nn.Parameter) or t.requires_grad]
-    if not names:
-        raise ValueError(
-            f"Invalid source: {type(source).__name__} has no parameters that require grad "
-            f"{'or buffers ' if buffers else ''}(expected at least one tensor to collect)"
-        )
+            chosen.extend(_sample_buffers(module))
+        if not chosen:
+            raise ValueError(
+                f"Invalid source: {type(source).__name__} has no parameters that require "
+                f"grad {'or floating-point buffers ' if buffers else ''}(expected at least "
+                "one tensor to collect)"
+            )
+        names = chosen
+    names = list(names)
 
     def read() -> dict[str, Tensor]:
-        tensors = current()
-        return {name: tensors[name] for name in names}
+        tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        return {name: tensors[name] for name in names if name in tensors}
 
     return read
 
@@ -143,16 +205,20 @@ class SampleCollector:
     r"""Keep every ``thin``-th state of a chain after ``burn_in`` steps, in preallocated storage.
 
     Args:
-        source: what to record: an ``nn.Module`` (its parameters that require grad),
-            a :class:`~samplers_as_optim.ParallelEnsemble` (its stacked tensors, so a
-            sample is ``[K, ...]``), or a mapping name -> tensor (read at each record).
+        source: what to record: an ``nn.Module`` (its parameters that require grad and
+            its floating-point persistent buffers), a
+            :class:`~samplers_as_optim.ParallelEnsemble` (the same, stacked, so a sample
+            is ``[K, ...]``), or a mapping name -> tensor (read at each record).
         num_samples: S, how many samples to hold (an integer >= 1).
         burn_in: optimizer steps discarded before the first sample is counted (default:
             0; an integer >= 0).
         thin: keep one step in ``thin`` after burn-in (default: 1, every step; an
             integer >= 1).
-        buffers: also record a module's buffers, e.g. BatchNorm statistics (default:
-            False).
+        buffers: also record a module's floating-point buffers that its ``state_dict``
+            saves, e.g. BatchNorm's running statistics, so that each sample is evaluated
+            with its own (default: True; integer and non-persistent buffers are never
+            recorded, see the module docstring; False: the parameters only, and every
+            sample is evaluated with the module's current buffers).
         device: where the samples are stored (default: "cpu"; must be the CPU with
             ``path``).
         dtype: the storage dtype (default: None, each tensor's own; e.g. torch.float16
@@ -160,10 +226,10 @@ class SampleCollector:
         path: None (default: storage in memory) or a directory to create, where the
             samples are written as they are collected (memory-mapped files, one per
             tensor, allocated for all S samples up front, plus ``index.json``, rewritten
-            atomically at every recorded sample); :meth:`load` reads it back, also after
-            a crash. Call :meth:`save` when you checkpoint the model and optimizer, so the
-            index also holds the step counter of that moment and a resumed chain
-            continues exactly.
+            atomically at every recorded sample, so the files and the index agree at
+            every instant); :meth:`load` reads it back, also after a crash. To resume a
+            chain after a crash, checkpoint :meth:`state_dict` with the model and the
+            optimizer (see the module docstring).
 
     Raises:
         FileExistsError: ``path`` already holds a sample store.
@@ -193,15 +259,16 @@ class SampleCollector:
         *,
         burn_in: int = 0,
         thin: int = 1,
-        buffers: bool = False,
+        buffers: bool = True,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
         path: str | os.PathLike[str] | None = None,
     ) -> None:
-        self._read = _reader(source, buffers)
+        self._read: Callable[[], dict[str, Tensor]] | None = _reader(source, buffers)
         self.num_samples = check_positive_int("num_samples", num_samples)
         self._schedule = _Schedule(burn_in, thin)
         self.count = 0
+        self._needs_state = False
         dtype = _check_dtype(dtype)
         device = torch.device(device)
         current = {name: tensor.detach() for name, tensor in self._read().items()}
@@ -210,6 +277,7 @@ class SampleCollector:
             for name, tensor in current.items()
         }
         self.path: Path | None = None
+        self._store: _Store | None = None
         if path is None:
             self._storage = {
                 name: torch.empty((self.num_samples, *shape), dtype=dt, device=device)
@@ -221,9 +289,10 @@ class SampleCollector:
                     f"Invalid device: {str(device)!r} (expected 'cpu' when path is given: "
                     "samples stream to memory-mapped files)"
                 )
-            self.path = _create_store(Path(path))
-            self._storage = _map_store(self.path, self.num_samples, self._layout, writable=True)
-            self._write_index()
+            self._store = _Store.create(Path(path), self.num_samples, self._layout)
+            self.path = self._store.root
+            self._storage = self._store.tensors
+            self._write_index(durable=True)
 
     # -------------------------------------------------------------- properties
     @property
@@ -253,7 +322,11 @@ class SampleCollector:
 
     @property
     def samples(self) -> dict[str, Tensor]:
-        """The samples so far: name -> ``[count, ...]`` (views of the storage, not copies)."""
+        """The samples so far: name -> ``[count, ...]`` (views of the storage, not copies).
+
+        Evaluate them with the module in eval mode: in train mode BatchNorm updates the
+        running statistics of the stacked entries it is given, these views included.
+        """
         return {name: storage[: self.count] for name, storage in self._storage.items()}
 
     # -------------------------------------------------------------- collecting
@@ -265,7 +338,12 @@ class SampleCollector:
 
         Returns:
             Whether a sample was recorded.
+
+        Raises:
+            RuntimeError: the collector was loaded with a source and has not been given
+                the checkpoint's state by :meth:`load_state_dict` yet.
         """
+        self._require_position()
         if not self._schedule.advance() or self.full:
             return False
         self.record()
@@ -279,9 +357,11 @@ class SampleCollector:
                 the names and shapes must be the source's.
 
         Raises:
-            RuntimeError: the collector is full, or has no source and ``values`` is None.
+            RuntimeError: the collector is full, has no source and ``values`` is None,
+                or was loaded with a source and not given its checkpoint's state yet.
             ValueError: ``values`` has other names or shapes.
         """
+        self._require_position()
         if self.full:
             raise RuntimeError(
                 f"SampleCollector is full: it holds num_samples={self.num_samples} samples"
@@ -299,70 +379,163 @@ class SampleCollector:
             for name, storage in self._storage.items():
                 storage[self.count].copy_(values[name].detach())
         self.count += 1
-        if self.path is not None:
-            self._write_index()
+        if self._store is not None:
+            # The sample's bytes are in the (shared) mapping before the index counts them;
+            # once full, everything is made durable.
+            if self.full:
+                self._store.flush()
+            self._write_index(durable=self.full)
+
+    def _require_position(self) -> None:
+        if self._needs_state:
+            raise RuntimeError(
+                "This SampleCollector was loaded from a store with a source, but the store "
+                "does not know where the chain is (it may hold samples taken after your last "
+                "checkpoint): call collector.load_state_dict(checkpoint['collector']) with "
+                "the state saved beside the model and optimizer you resumed from"
+            )
 
     # -------------------------------------------------------------- persistence
     def state_dict(self) -> dict[str, Any]:
-        """The collector's state: schedule, counters and the samples so far (copies)."""
-        return {
+        """The collector's state, for a checkpoint beside the model's and the optimizer's.
+
+        With a ``path``, the state is small: the schedule, the counters and the store's
+        path and identity, not the samples, which stay in the store; every sample it
+        counts is flushed to disk (with the index) before it returns, so a checkpoint
+        holding it never refers to samples a crash can lose. Without a ``path``, the
+        state also holds copies of the samples so far.
+
+        Returns:
+            A dict for :meth:`load_state_dict` (and ``torch.save``).
+        """
+        state: dict[str, Any] = {
             "num_samples": self.num_samples,
             "burn_in": self.burn_in,
             "thin": self.thin,
             "steps": self.steps,
             "count": self.count,
-            "samples": {name: tensor.clone() for name, tensor in self.samples.items()},
         }
+        if self._store is None:
+            state["samples"] = {name: tensor.clone() for name, tensor in self.samples.items()}
+            return state
+        self._store.flush()
+        self._write_index(durable=True)
+        state["store"] = {"path": str(self._store.root), "id": self._store.id}
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict` (same source layout and ``num_samples``).
+        """Restore a state from :meth:`state_dict`: the checkpoint's position in the chain.
+
+        For a state of a collector with a ``path``, this collector must hold that store
+        (opened by ``SampleCollector.load(path, source)``); the store is rewound to the
+        state's count, so samples taken after the checkpoint are taken again by the
+        resumed chain, not duplicated. A state with samples (from a collector in memory)
+        has its samples copied in.
 
         Raises:
-            ValueError: the state was saved with another ``num_samples`` or other names
-                or shapes.
+            ValueError: the state was saved with another ``num_samples``, other names or
+                shapes, refers to another store, counts more samples than the store
+                holds, or lacks a field.
         """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"Invalid state_dict: {state_dict!r} (expected a mapping)")
+        for field in ("num_samples", "burn_in", "thin", "steps", "count"):
+            if field not in state_dict:
+                raise ValueError(
+                    f"Invalid state_dict: missing field {field!r} (expected a state from "
+                    "SampleCollector.state_dict)"
+                )
+        if "store" not in state_dict and "samples" not in state_dict:
+            raise ValueError(
+                "Invalid state_dict: missing field 'store' or 'samples' (expected a state "
+                "from SampleCollector.state_dict)"
+            )
         if state_dict["num_samples"] != self.num_samples:
             raise ValueError(
                 f"Invalid state_dict: num_samples={state_dict['num_samples']} (expected "
                 f"{self.num_samples}, as this collector)"
             )
+        schedule = _Schedule(state_dict["burn_in"], state_dict["thin"])
+        schedule.steps = check_nonnegative_integer("steps", state_dict["steps"])
         count = check_nonnegative_integer("count", state_dict["count"])
-        shapes = {name: (count, *shape) for name, shape in self._shapes().items()}
-        _check_values(state_dict["samples"], shapes, what="state_dict samples")
-        samples = state_dict["samples"]
-        self._schedule = _Schedule(state_dict["burn_in"], state_dict["thin"])
-        self._schedule.steps = check_nonnegative_integer("steps", state_dict["steps"])
-        with torch.no_grad():
-            for name, storage in self._storage.items():
-                storage[:count].copy_(samples[name])
+        if count > self.num_samples:
+            raise ValueError(
+                f"Invalid state_dict: count={count} (expected an integer in [0, "
+                f"{self.num_samples}], the capacity)"
+            )
+        if "store" in state_dict:
+            self._check_store_state(state_dict, schedule, count)
+        else:
+            shapes = {name: (count, *shape) for name, shape in self._shapes().items()}
+            _check_values(state_dict["samples"], shapes, what="state_dict samples")
+            with torch.no_grad():
+                for name, storage in self._storage.items():
+                    storage[:count].copy_(state_dict["samples"][name])
+            if self._store is not None:
+                self._store.flush()
+        self._schedule = schedule
         self.count = count
-        if self.path is not None:
-            self._write_index()
+        self._needs_state = False
+        if self._store is not None:
+            self._write_index(durable=True)
+
+    def _check_store_state(self, state: Mapping[str, Any], schedule: _Schedule, count: int) -> None:
+        """A store state must be this collector's store, with its schedule, and not ahead."""
+        store = state["store"]
+        where = store.get("path") if isinstance(store, Mapping) else store
+        identity = store.get("id") if isinstance(store, Mapping) else None
+        if self._store is None:
+            raise ValueError(
+                f"Invalid state_dict: it refers to the sample store at {where!r} (expected a "
+                "state with samples: this collector has no store it can write to; open the "
+                "store with SampleCollector.load(path, source) and load the state there)"
+            )
+        if identity != self._store.id:
+            raise ValueError(
+                f"Invalid state_dict: it refers to the sample store {identity!r} at {where!r} "
+                f"(expected this collector's store, {self._store.id!r} at "
+                f"{str(self._store.root)!r})"
+            )
+        for field in ("burn_in", "thin"):
+            if getattr(schedule, field) != getattr(self, field):
+                raise ValueError(
+                    f"Invalid state_dict: {field}={getattr(schedule, field)} (expected "
+                    f"{getattr(self, field)}, as the store at {str(self._store.root)!r})"
+                )
+        if count > self.count:
+            raise ValueError(
+                f"Invalid state_dict: count={count} (expected at most {self.count}, the "
+                f"samples in the store at {str(self._store.root)!r}: the store is older than "
+                "the checkpoint)"
+            )
 
     def save(self, path: str | os.PathLike[str] | None = None) -> None:
         """Write the samples to ``path``, a new directory (memory-mappable by :meth:`load`).
 
         Args:
-            path: the directory to create (default: None: this collector's own ``path``,
-                whose index is brought up to date).
+            path: the directory to create (default: None: this collector's own store,
+                whose samples and index are flushed to disk).
 
         Raises:
             FileExistsError: ``path`` already holds a sample store.
             ValueError: no ``path`` is given and the collector has none.
         """
-        if path is None or (self.path is not None and Path(path).resolve() == self.path):
-            if self.path is None:
+        own = self._store
+        if path is None or (own is not None and Path(path).resolve() == own.root):
+            if own is None:
                 raise ValueError(
                     "Invalid path: None (expected a directory: this collector keeps its "
                     "samples in memory)"
                 )
-            self._write_index()
+            own.flush()
+            self._write_index(durable=True)
             return
-        target = _create_store(Path(path))
-        stores = _map_store(target, self.num_samples, self._layout, writable=True)
-        for name, store in stores.items():
-            store[: self.count].copy_(self._storage[name][: self.count])
-        _write_index(target, self._index())
+        target = _Store.create(Path(path), self.num_samples, self._layout)
+        with torch.no_grad():
+            for name, tensor in target.tensors.items():
+                tensor[: self.count].copy_(self._storage[name][: self.count])
+        target.flush()
+        _write_index(target.root, self._index(target.id), durable=True)
 
     @classmethod
     def load(
@@ -371,62 +544,71 @@ class SampleCollector:
         source: Any = None,
         *,
         mmap: bool = True,
-        buffers: bool = False,
     ) -> SampleCollector:
         """Open a sample store written by a collector with ``path`` or by :meth:`save`.
+
+        The index is checked against the files: a missing or malformed field, a count
+        outside [0, num_samples], or a file whose size is not the index's num_samples
+        times the tensor's shape and dtype is an error, never a silently padded store.
 
         Args:
             path: the store's directory.
             source: None (default: read-only use of the samples), or the module (or
-                mapping) being sampled, to continue collecting where the store stopped:
-                the schedule and the step counter resume from the store.
+                mapping) being sampled, to continue collecting into the store: then call
+                :meth:`load_state_dict` with the collector's state from the checkpoint you
+                resume the model and optimizer from, before the next :meth:`step`.
             mmap: True (default): the samples stay on disk, memory-mapped (with a
                 ``source``, collection continues into the same files; without one, the
                 mapping is copy-on-write and the store is never changed); False: they are
                 read into memory.
-            buffers: as in the constructor, for ``source``.
 
         Returns:
-            The collector, with ``count`` samples.
+            The collector, with the store's ``count`` samples.
 
         Raises:
-            ValueError: ``path`` is not a sample store, or ``source`` does not match it.
+            ValueError: ``path`` is not a sample store, the store is damaged, or
+                ``source`` does not match it.
         """
         check_bool("mmap", mmap)
         root = Path(path)
         index = _read_index(root)
+        layout = {
+            entry["name"]: (tuple(entry["shape"]), getattr(torch, entry["dtype"]))
+            for entry in index["tensors"]
+        }
         collector = cls.__new__(cls)
         collector._read = None
+        collector._needs_state = False
         if source is not None:
-            collector._read = _reader(source, buffers)
+            collector._read = _reader(source, True, names=list(layout))
+            collector._needs_state = True
         collector.num_samples = index["num_samples"]
         collector._schedule = _Schedule(index["burn_in"], index["thin"])
         collector._schedule.steps = index["steps"]
         collector.count = index["count"]
-        collector._layout = {
-            entry["name"]: (tuple(entry["shape"]), getattr(torch, entry["dtype"]))
-            for entry in index["tensors"]
-        }
-        if source is not None:
-            _check_values(collector._read(), collector._shapes(), what="source")
+        collector._layout = layout
         # Continuing a chain writes to the files; otherwise they are mapped copy-on-write,
         # so changing the loaded tensors never changes the store.
         writable = mmap and source is not None
-        storage = _map_store(root, collector.num_samples, collector._layout, writable=writable)
-        collector.path = root.resolve() if writable else None
+        store = _Store.open(root, index, layout, writable=writable)
+        if collector._read is not None:
+            _check_values(collector._read(), collector._shapes(), what="source")
+        collector._store = store if writable else None
+        collector.path = store.root if writable else None
         if mmap:
-            collector._storage = storage
+            collector._storage = store.tensors
         else:
-            collector._storage = {name: tensor.clone() for name, tensor in storage.items()}
+            collector._storage = {name: tensor.clone() for name, tensor in store.tensors.items()}
         return collector
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: shape for name, (shape, _) in self._layout.items()}
 
-    def _index(self) -> dict[str, Any]:
+    def _index(self, identity: str) -> dict[str, Any]:
         return {
             "format": _FORMAT,
             "version": _VERSION,
+            "id": identity,
             "num_samples": self.num_samples,
             "count": self.count,
             "steps": self.steps,
@@ -443,9 +625,9 @@ class SampleCollector:
             ],
         }
 
-    def _write_index(self) -> None:
-        assert self.path is not None
-        _write_index(self.path, self._index())
+    def _write_index(self, *, durable: bool = False) -> None:
+        assert self._store is not None
+        _write_index(self._store.root, self._index(self._store.id), durable=durable)
 
     def __repr__(self) -> str:
         where = f", path={str(self.path)!r}" if self.path is not None else ""
@@ -455,61 +637,222 @@ class SampleCollector:
         )
 
 
+# ---------------------------------------------------------------------- the store on disk
 def _file_name(position: int) -> str:
     return f"{position:04d}.bin"
 
 
-def _create_store(root: Path) -> Path:
-    if (root / _INDEX).exists():
-        raise FileExistsError(
-            f"Invalid path: {str(root)!r} already holds samples (expected a new directory; "
-            "use SampleCollector.load(path, source) to continue collecting into it)"
-        )
-    root.mkdir(parents=True, exist_ok=True)
-    return root.resolve()
+def _nbytes(num_samples: int, shape: Sequence[int], dtype: torch.dtype) -> int:
+    numel = num_samples
+    for size in shape:
+        numel *= size
+    return numel * dtype.itemsize
 
 
-def _map_store(
-    root: Path,
-    num_samples: int,
-    layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-    *,
-    writable: bool,
-) -> dict[str, Tensor]:
-    """Memory-map one file per tensor as ``[num_samples, *shape]`` (created if writable)."""
-    stores = {}
-    for position, (name, (shape, dtype)) in enumerate(layout.items()):
-        numel = num_samples
-        for size in shape:
-            numel *= size
-        flat = torch.from_file(
-            str(root / _file_name(position)), shared=writable, size=numel, dtype=dtype
-        )
-        stores[name] = flat.view(num_samples, *shape)
-    return stores
+class _Store:
+    """The files of a store on disk: one memory-mapped file per tensor, ``[S, *shape]``."""
+
+    def __init__(self, root: Path, identity: str) -> None:
+        self.root = root
+        self.id = identity
+        self.tensors: dict[str, Tensor] = {}
+        self._maps: list[mmap.mmap] = []
+
+    @classmethod
+    def create(
+        cls, root: Path, num_samples: int, layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+    ) -> _Store:
+        """Create the files of a new store in ``root`` (the caller writes the index last)."""
+        if (root / _INDEX).exists():
+            raise FileExistsError(
+                f"Invalid path: {str(root)!r} already holds samples (expected a new "
+                "directory; use SampleCollector.load(path, source) to continue collecting "
+                "into it)"
+            )
+        root.mkdir(parents=True, exist_ok=True)
+        store = cls(root.resolve(), uuid.uuid4().hex)
+        for position, (name, (shape, dtype)) in enumerate(layout.items()):
+            file = store.root / _file_name(position)
+            with open(file, "wb") as handle:
+                handle.truncate(_nbytes(num_samples, shape, dtype))
+            store._map(file, name, (num_samples, *shape), dtype, writable=True)
+        return store
+
+    @classmethod
+    def open(
+        cls,
+        root: Path,
+        index: Mapping[str, Any],
+        layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        *,
+        writable: bool,
+    ) -> _Store:
+        """Map the files of a checked index (sizes checked here)."""
+        store = cls(root.resolve(), index["id"])
+        num_samples = index["num_samples"]
+        for entry in index["tensors"]:
+            name = entry["name"]
+            shape, dtype = layout[name]
+            file = store.root / entry["file"]
+            expected = _nbytes(num_samples, shape, dtype)
+            what = (
+                f"num_samples={num_samples} samples of {name!r} with shape {list(shape)} and "
+                f"dtype {entry['dtype']}"
+            )
+            try:
+                size = file.stat().st_size
+            except OSError as error:
+                raise ValueError(
+                    f"Invalid file of {name!r} in {store.root / _INDEX}: {file} cannot be read "
+                    f"({error.strerror}; expected {expected} bytes: {what})"
+                ) from error
+            if size != expected:
+                raise ValueError(
+                    f"Invalid size of {file}: {size} bytes (expected {expected}: {what}, as "
+                    f"{store.root / _INDEX} says)"
+                )
+            store._map(file, name, (num_samples, *shape), dtype, writable=writable)
+        return store
+
+    def _map(
+        self, file: Path, name: str, shape: tuple[int, ...], dtype: torch.dtype, *, writable: bool
+    ) -> None:
+        nbytes = _nbytes(1, shape, dtype)
+        if nbytes == 0:  # an empty file cannot be mapped
+            self.tensors[name] = torch.empty(shape, dtype=dtype)
+            return
+        with open(file, "r+b" if writable else "rb") as handle:
+            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY
+            mapping = mmap.mmap(handle.fileno(), nbytes, access=access)
+        self._maps.append(mapping)
+        flat = torch.frombuffer(mapping, dtype=dtype, count=nbytes // dtype.itemsize)
+        self.tensors[name] = flat.view(shape)
+
+    def flush(self) -> None:
+        """Write the mapped samples through to disk (``msync``)."""
+        for mapping in self._maps:
+            mapping.flush()
 
 
-def _write_index(root: Path, index: dict[str, Any]) -> None:
-    """Write ``index.json`` atomically (a reader never sees a half-written index)."""
+def _write_index(root: Path, index: dict[str, Any], *, durable: bool = False) -> None:
+    """Write ``index.json`` atomically (a reader never sees a half-written index).
+
+    With ``durable``, the new index is also on disk when this returns (``fsync`` of the
+    file and of the directory), not only in the operating system's cache.
+    """
     temporary = root / (_INDEX + ".tmp")
-    temporary.write_text(json.dumps(index, indent=1))
+    with open(temporary, "w") as handle:
+        handle.write(json.dumps(index, indent=1))
+        if durable:
+            handle.flush()
+            os.fsync(handle.fileno())
     os.replace(temporary, root / _INDEX)
+    if durable and hasattr(os, "O_DIRECTORY"):  # POSIX: make the rename durable too
+        directory = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+
+_FIELDS = ("id", "num_samples", "count", "steps", "burn_in", "thin", "tensors")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _read_index(root: Path) -> dict[str, Any]:
+    """Read and check ``index.json``: every field present and consistent."""
+    file = root.resolve() / _INDEX
+    where = str(file)
     try:
-        index = json.loads((root / _INDEX).read_text())
-    except (OSError, ValueError) as error:
+        text = file.read_text()
+    except OSError as error:
         raise ValueError(
             f"Invalid path: {str(root)!r} (expected a sample store written by "
             f"SampleCollector: {error})"
         ) from error
+    try:
+        index = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"Invalid index in {where}: malformed JSON ({error})") from error
+    if not isinstance(index, dict):
+        raise ValueError(
+            f"Invalid index in {where}: a JSON {type(index).__name__} (expected an object)"
+        )
     if index.get("format") != _FORMAT or index.get("version") != _VERSION:
         raise ValueError(
             f"Invalid path: {str(root)!r} holds format {index.get('format')!r} version "
             f"{index.get('version')!r} (expected {_FORMAT!r} version {_VERSION})"
         )
+    for field in _FIELDS:
+        if field not in index:
+            raise ValueError(
+                f"Invalid index in {where}: missing field {field!r} (expected the fields "
+                f"{list(_FIELDS)})"
+            )
+
+    def fail(field: str, expected: str) -> None:
+        raise ValueError(f"Invalid {field} in {where}: {index[field]!r} (expected {expected})")
+
+    if not isinstance(index["id"], str) or not index["id"]:
+        fail("id", "a non-empty string")
+    if not _is_int(index["num_samples"]) or index["num_samples"] < 1:
+        fail("num_samples", "an integer >= 1")
+    capacity = index["num_samples"]
+    if not _is_int(index["count"]) or not 0 <= index["count"] <= capacity:
+        fail("count", f"an integer in [0, {capacity}], the capacity")
+    for field, low in (("steps", 0), ("burn_in", 0), ("thin", 1)):
+        if not _is_int(index[field]) or index[field] < low:
+            fail(field, f"an integer >= {low}")
+    tensors = index["tensors"]
+    if not isinstance(tensors, list) or not tensors:
+        fail("tensors", "a non-empty list of {name, file, shape, dtype} objects")
+    names: set[str] = set()
+    files: set[str] = set()
+    for position, entry in enumerate(tensors):
+        _check_entry(where, position, entry, names, files)
     return index
+
+
+def _check_entry(where: str, position: int, entry: Any, names: set[str], files: set[str]) -> None:
+    """One entry of the index's ``tensors``: a unique name, a plain file name, a shape, a dtype."""
+    fields = ("name", "file", "shape", "dtype")
+    if not isinstance(entry, dict) or any(field not in entry for field in fields):
+        raise ValueError(
+            f"Invalid tensors[{position}] in {where}: {entry!r} (expected an object with the "
+            f"fields {list(fields)})"
+        )
+    name = entry["name"]
+    if not isinstance(name, str) or name in names:
+        raise ValueError(
+            f"Invalid name of tensors[{position}] in {where}: {name!r} (expected a string "
+            "naming no other tensor)"
+        )
+    names.add(name)
+    file = entry["file"]
+    if not isinstance(file, str) or file in files or file in ("", ".", "..", _INDEX):
+        plain = False
+    else:
+        plain = Path(file).name == file and "\\" not in file
+    if not plain:
+        raise ValueError(
+            f"Invalid file of {name!r} in {where}: {file!r} (expected the name of a file in "
+            "the store's directory, used by no other tensor)"
+        )
+    files.add(file)
+    shape = entry["shape"]
+    if not isinstance(shape, list) or not all(_is_int(size) and size >= 0 for size in shape):
+        raise ValueError(
+            f"Invalid shape of {name!r} in {where}: {shape!r} (expected a list of integers >= 0)"
+        )
+    dtype = entry["dtype"]
+    if not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(
+            f"Invalid dtype of {name!r} in {where}: {dtype!r} (expected the name of a torch "
+            "dtype, e.g. 'float32')"
+        )
 
 
 # ---------------------------------------------------------------------- moments
@@ -532,7 +875,12 @@ class RunningMoments:
             per member, ``[K, ...]``).
         burn_in: steps discarded first (default: 0).
         thin: one step in ``thin`` is recorded (default: 1).
-        buffers: also track a module's floating-point buffers (default: False).
+        buffers: also track a module's floating-point buffers that its ``state_dict``
+            saves, e.g. BatchNorm's running statistics (default: True, as for
+            :class:`SampleCollector`; False: the parameters only). The mean of the
+            samples' statistics is not the statistics of the mean weights: to evaluate a
+            model at the posterior mean, recompute them
+            (``torch.optim.swa_utils.update_bn``).
         dtype: the accumulators' dtype (default: None: each tensor's dtype, at least
             float32; torch.float64 for very long chains).
 
@@ -551,7 +899,7 @@ class RunningMoments:
         *,
         burn_in: int = 0,
         thin: int = 1,
-        buffers: bool = False,
+        buffers: bool = True,
         dtype: torch.dtype | None = None,
     ) -> None:
         self._read = _reader(source, buffers)

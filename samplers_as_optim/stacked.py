@@ -1,10 +1,14 @@
 r"""The one layout every method's samples share, and the one way to run a model over them.
 
-A *stacked* set of parameters is a ``dict`` mapping a module's parameter (and, optionally,
-buffer) names, as in ``module.named_parameters()``, to tensors with one extra leading
-dimension of size S: ensemble members, collected SGMCMC samples, Laplace or VI draws.
-Names absent from the dict keep the module's own values, shared by all S (so a
-posterior over a subset of the parameters, LoRA-style, is a smaller dict).
+A *stacked* set of parameters is a ``dict`` mapping a module's parameter (and buffer)
+names, as in ``module.named_parameters()``, to tensors with one extra leading dimension
+of size S: ensemble members, collected SGMCMC samples, Laplace or VI draws. Names absent
+from the dict keep the module's own values, shared by all S (so a posterior over a
+subset of the parameters, LoRA-style, is a smaller dict). Buffers that change with the
+weights, such as BatchNorm's running statistics, belong in the dict: each entry is then
+evaluated with its own. :func:`stack_modules`, ``SampleCollector`` and
+``ParallelEnsemble`` put them there by default; Laplace and VI draws are parameters
+around one fitted model, whose buffers are the right ones for all of them.
 
 :func:`call_stacked` runs the module for all S at once with ``torch.func.vmap``, in
 chunks of S when asked, so the same code serves a
@@ -113,15 +117,18 @@ def stack_states(states: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
     return {key: torch.stack([state[key].detach() for state in states]) for key in keys}
 
 
-def stack_modules(modules: Sequence[nn.Module], *, buffers: bool = False) -> dict[str, Tensor]:
-    """Stack the parameters (and, with ``buffers=True``, the buffers) of same-shaped modules.
+def stack_modules(modules: Sequence[nn.Module], *, buffers: bool = True) -> dict[str, Tensor]:
+    """Stack the parameters and the buffers of same-shaped modules.
 
     Args:
         modules: modules of one architecture.
-        buffers: also stack the buffers (default: False).
+        buffers: also stack the buffers (default: True, so that each entry is evaluated
+            with its own BatchNorm statistics; False: the parameters only, and every
+            entry uses the buffers of the module given to :func:`call_stacked`).
 
     Returns:
-        The stacked dict (see :func:`stack_states`), keyed as ``named_parameters()``.
+        The stacked dict (see :func:`stack_states`), keyed as ``named_parameters()``
+        and ``named_buffers()``.
 
     Example:
         >>> import torch
@@ -303,7 +310,8 @@ def call_stacked(
     ``stacked`` replaced by ``stacked[name][i]``; every other parameter and buffer keeps
     the module's own value, shared by all entries. Autograd flows into ``stacked``; buffers
     that the forward updates in place (BatchNorm's running statistics in train mode) are
-    updated in their stacked tensor, entry by entry, so stack them when the module trains.
+    updated in their stacked tensor, entry by entry, so stack them when the module trains,
+    and predict in eval mode (in train mode, collected samples' statistics would change).
 
     Args:
         module: the model; it is not modified (its tensors are swapped back afterwards).

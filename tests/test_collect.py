@@ -2,15 +2,20 @@
 
 What is checked: the burn-in/thinning schedule keeps exactly the documented steps; storage
 is allocated once (the same memory before and after collecting: no concatenation), on the
-CPU by default, in a chosen dtype; samples come out in the stacked layout and run through
-call_stacked; a path-backed collector writes to memory-mapped files that load back after
-the collector is gone (as after a crash) and that a resumed collector continues exactly
-like an uninterrupted one; save/load and state_dict round trips; ensembles give
+CPU by default, in a chosen dtype; a sample holds the parameters that require grad and the
+floating-point persistent buffers (BatchNorm statistics), not counters or caches; samples
+come out in the stacked layout and run through call_stacked; a path-backed collector
+writes to memory-mapped files that load back after the collector is gone (as after a
+crash); its state_dict is small, flushes the store, and a resume from it rewinds the
+store so the chain continues like an uninterrupted one (the SIGKILL test is
+test_collect_crash.py); save/load and state_dict round trips; ensembles give
 ``[S, K, ...]`` samples; RunningMoments agrees with torch.mean/var of the stored samples,
-per member for an ensemble, and resumes exactly; every error message.
+per member for an ensemble, and resumes exactly; a damaged store (files against index,
+every index field) is an error naming the file and the field; every error message.
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -19,7 +24,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from samplers_as_optim import SGLD
-from samplers_as_optim.collect import RunningMoments, SampleCollector
+from samplers_as_optim.collect import RunningMoments, SampleCollector, _Store
 from samplers_as_optim.ensemble import ParallelEnsemble
 from samplers_as_optim.stacked import call_stacked
 
@@ -70,21 +75,39 @@ def test_storage_is_allocated_once_on_the_cpu(device):
     assert_close(samples["weight"][4] - samples["weight"][0], torch.full((2, 3), 4.0))
 
 
-def test_dtype_frozen_parameters_and_buffers():
-    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
-    model[0].bias.requires_grad_(False)
-    collector = SampleCollector(model, 2, dtype=torch.float16, buffers=True)
+class WithCache(nn.Module):
+    """BatchNorm plus a non-persistent floating-point buffer (a cache, not state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.register_buffer("cache", torch.zeros(4), persistent=False)
+
+    def forward(self, x):
+        return self.norm(self.linear(x)) + self.cache
+
+
+def test_a_sample_holds_the_parameters_and_the_floating_point_state_buffers():
+    model = WithCache()
+    model.linear.bias.requires_grad_(False)
+    collector = SampleCollector(model, 2, dtype=torch.float16)
     collector.record()
-    assert set(collector.samples) == {
-        "0.weight",
-        "1.weight",
-        "1.bias",
-        "1.running_mean",
-        "1.running_var",
-        "1.num_batches_tracked",
-    }
-    assert collector.samples["0.weight"].dtype == torch.float16
-    assert collector.samples["1.num_batches_tracked"].dtype == torch.float16
+    # frozen parameters, integer counters and non-persistent buffers stay with the module
+    assert list(collector.samples) == [
+        "linear.weight",
+        "norm.weight",
+        "norm.bias",
+        "norm.running_mean",
+        "norm.running_var",
+    ]
+    assert collector.samples["norm.running_var"].dtype == torch.float16
+    names_without = ["linear.weight", "norm.weight", "norm.bias"]
+    assert list(SampleCollector(model, 2, buffers=False).samples) == names_without
+    for buffers, names in ((True, list(collector.samples)), (False, names_without)):
+        moments = RunningMoments(model, buffers=buffers)
+        moments.record()
+        assert list(moments.mean) == names
 
 
 def test_samples_run_through_call_stacked(device):
@@ -123,7 +146,7 @@ def test_ensembles_give_one_sample_per_member_and_step():
     assert_close(out[-4:], ensemble(x))  # the last sample is the current ensemble
 
 
-def test_streaming_to_disk_survives_the_collector_and_resumes_exactly(tmp_path):
+def test_streaming_to_disk_survives_the_collector_and_resumes_from_a_checkpoint(tmp_path):
     chain = Counter((3, 2))
     path = tmp_path / "chain"
     collector = SampleCollector(chain.state, 6, burn_in=2, thin=2, path=path)
@@ -131,19 +154,35 @@ def test_streaming_to_disk_survives_the_collector_and_resumes_exactly(tmp_path):
     files = sorted(p.name for p in path.iterdir())
     assert files == ["0000.bin", "index.json"]
     assert (path / "0000.bin").stat().st_size == 6 * 3 * 2 * 4  # preallocated, S samples
-    # the index is written at every recorded sample: a crash now loses only the count of
-    # step 7; save() (e.g. with a model checkpoint) records the step counter too
-    assert SampleCollector.load(path).steps == 6
-    collector.save()
-    del collector  # as if the process had died
+    checkpoint = {"chain": chain.state["t"].clone(), "collector": collector.state_dict()}
+    # small: counters and the store's identity, not the samples
+    assert set(checkpoint["collector"]) == {
+        "num_samples",
+        "burn_in",
+        "thin",
+        "steps",
+        "count",
+        "store",
+    }
+    assert checkpoint["collector"]["store"]["path"] == str(path.resolve())
+    run(collector, chain, 2)  # keeps step 8 after the checkpoint ...
+    del collector  # ... and the process dies
 
-    stored = SampleCollector.load(path)
-    assert stored.count == 2 and stored.steps == 7
-    assert stored.samples["t"][:, 0, 0].tolist() == [4.0, 6.0]
+    stored = SampleCollector.load(path)  # a reader sees every recorded sample
+    assert stored.count == 3 and stored.steps == 8
+    assert stored.samples["t"][:, 0, 0].tolist() == [4.0, 6.0, 8.0]
     with pytest.raises(RuntimeError, match=r"has no source \(it was loaded without one\)"):
-        stored.step()
+        stored.record()
 
+    chain.state["t"].copy_(checkpoint["chain"])  # the chain resumes from its checkpoint
     resumed = SampleCollector.load(path, chain.state)
+    with pytest.raises(
+        RuntimeError, match=r"call collector.load_state_dict\(checkpoint\['collector'\]\)"
+    ):
+        resumed.step()
+    resumed.load_state_dict(checkpoint["collector"])  # rewinds the store to the checkpoint
+    assert resumed.count == 2 and resumed.steps == 7
+    assert SampleCollector.load(path).count == 2
     kept = run(resumed, chain, 20)
     assert kept == [8, 10, 12, 14]
     assert SampleCollector.load(path).samples["t"][:, 0, 0].tolist() == [4, 6, 8, 10, 12, 14]
@@ -294,3 +333,248 @@ def test_error_messages(tmp_path):
         moments.variance  # noqa: B018
     with pytest.raises(ValueError, match=r"Invalid state_dict mean: names \['y'\]"):
         moments.load_state_dict({**moments.state_dict(), "mean": {"y": torch.zeros(2)}})
+
+
+def damaged_store(tmp_path):
+    """A store of 4 samples (2 recorded) of w [3, 2] (0000.bin) and b [2] (0001.bin)."""
+    state = {"w": torch.ones(3, 2), "b": torch.ones(2)}
+    collector = SampleCollector(state, 4, path=tmp_path / "store")
+    collector.record()
+    collector.record()
+    return state, (tmp_path / "store").resolve()
+
+
+def edit_index(root, **changes):
+    index = json.loads((root / "index.json").read_text())
+    for key, value in changes.items():
+        if value is DELETE:
+            del index[key]
+        else:
+            index[key] = value
+    (root / "index.json").write_text(json.dumps(index))
+
+
+def edit_tensor(root, position, **changes):
+    index = json.loads((root / "index.json").read_text())
+    index["tensors"][position].update(changes)
+    (root / "index.json").write_text(json.dumps(index))
+
+
+def resize(root, name, size):
+    with open(root / name, "r+b") as handle:
+        handle.truncate(size)
+
+
+DELETE = object()
+
+# (what is damaged, how, the message: {root} is the store's directory)
+DAMAGES = [
+    (
+        "bin truncated to half",
+        lambda root: resize(root, "0000.bin", 48),
+        r"Invalid size of {root}/0000.bin: 48 bytes (expected 96: num_samples=4 samples of "
+        r"'w' with shape [3, 2] and dtype float32, as {root}/index.json says)",
+    ),
+    (
+        "bin extended",
+        lambda root: resize(root, "0001.bin", 40),
+        r"Invalid size of {root}/0001.bin: 40 bytes (expected 32: num_samples=4 samples of "
+        r"'b' with shape [2] and dtype float32, as {root}/index.json says)",
+    ),
+    (
+        "bin missing",
+        lambda root: (root / "0001.bin").unlink(),
+        r"Invalid file of 'b' in {root}/index.json: {root}/0001.bin cannot be read (No such "
+        r"file or directory; expected 32 bytes: num_samples=4 samples of 'b' with shape [2] and "
+        r"dtype float32)",
+    ),
+    (
+        "count too large",
+        lambda root: edit_index(root, count=1000000),
+        r"Invalid count in {root}/index.json: 1000000 (expected an integer in [0, 4], the "
+        r"capacity)",
+    ),
+    (
+        "count negative",
+        lambda root: edit_index(root, count=-3),
+        r"Invalid count in {root}/index.json: -3 (expected an integer in [0, 4], the capacity)",
+    ),
+    (
+        "count a float",
+        lambda root: edit_index(root, count=2.0),
+        r"Invalid count in {root}/index.json: 2.0 (expected an integer in [0, 4]",
+    ),
+    (
+        "count not a number",
+        lambda root: edit_index(root, count="2"),
+        r"Invalid count in {root}/index.json: '2' (expected an integer in [0, 4]",
+    ),
+    (
+        "count a bool",
+        lambda root: edit_index(root, count=True),
+        r"Invalid count in {root}/index.json: True (expected an integer in [0, 4]",
+    ),
+    (
+        "capacity larger than the files",
+        lambda root: edit_index(root, num_samples=8),
+        r"Invalid size of {root}/0000.bin: 96 bytes (expected 192: num_samples=8 samples of "
+        r"'w' with shape [3, 2] and dtype float32, as {root}/index.json says)",
+    ),
+    (
+        "capacity zero",
+        lambda root: edit_index(root, num_samples=0),
+        r"Invalid num_samples in {root}/index.json: 0 (expected an integer >= 1)",
+    ),
+    (
+        "steps negative",
+        lambda root: edit_index(root, steps=-1),
+        r"Invalid steps in {root}/index.json: -1 (expected an integer >= 0)",
+    ),
+    (
+        "thin zero",
+        lambda root: edit_index(root, thin=0),
+        r"Invalid thin in {root}/index.json: 0 (expected an integer >= 1)",
+    ),
+    (
+        "burn_in not an integer",
+        lambda root: edit_index(root, burn_in=0.5),
+        r"Invalid burn_in in {root}/index.json: 0.5 (expected an integer >= 0)",
+    ),
+    (
+        "id empty",
+        lambda root: edit_index(root, id=""),
+        r"Invalid id in {root}/index.json: '' (expected a non-empty string)",
+    ),
+    (
+        "shape of other size",
+        lambda root: edit_tensor(root, 0, shape=[3, 3]),
+        r"Invalid size of {root}/0000.bin: 96 bytes (expected 144: num_samples=4 samples of "
+        r"'w' with shape [3, 3] and dtype float32, as {root}/index.json says)",
+    ),
+    (
+        "shape negative",
+        lambda root: edit_tensor(root, 0, shape=[-1, 2]),
+        r"Invalid shape of 'w' in {root}/index.json: [-1, 2] (expected a list of integers >= 0)",
+    ),
+    (
+        "shape not a list",
+        lambda root: edit_tensor(root, 1, shape="2"),
+        r"Invalid shape of 'b' in {root}/index.json: '2' (expected a list of integers >= 0)",
+    ),
+    (
+        "dtype unknown",
+        lambda root: edit_tensor(root, 0, dtype="float128"),
+        r"Invalid dtype of 'w' in {root}/index.json: 'float128' (expected the name of a torch "
+        r"dtype, e.g. 'float32')",
+    ),
+    (
+        "dtype of another size",
+        lambda root: edit_tensor(root, 0, dtype="float64"),
+        r"Invalid size of {root}/0000.bin: 96 bytes (expected 192: num_samples=4 samples of "
+        r"'w' with shape [3, 2] and dtype float64, as {root}/index.json says)",
+    ),
+    (
+        "name repeated",
+        lambda root: edit_tensor(root, 1, name="w"),
+        r"Invalid name of tensors[1] in {root}/index.json: 'w' (expected a string naming no "
+        r"other tensor)",
+    ),
+    (
+        "file outside the store",
+        lambda root: edit_tensor(root, 1, file="../0001.bin"),
+        r"Invalid file of 'b' in {root}/index.json: '../0001.bin' (expected the name of a file "
+        r"in the store's directory, used by no other tensor)",
+    ),
+    (
+        "file shared",
+        lambda root: edit_tensor(root, 1, file="0000.bin"),
+        r"Invalid file of 'b' in {root}/index.json: '0000.bin' (expected the name of a file",
+    ),
+    (
+        "tensor entry incomplete",
+        lambda root: edit_index(root, tensors=[{"name": "w", "file": "0000.bin", "shape": [3, 2]}]),
+        r"Invalid tensors[0] in {root}/index.json: {'name': 'w', 'file': '0000.bin', 'shape': "
+        r"[3, 2]} (expected an object with the fields ['name', 'file', 'shape', 'dtype'])",
+    ),
+    (
+        "no tensors",
+        lambda root: edit_index(root, tensors=[]),
+        r"Invalid tensors in {root}/index.json: [] (expected a non-empty list of {name, file, "
+        r"shape, dtype} objects)",
+    ),
+    (
+        "field missing",
+        lambda root: edit_index(root, count=DELETE),
+        r"Invalid index in {root}/index.json: missing field 'count' (expected the fields ['id', "
+        r"'num_samples', 'count', 'steps', 'burn_in', 'thin', 'tensors'])",
+    ),
+    (
+        "malformed JSON",
+        lambda root: (root / "index.json").write_text('{"format": "samplers_as_optim.samples",'),
+        r"Invalid index in {root}/index.json: malformed JSON (",
+    ),
+    (
+        "not an object",
+        lambda root: (root / "index.json").write_text("[1, 2]"),
+        r"Invalid index in {root}/index.json: a JSON list (expected an object)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"), [d[1:] for d in DAMAGES], ids=[d[0] for d in DAMAGES]
+)
+def test_a_damaged_store_is_an_error_naming_the_file_and_the_field(tmp_path, damage, message):
+    state, root = damaged_store(tmp_path)
+    damage(root)
+    pattern = re.escape(message.replace("{root}", str(root)))
+    for source in (None, state):  # read-only, and to continue collecting
+        for mmap in (True, False):
+            with pytest.raises(ValueError, match=pattern):
+                SampleCollector.load(root, source, mmap=mmap)
+
+
+def test_a_store_state_flushes_the_samples_and_resumes_only_its_own_store(tmp_path, monkeypatch):
+    chain = Counter()
+    collector = SampleCollector(chain.state, 4, path=tmp_path / "a")
+    run(collector, chain, 2)
+    flushed = []
+    original = _Store.flush
+    monkeypatch.setattr(_Store, "flush", lambda self: flushed.append(self.root) or original(self))
+    state = collector.state_dict()
+    assert flushed == [(tmp_path / "a").resolve()]  # durable before the checkpoint is
+    assert (
+        state["count"] == 2
+        and state["store"]["id"] == json.loads((tmp_path / "a" / "index.json").read_text())["id"]
+    )
+
+    other = SampleCollector(chain.state, 4, path=tmp_path / "b")
+    with pytest.raises(ValueError, match=r"Invalid state_dict: it refers to the sample store '"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"\(expected this collector's store, '[0-9a-f]{32}' at '"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"refers to the sample store at '.*a' \(expected a state"):
+        SampleCollector(chain.state, 4).load_state_dict(state)
+    resumed = SampleCollector.load(tmp_path / "a", chain.state)
+    with pytest.raises(RuntimeError, match=r"loaded from a store with a source, but the store"):
+        resumed.record()
+    with pytest.raises(
+        ValueError, match=r"Invalid state_dict: count=3 \(expected at most 2, the samples in the"
+    ):
+        resumed.load_state_dict({**state, "count": 3})
+    with pytest.raises(
+        ValueError, match=r"Invalid state_dict: burn_in=1 \(expected 0, as the store"
+    ):
+        resumed.load_state_dict({**state, "burn_in": 1})
+    with pytest.raises(ValueError, match=r"Invalid state_dict: count=5 \(expected an integer in"):
+        resumed.load_state_dict({**state, "count": 5})
+    with pytest.raises(ValueError, match=r"Invalid state_dict: missing field 'steps' \(expected a"):
+        resumed.load_state_dict({k: v for k, v in state.items() if k != "steps"})
+    with pytest.raises(ValueError, match=r"missing field 'store' or 'samples' \(expected a state"):
+        resumed.load_state_dict({k: v for k, v in state.items() if k != "store"})
+    with pytest.raises(TypeError, match=r"Invalid state_dict: 3 \(expected a mapping\)"):
+        resumed.load_state_dict(3)
+    resumed.load_state_dict({**state, "count": 1, "steps": 1})  # rewinds the store
+    assert SampleCollector.load(tmp_path / "a").count == 1
+    resumed.record()
+    assert SampleCollector.load(tmp_path / "a").count == 2
