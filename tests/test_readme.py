@@ -26,7 +26,7 @@ def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
 
 
-def stand_ins() -> dict:
+def stand_ins(tmp_path) -> dict:
     torch.manual_seed(0)
 
     def make_model():
@@ -42,6 +42,9 @@ def stand_ins() -> dict:
         "loader": DataLoader(train_set, batch_size=16),
         "x_test": torch.randn(10, 4),
         "y_test": torch.randint(0, 3, (10,)),
+        "store_dir": str(tmp_path / "samples"),
+        "checkpoint_path": str(tmp_path / "checkpoint.pt"),
+        "batch_at": lambda step: (x[step % 2 :: 2], y[step % 2 :: 2]),
         "x_val": torch.randn(12, 4),
         "y_val": torch.randint(0, 3, (12,)),
         "x_ood": 3 * torch.randn(10, 4),
@@ -54,11 +57,11 @@ def stand_ins() -> dict:
 
 
 @pytest.mark.slow
-def test_every_readme_python_block_runs(capsys):
+def test_every_readme_python_block_runs(capsys, tmp_path):
     blocks = python_blocks()
     assert len(blocks) >= 6
     assert any(ELIDED_LOOP in block for block in blocks)
-    namespace = stand_ins()
+    namespace = stand_ins(tmp_path)
     for index, block in enumerate(blocks):
         code = block.replace(ELIDED_LOOP, FILLED_LOOP)
         try:
