@@ -115,9 +115,7 @@ SCENARIOS = {
 def run(rank: int, scenario: str, port: int, out: str) -> None:
     """Entry point of each spawned process."""
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         result = SCENARIOS[scenario](rank, out)
     except Exception:  # reported to the test, which fails with the traceback

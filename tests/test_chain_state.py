@@ -10,6 +10,7 @@ import copy
 import io
 import math
 import pickle
+import re
 
 import pytest
 import torch
@@ -163,6 +164,22 @@ def test_a_loaded_non_finite_buffer_is_refused_before_anything_changes(case):
         opt.load_state_dict(state)
     after = opt.state_dict()
     assert torch.equal(after["state"][0]["momentum_buffer"], before["state"][0]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("bad", [math.nan, -1.0, 0.0, "0.1"])
+def test_a_loaded_invalid_momentum_rate_is_refused(bad):
+    model = make_model()
+    opt = SGHMC(model.parameters(), lr=0.01, num_data=100, seed=1)
+    train(model, opt, batches(2))
+    state = copy.deepcopy(opt.state_dict())
+    assert state["state"][0]["momentum_lr"] == 0.01
+    state["state"][0]["momentum_lr"] = bad
+    with pytest.raises(
+        ValueError,
+        match=rf"Invalid state_dict: 'momentum_lr' of parameter 0 is {re.escape(repr(bad))} "
+        r"\(expected None or a finite number > 0",
+    ):
+        opt.load_state_dict(state)
 
 
 # ---------------------------------------------------------------- all or nothing

@@ -12,7 +12,13 @@ stationary law is compared with the target to state the step-size bias.
 import numpy as np
 import pytest
 import torch
-from linear_chains import covariance_standard_errors, position_moments, sghmc_mode, sgld_mode
+from linear_chains import (
+    correlated_gaussian,
+    covariance_standard_errors,
+    position_moments,
+    sghmc_mode,
+    sgld_mode,
+)
 
 from samplers_as_optim import SGHMC, SGLD, SGNHT
 
@@ -23,14 +29,7 @@ D, N, K = 10, 100, 20_000
 START_OFFSET = np.full(D, 2.0)
 
 
-def gaussian_target():
-    rng = np.random.default_rng(0)
-    rotation, _ = np.linalg.qr(rng.normal(size=(D, D)))
-    covariance = rotation @ np.diag(np.geomspace(0.3, 3.0, D)) @ rotation.T  # condition 10
-    return rng.normal(size=D), covariance
-
-
-MEAN, SIGMA = gaussian_target()
+MEAN, SIGMA = correlated_gaussian(D)  # condition number 10
 PRECISION = np.linalg.inv(SIGMA)
 
 # sampler, exact-law mode, hyperparameters, steps (>= 5 slowest relaxation times)

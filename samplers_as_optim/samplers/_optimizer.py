@@ -326,6 +326,8 @@ class SamplerOptimizer(Optimizer):
         for param, state in zip(params if fields else [], states, strict=True):
             if not state:
                 self._init_state(group, param, state)
+        if fields:  # state in lr's units follows a change of lr (DESIGN §1)
+            self._reexpress_state(group, states, lr=lr, temperature=temperature, foreach=foreach)
         buffers = [[state.get(name) for state in states] for name in fields]
         generators = None
         if temperature > 0:
@@ -427,6 +429,22 @@ class SamplerOptimizer(Optimizer):
 
     def _init_state(self, group: dict[str, Any], param: Tensor, state: dict[str, Any]) -> None:
         """Create a parameter's state before its first step (default: the kernel does)."""
+
+    def _reexpress_state(
+        self,
+        group: dict[str, Any],
+        states: list[dict[str, Any]],
+        *,
+        lr: float,
+        temperature: float,
+        foreach: bool,
+    ) -> None:
+        """Re-express state kept in lr's units when lr has changed (default: none is).
+
+        Called before the kernel with this step's ``lr``; SGHMC and SGNHT rescale their
+        momentum buffers at T > 0 (DESIGN §1: the chain's state is the continuous-time
+        state).
+        """
 
     def _kernel(
         self,
@@ -543,9 +561,21 @@ def _check_representable(group: dict[str, Any], params: list[Tensor], *, where: 
 
 
 def _refuse_non_finite_state(saved_state: dict[Any, Any]) -> None:
-    """Raise if a saved per-parameter buffer holds NaN or infinity (before loading it)."""
+    """Raise if a saved per-parameter buffer holds NaN or infinity (before loading it).
+
+    Also checks the learning rate recorded with a momentum buffer (``"momentum_lr"``):
+    None or a finite number > 0, since the next change of lr rescales the buffer by it.
+    """
     for param_id, entries in saved_state.items():
         for key, value in (entries or {}).items():
+            if key == "momentum_lr" and not (
+                value is None or (isinstance(value, float) and math.isfinite(value) and value > 0)
+            ):
+                raise ValueError(
+                    f"Invalid state_dict: 'momentum_lr' of parameter {param_id} is "
+                    f"{value!r} (expected None or a finite number > 0: the learning rate "
+                    "its momentum buffer was written at)"
+                )
             if (
                 isinstance(value, Tensor)
                 and value.is_floating_point()

@@ -156,8 +156,12 @@ def _scale_by_neg_lr(
             if direction is not update:
                 update.copy_(direction)
         if foreach:
+            # out of place, then copied: on the CPU torch's in-place foreach multiply
+            # rounds a Python scalar to a bfloat16/float16 tensor's dtype first, which
+            # the Optimizers' step (``apply_step_``) does not
             for index in buckets(updates):
-                torch._foreach_mul_([updates[i] for i in index], -lr)
+                bucket = [updates[i] for i in index]
+                torch._foreach_copy_(bucket, torch._foreach_mul(bucket, -lr))
         else:
             for update in updates:
                 update.mul_(-lr)

@@ -40,6 +40,30 @@ variance multiplied by :math:`T`.
 
 With ``momentum=0`` (friction :math:`1/\epsilon`, the momentum refreshed every step)
 SGHMC is SGLD, and the kernel calls SGLD's: for one seed the two optimizers coincide.
+
+Changing the learning rate. The chain's state is :math:`(\theta, r)`, whose stationary
+law :math:`\exp(-(U(\theta) + |r|^2/2)/T)` does not depend on the step size; the buffer
+is :math:`b = -r/\sqrt{N\, lr}`, so it does. When ``lr`` moves from :math:`lr_0` (the
+rate at which :math:`b` was last written) to :math:`lr_1` at :math:`T > 0` (a scheduler,
+a warm restart), the step first re-expresses the buffer in the new units, keeping
+:math:`r`:
+
+.. math::
+
+    b \leftarrow \sqrt{lr_0 / lr_1}\; b.
+
+Without it :math:`r` jumps by :math:`\sqrt{lr_1/lr_0}` and the chain heats (or cools)
+until the friction has relaxed it. The discrete chain agrees: for a free coordinate the
+stationary buffer variance is :math:`\sigma^2/(1-\mu^2) = 2T/(N\, lr\,(1+\mu))
+\propto 1/lr`, so the map sends the stationary law at :math:`lr_0` to the one at
+:math:`lr_1`; with a gradient it does so up to the step-size bias
+(``tests/test_lr_change.py`` propagates the exact law through jumps). At :math:`T = 0`
+the buffer is ``torch.optim.SGD``'s and is never rescaled. The rate is recorded with
+each buffer (``"momentum_lr"`` in an Optimizer's per-parameter state, the field
+``momentum_lr`` of a transform's state), once the chain has taken a step at
+:math:`T > 0`; a buffer without a record (one that has only been SGD's, or loaded from
+a ``torch.optim.SGD`` checkpoint) is taken to be in the current units. A step of
+``lr`` 0 at :math:`T > 0` is skipped (no time passes) and leaves the record as it is.
 """
 
 from __future__ import annotations
@@ -69,6 +93,8 @@ __all__ = [
     "LangevinNoiseState",
     "SGHMCState",
     "langevin_noise",
+    "rescale_momentum",
+    "rescale_momentum_state",
     "sghmc",
     "sghmc_direction",
     "sghmc_noise_scale",
@@ -84,6 +110,72 @@ def sghmc_noise_scale(lr: float, momentum: float, temperature: float, num_data: 
     if temperature == 0:
         return 0.0
     return math.sqrt(2.0 * (1.0 - momentum) * temperature / (num_data * lr))
+
+
+def rescale_momentum(
+    momentum_buffers: list[Tensor | None],
+    buffer_lrs: list[float | None],
+    *,
+    lr: float,
+    temperature: float,
+    foreach: bool,
+    inplace: bool = True,
+) -> tuple[list[Tensor | None], list[float | None]]:
+    r"""Re-express momentum buffers written at another learning rate in this step's units.
+
+    .. math::
+
+        b \leftarrow \sqrt{lr_b / lr}\; b \qquad \text{at } T > 0,
+
+    which keeps the physical momentum :math:`r = -\sqrt{N\, lr}\, b` (see the module
+    docstring), for each buffer whose recorded rate :math:`lr_b` is known and differs
+    from ``lr``. At :math:`T = 0` nothing is rescaled (the buffers are SGD's). Shared by
+    SGHMC and SGNHT, whose thermostat needs no rescaling (see :mod:`.sgnht`), and by both
+    front ends; called just before the kernel, which then writes every buffer at ``lr``.
+
+    Args:
+        momentum_buffers: one buffer or None (not created yet) per parameter.
+        buffer_lrs: the learning rate at which each buffer was last written, or None
+            when unknown (a buffer that has only been SGD's, or a fresh one): then it is
+            taken to be ``lr``.
+        lr: this step's learning rate, > 0 when ``temperature`` > 0.
+        temperature: T >= 0.
+        foreach: multi-tensor path; both paths give the same numbers.
+        inplace: rescale the given buffers in place, or return new ones.
+
+    Returns:
+        ``(momentum_buffers, buffer_lrs)`` to hand to the kernel and to record after the
+        step: ``lr`` for every buffer at :math:`T > 0`; at :math:`T = 0` the record is
+        kept up to date where there is one (so that a schedule switching the temperature
+        back on rescales from the right units) and not created where there is none, so
+        that the state stays ``torch.optim.SGD``'s.
+    """
+    if temperature == 0:
+        new_lrs = [old if old is None or lr == 0 else lr for old in buffer_lrs]
+        return list(momentum_buffers), new_lrs
+    buffers = list(momentum_buffers)
+    by_rate: dict[float, list[int]] = {}
+    for i, (buffer, old) in enumerate(zip(buffers, buffer_lrs, strict=True)):
+        if buffer is not None and old is not None and old != lr:
+            by_rate.setdefault(old, []).append(i)
+    for old, index in by_rate.items():
+        factor = math.sqrt(old / lr)
+        if not foreach:
+            for i in index:
+                buffers[i] = buffers[i].mul_(factor) if inplace else buffers[i].mul(factor)
+            continue
+        chosen = [buffers[i] for i in index]
+        for bucket in buckets(chosen):
+            tensors = [chosen[j] for j in bucket]
+            # out of place (then copied): on the CPU the in-place foreach multiply rounds
+            # the factor to a bfloat16/float16 buffer's dtype first, unlike mul_
+            scaled = torch._foreach_mul(tensors, factor)
+            if inplace:
+                torch._foreach_copy_(tensors, scaled)
+                scaled = tensors
+            for j, tensor in zip(bucket, scaled, strict=True):
+                buffers[index[j]] = tensor
+    return buffers, [lr] * len(buffers)
 
 
 def sghmc_direction(
@@ -177,11 +269,10 @@ def sghmc_direction(
         )
         old = [momentum_buffers[i] for i in index]
         if all(buffer is not None for buffer in old):
-            if inplace:
-                torch._foreach_mul_(old, momentum)
-                new = old
-            else:
-                new = torch._foreach_mul(old, momentum)
+            # in place, as torch.optim.SGD (on the CPU that rounds the momentum to a
+            # bfloat16/float16 buffer's dtype first): new buffers are copies, then scaled
+            new = old if inplace else [buffer.clone() for buffer in old]
+            torch._foreach_mul_(new, momentum)
             torch._foreach_add_(new, bucket_grads, alpha=1 - dampening)
         else:
             new = []
@@ -201,6 +292,26 @@ def sghmc_direction(
             buffers[i] = new[position]
             directions[i] = bucket_directions[position]
     return directions, buffers
+
+
+def rescale_momentum_state(
+    states: list[dict[str, Any]], *, lr: float, temperature: float, foreach: bool
+) -> None:
+    """:func:`rescale_momentum` on an Optimizer's per-parameter states, in place.
+
+    Reads ``"momentum_buffer"`` and its recorded rate ``"momentum_lr"`` (a float, absent
+    from a ``torch.optim.SGD`` state) and writes the rate of the coming step.
+    """
+    _, buffer_lrs = rescale_momentum(
+        [state.get("momentum_buffer") for state in states],
+        [state.get("momentum_lr") for state in states],
+        lr=lr,
+        temperature=temperature,
+        foreach=foreach,
+    )
+    for state, buffer_lr in zip(states, buffer_lrs, strict=True):
+        if buffer_lr is not None:
+            state["momentum_lr"] = buffer_lr
 
 
 class SGHMC(SamplerOptimizer):
@@ -246,6 +357,17 @@ class SGHMC(SamplerOptimizer):
     def _state_fields(self, group: dict[str, Any]) -> tuple[str, ...]:
         # as in torch.optim.SGD, no state is kept without momentum
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def _reexpress_state(
+        self,
+        group: dict[str, Any],
+        states: list[dict[str, Any]],
+        *,
+        lr: float,
+        temperature: float,
+        foreach: bool,
+    ) -> None:
+        rescale_momentum_state(states, lr=lr, temperature=temperature, foreach=foreach)
 
     def _kernel(
         self,
@@ -293,7 +415,11 @@ SGHMC.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo, a drop-in for 
     :math:`N` = ``num_data``, the sign negative when ``maximize``; the buffer starts as
     the first :math:`g'` (plus noise), as in SGD. This is the SGHMC SDE discretised with
     step :math:`\epsilon = \sqrt{{lr / N}}` and friction :math:`(1-\mu)/\epsilon`; its
-    stationary law is :math:`\propto \exp(-N L(\theta)/T)` up to step-size bias. At
+    stationary law is :math:`\propto \exp(-N L(\theta)/T)` up to step-size bias. When
+    ``lr`` changes at :math:`T > 0` (a scheduler, a warm restart), the step first
+    rescales the buffer by :math:`\sqrt{{lr_{{\text{{old}}}}/lr}}`, which keeps the
+    physical momentum :math:`-\sqrt{{N\,lr}}\,b`, so that the schedule neither heats nor
+    cools the chain (the rate is kept as ``state["momentum_lr"]``). At
     ``temperature=0`` it is ``torch.optim.SGD(lr, momentum, ...)`` bit for bit; with
     ``momentum=0`` it is :class:`SGLD`.
 
@@ -342,12 +468,16 @@ class SGHMCState(NamedTuple):
     Attributes:
         momentum_buffer: one buffer :math:`b` per leaf of the params tree, in the order of
             its leaves, starting at zero (empty when ``momentum`` is 0).
+        momentum_lr: per leaf, the learning rate (a float) at which its buffer was last
+            written, None before its first update at temperature > 0: a later update at
+            another ``lr`` first rescales the buffer (:func:`rescale_momentum`).
         seed: the seed of the chain's noise.
         count: the number of updates taken, the step of the next noise draw and of the
             schedules.
     """
 
     momentum_buffer: tuple[Tensor | None, ...]
+    momentum_lr: tuple[float | None, ...]
     seed: int
     count: int
 
@@ -376,17 +506,22 @@ def sghmc(
     )
 
 
-def _sghmc_buffers(leaves: list[Tensor | None], momentum: float) -> tuple[tuple[Any, ...]]:
+def _sghmc_buffers(leaves: list[Tensor | None], momentum: float) -> tuple[tuple[Any, ...], ...]:
     if momentum == 0:
-        return ((),)
-    return (tuple(None if leaf is None else torch.zeros_like(leaf) for leaf in leaves),)
+        return (), ()
+    buffers = tuple(None if leaf is None else torch.zeros_like(leaf) for leaf in leaves)
+    return buffers, (None,) * len(leaves)
 
 
 _SGHMC_KEYS = ("lr", "momentum", "temperature", "num_data", "weight_decay", "dampening")
 
 
 def _sghmc_kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
-    (buffers,) = inputs.buffers
+    buffers, buffer_lrs = inputs.buffers
+    if buffers:
+        buffers, buffer_lrs = rescale_momentum(
+            buffers, buffer_lrs, **pick(group, "lr", "temperature", "foreach", "inplace")
+        )
     if not buffers or (group["count"] == 0 and group["dampening"] != 0):
         # torch.optim.SGD's first step sets b = g', whatever the dampening; with dampening
         # 0 the zero buffer gives the same numbers and keeps the graph (MetaOptimizer).
@@ -398,7 +533,9 @@ def _sghmc_kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
         inputs.noise,
         **pick(group, *_SGHMC_KEYS, "nesterov", "maximize", "foreach", "inplace"),
     )
-    return directions, (buffers if group["momentum"] != 0 else [],)
+    if group["momentum"] == 0:
+        return directions, ([], [])
+    return directions, (buffers, buffer_lrs)
 
 
 sghmc.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo as a torchopt transformation.
@@ -417,8 +554,11 @@ sghmc.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo as a torchopt t
     :math:`T` = ``temperature``, :math:`N` = ``num_data``, the sign negative when
     ``maximize``. The buffer :math:`b` starts at zero, which gives
     ``torch.optim.SGD``'s first step :math:`b = g'`; with ``dampening`` (temperature 0
-    only) update 0 sets :math:`b = g'` as SGD does. The noise of update :math:`k` is
-    drawn from ``seed`` and :math:`k` alone (both in the state).
+    only) update 0 sets :math:`b = g'` as SGD does. When a schedule changes ``lr`` at
+    temperature > 0, the update first rescales the buffer by
+    :math:`\sqrt{{lr_{{\text{{old}}}}/lr}}` (:func:`rescale_momentum`; the rate is kept in
+    the state), as :class:`SGHMC` does. The noise of update :math:`k` is drawn from
+    ``seed`` and :math:`k` alone (both in the state).
 
     Args:
         {_transform.lr_doc}
@@ -505,7 +645,8 @@ def _langevin_kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput
     # SGHMC's step from a zero buffer (SGLD's at momentum 0) is g + noise: the injection
     # of the samplers, with their scale and sign, keeping the graph of g.
     scratch = [torch.zeros_like(grad) for grad in inputs.grads] if group["momentum"] else []
-    inputs = KernelInput(inputs.grads, inputs.grads, (scratch,), inputs.noise)
+    unknown = [None] * len(scratch)
+    inputs = KernelInput(inputs.grads, inputs.grads, (scratch, unknown), inputs.noise)
     directions, _ = _sghmc_kernel({**group, "inplace": True}, inputs)
     return directions, ()
 
@@ -527,8 +668,10 @@ langevin_noise.__doc__ = rf"""The noise SGLD and SGHMC inject, as a transformati
     SGLD (:math:`\mu = 0`) or SGHMC: with one seed, ``chain(langevin_noise(lr, seed=s,
     ...), torchopt.sgd(lr))`` is :func:`sgld` (no weight decay) bit for bit, and with
     momentum it is :func:`sghmc` up to rounding (the noise enters the buffer after the
-    gradient there, with it here). Before any other optimizer it adds noise of that
-    scale, which is not a sampler in general. At temperature 0 it returns the updates
+    gradient there, with it here), as long as ``lr`` is constant: ``torchopt.sgd``'s
+    buffer is not rescaled when a schedule changes ``lr`` (see :func:`sghmc`), so under
+    such a schedule use :func:`sghmc` itself. Before any other optimizer it adds noise of
+    that scale, which is not a sampler in general. At temperature 0 it returns the updates
     unchanged; at temperature > 0 with ``lr`` 0 too (no time passes).
 
     Args:
