@@ -1,17 +1,23 @@
-"""Counter-based Gaussian noise for the samplers.
+"""Counter-based Gaussian noise for the samplers, keyed by parameter and position.
 
 Every sampler step needs fresh standard-normal noise ``xi ~ N(0, I)``. Here the noise of
-one step is a pure function of ``(seed, step, stream)``: before drawing, the generator of
-each device is re-seeded with :func:`derive_seed` of those integers, then noise is drawn
-tensor by tensor in the order given. Consequences:
+one element is a pure function of ``(seed, step, key, position)``: ``key`` identifies
+the parameter (:func:`parameter_key` of its name, or of its index among the optimizer's
+parameters when it has no name) and ``position`` is the element's index in the flattened
+parameter. Elements are drawn in blocks of :data:`BLOCK`: block ``b`` (elements
+``[b BLOCK, (b + 1) BLOCK)``) is ``torch.randn`` of its size from a generator re-seeded
+with :func:`derive_seed` ``(seed, step, key, b)``. Consequences:
 
 * the whole random state of a chain is two integers, ``seed`` and the step counter, so a
   ``state_dict`` round trip resumes the chain bit for bit, and a state can be saved
   anywhere (the torchopt transforms keep exactly these two numbers in their state, as
   optax's ``AddNoiseState`` keeps a key);
 * an Optimizer and a transform built with one seed draw identical noise;
+* a parameter's noise does not depend on which other parameters have a gradient, how
+  they are grouped, or in what order they are updated; a part of a tensor (a chunk, a
+  shard) needs only the blocks it overlaps;
 * the same seed on every data-parallel rank gives identical noise on every rank, so
-  replicas stay in sync (for sharded parameters, FSDP/ZeRO, give each rank its own seed);
+  replicas stay in sync;
 * nothing is drawn from, or disturbs, torch's global RNG after construction.
 
 Noise on a CUDA device comes from that device's generator (Philox), on the CPU from the
@@ -21,18 +27,18 @@ CPU generator (Mersenne Twister): for one seed the two give different numbers, a
 
 from __future__ import annotations
 
-import functools
+import hashlib
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "BLOCK",
     "NoiseStream",
-    "chunk_bounds",
-    "chunked_draws_match",
+    "block_bounds",
     "derive_seed",
-    "draw_standard_normal",
+    "parameter_key",
     "seed_from_global_rng",
 ]
 
@@ -70,99 +76,99 @@ def seed_from_global_rng() -> int:
     return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
 
 
+#: elements per independently seeded block of noise (also the CPU update's chunk size)
+BLOCK = 2**18
+
+_NAME_DOMAIN = 0x6E616D65  # keeps name keys apart from index keys
+
+
+def parameter_key(identity: str | int) -> int:
+    """The 64-bit key of a parameter's noise: from its name, or from its index.
+
+    Names are hashed with BLAKE2b (stable across processes and Python versions, unlike
+    ``hash``) in a domain of their own; indices are mixed with SplitMix64.
+    """
+    if isinstance(identity, str):
+        digest = hashlib.blake2b(identity.encode(), digest_size=8).digest()
+        return derive_seed(_NAME_DOMAIN, int.from_bytes(digest, "little"))
+    return derive_seed(identity)
+
+
+def block_bounds(numel: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each block of :data:`BLOCK` elements covering ``range(numel)``."""
+    return [(start, min(numel, start + BLOCK)) for start in range(0, numel, BLOCK)]
+
+
 class NoiseStream:
-    """Standard-normal noise indexed by ``(step, stream)``, one generator per device.
+    """Standard-normal noise indexed by ``(step, key, block)``, one generator per device.
 
     Args:
         seed: the chain's seed, an integer in [0, 2**64).
 
-    The generators are scratch space: their state is recomputed from ``seed`` at every
-    draw, so only ``seed`` (and the caller's step counter) needs saving.
+    The generators are scratch space: their state is recomputed from ``seed`` for every
+    block, so only ``seed`` (and the caller's step counter) needs saving.
     """
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def _generator(self, device: torch.device) -> torch.Generator:
+    def generator(
+        self, device: torch.device, *, step: int, key: int, block: int, shard: int | None = None
+    ) -> torch.Generator:
+        """The device's generator seeded for one block.
+
+        The seed is ``derive_seed(seed, step, key, block)``, with ``shard`` appended for
+        one rank's share of a sharded optimizer whose parameters have no names.
+        """
         generator = self._generators.get(device)
         if generator is None:
-            generator = torch.Generator(device=device)
-            self._generators[device] = generator
-        return generator
-
-    def generators(
-        self, like: Sequence[Tensor], *, step: int, stream: int, shard: int | None = None
-    ) -> list[torch.Generator]:
-        """The generator to draw each tensor's noise from, re-seeded for ``(step, stream)``.
-
-        The devices of ``like`` are numbered in order of first appearance; device ``j`` is
-        seeded with ``derive_seed(seed, step, stream, j)``, or ``derive_seed(seed, step,
-        stream, j, shard)`` for one rank's shard of a sharded optimizer. Tensors on one
-        device share its generator, so their noise must be drawn in the order of ``like``.
-        """
-        seeded: dict[torch.device, torch.Generator] = {}
+            generator = self._generators[device] = torch.Generator(device=device)
         shards = () if shard is None else (shard,)
-        for tensor in like:
-            device = tensor.device
-            if device not in seeded:
-                generator = self._generator(device)
-                generator.manual_seed(derive_seed(self.seed, step, stream, len(seeded), *shards))
-                seeded[device] = generator
-        return [seeded[tensor.device] for tensor in like]
+        return generator.manual_seed(derive_seed(self.seed, step, key, block, *shards))
 
-    def standard_normal(self, like: Sequence[Tensor], *, step: int, stream: int) -> list[Tensor]:
-        """Draw ``xi ~ N(0, I)`` shaped like each tensor of ``like``, in order.
+    def draw(self, like: Tensor, *, step: int, key: int, shard: int | None = None) -> Tensor:
+        """The noise of one parameter: ``xi`` shaped like ``like`` (its dtype and device).
+
+        One ``torch.randn`` per block, concatenated; a tensor of at most :data:`BLOCK`
+        elements is one ``torch.randn`` of its shape. Works inside ``torch.func.vmap``
+        (with ``randomness="different"`` each vmapped entry gets its own numbers).
+        """
+        options = {"dtype": like.dtype, "device": like.device}
+        bounds = block_bounds(like.numel())
+        if len(bounds) <= 1:
+            generator = self.generator(like.device, step=step, key=key, block=0, shard=shard)
+            return torch.randn(like.shape, generator=generator, **options)
+        blocks = [
+            torch.randn(
+                stop - start,
+                generator=self.generator(like.device, step=step, key=key, block=b, shard=shard),
+                **options,
+            )
+            for b, (start, stop) in enumerate(bounds)
+        ]
+        return torch.cat(blocks).reshape(like.shape)
+
+    def standard_normal(
+        self,
+        like: Sequence[Tensor],
+        keys: Sequence[int],
+        *,
+        step: int,
+        shard: int | None = None,
+    ) -> list[Tensor]:
+        """Draw ``xi ~ N(0, I)`` for each tensor of ``like``, keyed by ``keys``.
 
         Args:
             like: tensors giving the shape, dtype and device of each draw.
+            keys: each tensor's :func:`parameter_key`.
             step: the step counter (the same step always gives the same noise).
-            stream: an independent stream within the step (the param group index).
+            shard: this rank's index when the ranks update different, unnamed parameters.
 
         Returns:
-            One fresh tensor per entry of ``like`` (see :meth:`generators` for the seeds).
+            One fresh tensor per entry of ``like``.
         """
-        return draw_standard_normal(like, self.generators(like, step=step, stream=stream))
-
-
-def draw_standard_normal(
-    like: Sequence[Tensor], generators: Sequence[torch.Generator]
-) -> list[Tensor]:
-    """One ``torch.randn`` shaped like each tensor, from its generator, in order."""
-    return [
-        torch.randn(t.shape, generator=g, dtype=t.dtype, device=t.device)
-        for t, g in zip(like, generators, strict=True)
-    ]
-
-
-def chunk_bounds(numel: int, size: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` ranges of at most ``size + 15`` elements covering ``range(numel)``.
-
-    A last range shorter than 16 is merged into the one before: drawn this way, chunk by
-    chunk with ``normal_``, a tensor's noise equals one ``torch.randn`` of the whole
-    tensor (torch's CPU kernel fills blocks of 16), which :func:`chunked_draws_match`
-    checks for the running torch.
-    """
-    bounds = [[start, min(numel, start + size)] for start in range(0, numel, size)]
-    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < 16:
-        last = bounds.pop()
-        bounds[-1][1] = last[1]
-    return [(start, stop) for start, stop in bounds]
-
-
-@functools.cache
-def chunked_draws_match(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether chunked ``normal_`` draws equal one ``randn`` here (checked once per kind)."""
-    for numel in (5, 16, 3 * 64 + 5, 3 * 64 + 21, 1000):
-        whole = torch.randn(
-            numel, generator=torch.Generator(device).manual_seed(numel), dtype=dtype, device=device
-        )
-        generator = torch.Generator(device).manual_seed(numel)
-        scratch = torch.empty(64 + 15, dtype=dtype, device=device)
-        parts = [
-            scratch[: stop - start].normal_(generator=generator).clone()
-            for start, stop in chunk_bounds(numel, 64)
+        return [
+            self.draw(tensor, step=step, key=key, shard=shard)
+            for tensor, key in zip(like, keys, strict=True)
         ]
-        if not torch.equal(whole, torch.cat(parts)):
-            return False
-    return True

@@ -1,8 +1,9 @@
 """The CPU chunked update is the whole-tensor update, bit for bit.
 
 On the CPU without foreach, tensors larger than ``CHUNK`` elements are updated chunk by
-chunk (kernel on views, noise drawn into a scratch chunk). These tests shrink ``CHUNK``
-so that small tensors take that path, with chunks whose tails are shorter than 16.
+chunk (kernel on views, each chunk's noise drawn into a scratch chunk from its block's
+generator). These tests shrink ``CHUNK`` and the noise's ``BLOCK`` together so that
+small tensors take that path, with short last chunks.
 """
 
 import itertools
@@ -12,15 +13,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import samplers_as_optim._random as random_module
 import samplers_as_optim.samplers._optimizer as optimizer_module
 from samplers_as_optim import SGHMC, SGLD, SGNHT, transforms
-from samplers_as_optim._random import NoiseStream, chunk_bounds, chunked_draws_match
+from samplers_as_optim._random import NoiseStream, block_bounds
 
 SIZES = [(5,), (64,), (65,), (79,), (80,), (7, 50), (1000,), (3, 4, 17)]
 
 
 def run(cls, chunk, monkeypatch, *, dtype=torch.float32, steps=4, **kwargs):
-    monkeypatch.setattr(optimizer_module, "CHUNK", chunk)
+    monkeypatch.setattr(optimizer_module, "CHUNK", chunk)  # chunked above this size
+    monkeypatch.setattr(random_module, "BLOCK", 32)  # in blocks of 32: the same noise
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(size, dtype=dtype)) for size in SIZES]
     opt = cls(params, num_data=100, foreach=False, seed=3, **kwargs)
@@ -72,6 +75,7 @@ def test_chunked_sghmc_at_zero_temperature_is_sgd(monkeypatch):
 def test_chunked_optimizer_equals_the_transform(monkeypatch):
     """The transform draws whole tensors; the chunked Optimizer draws the same numbers."""
     chunked, _ = run(SGHMC, 32, monkeypatch, lr=0.01, momentum=0.9, steps=3)
+    assert random_module.BLOCK == 32
     torch.manual_seed(0)
     params = [torch.randn(size) for size in SIZES]
     tx = transforms.sghmc(0.01, momentum=0.9, num_data=100, seed=3, foreach=False)
@@ -91,25 +95,27 @@ def test_sgnht_is_never_chunked(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(whole, small, strict=True))
 
 
-@given(st.integers(1, 5000), st.integers(16, 512))
-def test_chunk_bounds_cover_in_order_with_no_tail_shorter_than_16(numel, size):
-    bounds = chunk_bounds(numel, size)
-    assert bounds[0][0] == 0 and bounds[-1][1] == numel
+@given(st.integers(0, 300_000))
+def test_block_bounds_cover_in_order_in_blocks_of_block(numel):
+    bounds = block_bounds(numel)
+    assert [start for start, _ in bounds] == list(range(0, numel, random_module.BLOCK))
     assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
-    assert all(stop - start <= size + 15 for start, stop in bounds)
-    if len(bounds) > 1:
-        assert bounds[-1][1] - bounds[-1][0] >= 16
+    assert all(0 < stop - start <= random_module.BLOCK for start, stop in bounds)
+    assert not bounds or bounds[-1][1] == numel
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
-def test_chunked_draws_equal_whole_draws_on_this_torch(dtype):
-    assert chunked_draws_match(torch.device("cpu"), dtype)
-    like = [torch.empty(4099, dtype=dtype)]
+def test_a_block_drawn_into_a_scratch_view_equals_the_streams_draw(dtype, monkeypatch):
+    """What the chunked path relies on: normal_ on a view of scratch equals randn."""
+    monkeypatch.setattr(random_module, "BLOCK", 64)
+    like = torch.empty(4099, dtype=dtype)
     stream = NoiseStream(9)
-    whole = stream.standard_normal(like, step=2, stream=1)[0]
-    (generator,) = stream.generators(like, step=2, stream=1)
+    whole = stream.draw(like, step=2, key=5)
     scratch = torch.empty(64 + 15, dtype=dtype)
     parts = [
-        scratch[: b - a].normal_(generator=generator).clone() for a, b in chunk_bounds(4099, 64)
+        scratch[: b - a]
+        .normal_(generator=stream.generator(like.device, step=2, key=5, block=i))
+        .clone()
+        for i, (a, b) in enumerate(block_bounds(4099))
     ]
     assert torch.equal(whole, torch.cat(parts))

@@ -36,6 +36,7 @@ from linear_chains import (
 )
 from torch.func import vmap
 
+import samplers_as_optim._random as random_module
 import samplers_as_optim.samplers._optimizer as optimizer_module
 from samplers_as_optim import SGHMC, SGNHT, transforms
 from samplers_as_optim.samplers.sghmc import rescale_momentum
@@ -414,6 +415,7 @@ def test_an_sgd_checkpoint_carries_no_rate_and_is_taken_in_the_current_units():
 def test_the_chunked_cpu_path_rescales_as_the_whole_tensor_path(dtype, monkeypatch):
     lrs = [0.01] * 2 + [0.1] * 2 + [0.003] * 2
     runs = []
+    monkeypatch.setattr(random_module, "BLOCK", 32)  # the noise in blocks of 32
     for chunk in (10**9, 32):
         monkeypatch.setattr(optimizer_module, "CHUNK", chunk)
         params = [torch.nn.Parameter(torch.zeros(size, dtype=dtype)) for size in (7, 1000, 79)]

@@ -3,7 +3,7 @@
 Two optimizers share one seed, one starting state and the same gradients; one runs at
 temperature T, the other at 0 (optax's coupled-key variance test, made exact): their
 difference must be the documented scale times the standard-normal draw that
-``NoiseStream(seed)`` gives for that step.
+``NoiseStream(seed)`` gives for that step and parameter.
 """
 
 import copy
@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from samplers_as_optim import SGHMC, SGLD
-from samplers_as_optim._random import NoiseStream
+from samplers_as_optim._random import NoiseStream, parameter_key
 from samplers_as_optim.samplers import (
     sghmc_direction,
     sghmc_noise_scale,
@@ -28,8 +28,10 @@ from samplers_as_optim.samplers import (
 DTYPE = torch.float64  # the differences are checked to 1e-12, far below float32's rounding
 
 
-def xi(seed, like, step, stream=0):
-    return NoiseStream(seed).standard_normal(like, step=step, stream=stream)
+def xi(seed, like, step, first_index=0):
+    """The noise the optimizer draws for ``like``, its parameters from ``first_index`` on."""
+    keys = [parameter_key(first_index + i) for i in range(len(like))]
+    return NoiseStream(seed).standard_normal(like, keys, step=step)
 
 
 def coupled(cls, temperature, *, seed=3, lr=0.01, num_data=50, **kwargs):

@@ -12,7 +12,7 @@ import torch
 from samplers_under_test import SAMPLERS
 
 from samplers_as_optim import SGHMC, SGLD, SGNHT
-from samplers_as_optim._random import NoiseStream, derive_seed
+from samplers_as_optim._random import NoiseStream, derive_seed, parameter_key
 from samplers_as_optim.samplers import sghmc_direction
 
 
@@ -148,16 +148,19 @@ def test_seed_none_follows_torch_manual_seed_and_steps_leave_the_global_rng_alon
     assert torch.equal(state, torch.get_rng_state())
 
 
-def test_noise_stream_is_a_pure_function_of_seed_step_and_stream():
+def test_noise_stream_is_a_pure_function_of_seed_step_and_key():
     like = [torch.empty(1000), torch.empty(3, 3, dtype=torch.float64)]
-    a = NoiseStream(11).standard_normal(like, step=4, stream=1)
-    b = NoiseStream(11).standard_normal(like, step=4, stream=1)
+    keys = [parameter_key(0), parameter_key("layer.weight")]
+    a = NoiseStream(11).standard_normal(like, keys, step=4)
+    b = NoiseStream(11).standard_normal(like, keys, step=4)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert [t.dtype for t in a] == [torch.float32, torch.float64]
     others = [
-        NoiseStream(11).standard_normal(like, step=5, stream=1)[0],
-        NoiseStream(11).standard_normal(like, step=4, stream=0)[0],
-        NoiseStream(12).standard_normal(like, step=4, stream=1)[0],
+        NoiseStream(11).draw(like[0], step=5, key=keys[0]),
+        NoiseStream(11).draw(like[0], step=4, key=parameter_key(1)),
+        NoiseStream(11).draw(like[0], step=4, key=parameter_key("0")),
+        NoiseStream(12).draw(like[0], step=4, key=keys[0]),
+        NoiseStream(11).draw(like[0], step=4, key=keys[0], shard=1),
     ]
     for other in others:  # independent draws: correlation within 4.5 standard errors of 0
         assert abs(torch.corrcoef(torch.stack([a[0], other]))[0, 1]) < 4.5 / 1000**0.5
@@ -166,8 +169,48 @@ def test_noise_stream_is_a_pure_function_of_seed_step_and_stream():
     )
 
 
+def test_a_parameters_noise_does_not_depend_on_the_others_grads_or_groups():
+    """Keyed by parameter: freezing one parameter or regrouping leaves the others' noise."""
+
+    def noise_after_one_step(groups_of, frozen=()):
+        model = make_model()
+        layers = list(model.parameters())
+        groups = [{"params": [layers[i] for i in group]} for group in groups_of]
+        opt = SGLD(groups, lr=0.01, num_data=100, seed=3)
+        for i, p in enumerate(layers):
+            p.grad = None if i in frozen else torch.zeros_like(p)
+        before = [p.detach().clone() for p in layers]
+        opt.step()
+        return [p.detach() - b for p, b in zip(layers, before, strict=True)]
+
+    reference = noise_after_one_step([[0, 1, 2, 3]])
+    frozen = noise_after_one_step([[0, 1, 2, 3]], frozen=(0,))
+    regrouped = noise_after_one_step([[0, 1], [2, 3]])
+    assert torch.equal(frozen[0], torch.zeros_like(frozen[0]))
+    for i in (1, 2, 3):
+        assert torch.equal(frozen[i], reference[i]) and torch.equal(regrouped[i], reference[i])
+
+
+def test_named_parameters_key_the_noise_by_name():
+    """Given names, a parameter's noise follows its name, not its position."""
+    model = make_model()
+    named = list(model.named_parameters())
+    forward = SGLD(named, lr=0.01, num_data=100, seed=3)
+    backward = SGLD(named[::-1], lr=0.01, num_data=100, seed=3)
+    start = [p.detach().clone() for _, p in named]
+    after = []
+    for opt in (forward, backward):
+        with torch.no_grad():
+            for (_, p), value in zip(named, start, strict=True):
+                p.copy_(value)
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        after.append([p.detach().clone() for _, p in named])
+    assert all(torch.equal(a, b) for a, b in zip(*after, strict=True))
+
+
 # ---------------------------------------------------------------- param groups
-def test_each_param_group_uses_its_own_hyperparameters_and_noise_stream():
+def test_each_param_group_uses_its_own_hyperparameters():
     model = make_model()
     groups = [
         {"params": model[0].parameters(), "lr": 0.02, "temperature": 0.5, "momentum": 0.5},
@@ -179,7 +222,9 @@ def test_each_param_group_uses_its_own_hyperparameters_and_noise_stream():
     expected = []
     for index, group in enumerate(opt.param_groups):
         params = list(group["params"])
-        noise = NoiseStream(8).standard_normal(params, step=0, stream=index)
+        first = sum(len(g["params"]) for g in opt.param_groups[:index])
+        keys = [parameter_key(first + i) for i in range(len(params))]
+        noise = NoiseStream(8).standard_normal(params, keys, step=0)
         directions, _ = sghmc_direction(
             params,
             [p.grad for p in params],

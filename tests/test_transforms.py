@@ -393,9 +393,10 @@ def test_functional_loop_with_torch_func_grad_in_place_and_not(device, case):
             params = torchopt.apply_updates(params, updates, inplace=inplace)
         runs.append(params)
     assert_trees_equal(runs[0], runs[1])
-    # the Optimizer over the same tensors (the leaves of a dict come in sorted key order)
+    # the Optimizer over the same tensors, by the same names (a dict's leaves are keyed
+    # by name, as named parameters are)
     tensors = [torch.nn.Parameter(start[key].clone()) for key in sorted(start)]
-    reference = case.cls(tensors, lr=1e-2, **hyper)
+    reference = case.cls(list(zip(sorted(start), tensors, strict=True)), lr=1e-2, **hyper)
     for inputs, targets in zip(x, y, strict=True):
         reference.zero_grad()
         loss(dict(zip(sorted(start), tensors, strict=True)), inputs, targets).backward()

@@ -26,14 +26,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .. import _random
 from .._distributed import agree_across_ranks
-from .._random import (
-    NoiseStream,
-    chunk_bounds,
-    chunked_draws_match,
-    draw_standard_normal,
-    seed_from_global_rng,
-)
+from .._random import NoiseStream, block_bounds, parameter_key, seed_from_global_rng
 from .._validation import (
     check_bool,
     check_foreach,
@@ -55,8 +50,9 @@ _CHAIN_KEYS = ("seed", "step")
 #: param-group entries that only a sampler (not torch.optim.SGD) writes
 _SAMPLER_ONLY_KEYS = ("num_data", "temperature")
 
-#: Tensors with more elements than this are updated in chunks of this size on the CPU.
-CHUNK = 2**17
+#: Tensors with more elements than this are updated chunk by chunk on the CPU, in the
+#: noise's blocks (``_random.BLOCK`` elements), so that a chunk draws exactly its block.
+CHUNK = _random.BLOCK
 
 
 def _at_group(index: int) -> str:
@@ -116,6 +112,7 @@ class SamplerOptimizer(Optimizer):
     def _reset_runtime(self, *, seed_given: bool) -> None:
         """Create what is not part of the chain's state: generator caches, rank agreement."""
         self._streams: dict[int, NoiseStream] = {}
+        self._keys: dict[int, int] | None = None
         self._seed_given = seed_given
         self._agreed = False
         self._shard: int | None = None
@@ -147,6 +144,24 @@ class SamplerOptimizer(Optimizer):
             self.check_hyperparameters(candidate, where=where)
             self._check_chain_state(candidate, where=where)
         super().add_param_group(param_group)
+        self._keys = None
+
+    def _noise_keys(self, params: list[Tensor]) -> list[int]:
+        """Each parameter's noise key (see ``samplers_as_optim._random``).
+
+        From its name where the optimizer was given names (``named_parameters()``),
+        else from its index among all the optimizer's parameters, in group order.
+        """
+        if self._keys is None:
+            self._keys = {}
+            index = 0
+            for group in self.param_groups:
+                names = group.get("param_names")
+                for position, param in enumerate(group["params"]):
+                    identity = names[position] if names else index
+                    self._keys[id(param)] = parameter_key(identity)
+                    index += 1
+        return [self._keys[id(param)] for param in params]
 
     @staticmethod
     def _check_chain_state(group: dict[str, Any], *, where: str) -> None:
@@ -329,16 +344,27 @@ class SamplerOptimizer(Optimizer):
         if fields:  # state in lr's units follows a change of lr (DESIGN §1)
             self._reexpress_state(group, states, lr=lr, temperature=temperature, foreach=foreach)
         buffers = [[state.get(name) for state in states] for name in fields]
-        generators = None
+        noise_of = None
         if temperature > 0:
-            generators = self._stream(group["seed"]).generators(
-                params, step=group["step"], stream=index, shard=self._shard
+            stream, keys, step = (
+                self._stream(group["seed"]),
+                self._noise_keys(params),
+                group["step"],
             )
+
+            def noise_of(i: int, block: int | None = None) -> Tensor | torch.Generator:
+                """Parameter i's noise, or the generator of one of its blocks."""
+                if block is None:
+                    return stream.draw(params[i], step=step, key=keys[i], shard=self._shard)
+                return stream.generator(
+                    params[i].device, step=step, key=keys[i], block=block, shard=self._shard
+                )
+
         kwargs = {"lr": lr, "temperature": temperature}
-        if not foreach and self._chunkable(params, grads, buffers, temperature):
-            self._update_in_chunks(group, params, grads, buffers, generators, **kwargs)
+        if not foreach and self._chunkable(params, grads, buffers):
+            self._update_in_chunks(group, params, grads, buffers, noise_of, **kwargs)
             return
-        noise = None if generators is None else draw_standard_normal(params, generators)
+        noise = None if noise_of is None else [noise_of(i) for i in range(len(params))]
         directions, new_buffers = self._kernel(
             group, params, grads, buffers, noise, foreach=foreach, **kwargs
         )
@@ -352,16 +378,12 @@ class SamplerOptimizer(Optimizer):
         params: list[Tensor],
         grads: list[Tensor],
         buffers: list[list[Tensor | None]],
-        temperature: float,
     ) -> bool:
         if not self.chunked_kernel or not any(p.numel() > CHUNK for p in params):
             return False
         tensors = [*params, *grads, *(b for field in buffers for b in field)]
-        if any(t is None or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
-            return False  # e.g. SGHMC's first step, whose buffers the kernel creates
-        return temperature == 0 or all(
-            chunked_draws_match(p.device, p.dtype) for p in params if p.numel() > CHUNK
-        )
+        # not e.g. SGHMC's first step, whose buffers the kernel creates
+        return all(t is not None and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
     def _update_in_chunks(
         self,
@@ -369,12 +391,17 @@ class SamplerOptimizer(Optimizer):
         params: list[Tensor],
         grads: list[Tensor],
         buffers: list[list[Tensor]],
-        generators: list[torch.Generator] | None,
+        noise_of: Callable[..., Any] | None,
         *,
         lr: float,
         temperature: float,
     ) -> None:
-        """``_update_group`` for CPU tensors, large ones chunk by chunk (buffers in place)."""
+        """``_update_group`` for CPU tensors, large ones chunk by chunk (buffers in place).
+
+        A chunk is a block of the noise (:data:`~samplers_as_optim._random.BLOCK`), drawn
+        with ``normal_`` into a scratch tensor from the block's own generator: the numbers
+        of ``NoiseStream.draw``, which draws each block with ``torch.randn``.
+        """
 
         def update(ps, gs, bs, noise):
             directions, _ = self._kernel(
@@ -389,11 +416,7 @@ class SamplerOptimizer(Optimizer):
 
         def flush():
             if small:
-                noise = None
-                if generators is not None:
-                    noise = draw_standard_normal(
-                        [params[i] for i in small], [generators[i] for i in small]
-                    )
+                noise = None if noise_of is None else [noise_of(i) for i in small]
                 bs = [[field[i] for i in small] for field in buffers]
                 update([params[i] for i in small], [grads[i] for i in small], bs, noise)
                 small.clear()
@@ -404,13 +427,14 @@ class SamplerOptimizer(Optimizer):
                 small.append(i)
                 continue
             flush()
-            key = (param.device, param.dtype)
-            if key not in scratch:
-                scratch[key] = param.new_empty(CHUNK + 15)
-            for start, stop in chunk_bounds(param.numel(), CHUNK):
+            kind = (param.device, param.dtype)
+            if kind not in scratch:
+                scratch[kind] = param.new_empty(_random.BLOCK)
+            for block, (start, stop) in enumerate(block_bounds(param.numel())):
                 noise = None
-                if generators is not None:
-                    noise = [scratch[key][: stop - start].normal_(generator=generators[i])]
+                if noise_of is not None:
+                    generator = noise_of(i, block)
+                    noise = [scratch[kind][: stop - start].normal_(generator=generator)]
                 update(
                     [flat(param, start, stop)],
                     [flat(grads[i], start, stop)],

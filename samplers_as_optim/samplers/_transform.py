@@ -11,8 +11,9 @@ the refusal of non-finite gradients, drawing the noise, and the final scaling by
 
 The state holds the chain's whole random state, ``seed`` and the step counter ``count``,
 as Python integers next to the buffers (as optax's ``AddNoiseState`` holds a key): the
-noise of step ``count`` is ``NoiseStream(seed).standard_normal(updates, step=count,
-stream=0)``, the draw a one-group Optimizer with that seed makes at the same step. So
+noise of a leaf at step ``count`` is ``NoiseStream(seed).draw(leaf, step=count,
+key=k)`` with the leaf's key ``k`` from :func:`leaf_noise_keys`, the draw an Optimizer
+with that seed makes for the same parameter at the same step. So
 ``update`` is a pure function of ``(updates, state, params)``; nothing lives in a closure
 but the hyperparameters.
 
@@ -25,6 +26,7 @@ multiply-add, which can differ from the two roundings by one unit in the last pl
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -33,7 +35,7 @@ from torch import Tensor
 from torchopt import pytree
 from torchopt.base import GradientTransformation
 
-from .._random import NoiseStream, seed_from_global_rng
+from .._random import NoiseStream, parameter_key, seed_from_global_rng
 from .._validation import check_seed
 from ._common import buckets, default_foreach, may_be_non_finite
 from ._optimizer import SamplerOptimizer
@@ -43,6 +45,7 @@ __all__ = [
     "KernelOutput",
     "ScalarOrSchedule",
     "chain_dims",
+    "leaf_noise_keys",
     "pick",
     "sampler_transformation",
 ]
@@ -50,6 +53,23 @@ __all__ = [
 #: A hyperparameter given as a number, or as a schedule: a callable of the step count
 #: (a Python int, starting at 0) returning a number, as torchopt's ``ScalarOrSchedule``.
 ScalarOrSchedule = float | Tensor | Callable[[int], Any]
+
+
+@functools.lru_cache(maxsize=64)
+def leaf_noise_keys(treespec: Any) -> tuple[int, ...]:
+    """The noise key of each leaf of a params tree, the key an Optimizer gives it.
+
+    A leaf whose path holds a string (a dict such as ``dict(model.named_parameters())``
+    or a nested one) is keyed by its name, the path joined with dots (``"0.weight"``), as
+    an Optimizer given ``named_parameters()`` keys it; a leaf of a list or tuple, or a
+    single tensor, by its index among the leaves, as an Optimizer given unnamed
+    parameters keys it.
+    """
+    keys = []
+    for index, path in enumerate(pytree.treespec_paths(treespec)):
+        named = any(isinstance(part, str) for part in path)
+        keys.append(parameter_key(".".join(map(str, path)) if named else index))
+    return tuple(keys)
 
 
 class KernelInput(NamedTuple):
@@ -262,7 +282,10 @@ def sampler_transformation(
             foreach = default_foreach(grads) and not _in_functorch(grads)
         noise = None
         if temperature > 0:
-            noise = NoiseStream(state.seed).standard_normal(grads, step=count, stream=0)
+            keys = leaf_noise_keys(treespec)
+            noise = NoiseStream(state.seed).standard_normal(
+                grads, [keys[i] for i in active], step=count
+            )
         fields = state[:-2]
         directions, new_fields = kernel(
             {**values, "count": count, "inplace": inplace, "foreach": foreach},

@@ -594,7 +594,10 @@ sghmc.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo as a torchopt t
         tensor([-0.1740, -0.2320])
 
     Note:
-        With one seed, the chain is :class:`SGHMC`'s (one param group) bit for bit. At
+        With one seed, the chain is :class:`SGHMC`'s bit for bit, leaf by parameter:
+        a list of tensors matches an optimizer given the same tensors in order, a dict
+        (``dict(model.named_parameters())``) one given ``model.named_parameters()``
+        (the noise is keyed by index, or by name). At
         ``temperature=0`` the update is ``torchopt.sgd(lr, momentum, ...)``'s bit for bit;
         it equals ``torch.optim.SGD``'s step up to one rounding, because
         ``torch.optim.SGD`` adds :math:`-lr\, b` in one fused multiply-add.

@@ -335,7 +335,10 @@ sgld.__doc__ = rf"""Stochastic gradient Langevin dynamics as a torchopt gradient
         True
 
     Note:
-        With one seed, the chain is :class:`SGLD`'s (one param group) bit for bit. At
+        With one seed, the chain is :class:`SGLD`'s bit for bit, leaf by parameter:
+        a list of tensors matches an optimizer given the same tensors in order, a dict
+        (``dict(model.named_parameters())``) one given ``model.named_parameters()``
+        (the noise is keyed by index, or by name). At
         ``temperature=0`` the update is ``torchopt.sgd``'s bit for bit; it equals
         ``torch.optim.SGD``'s step up to one rounding, because ``torch.optim.SGD`` adds
         :math:`-lr\, g'` in one fused multiply-add.

@@ -505,7 +505,10 @@ sgnht.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat as a torchopt 
         1
 
     Note:
-        With one seed, the chain is :class:`SGNHT`'s (one param group) bit for bit.
+        With one seed, the chain is :class:`SGNHT`'s bit for bit, leaf by parameter:
+        a list of tensors matches an optimizer given the same tensors in order, a dict
+        (``dict(model.named_parameters())``) one given ``model.named_parameters()``
+        (the noise is keyed by index, or by name).
 
     References:
         Ding, N., Fang, Y., Babbush, R., Chen, C., Skeel, R. D. & Neven, H. (2014).
