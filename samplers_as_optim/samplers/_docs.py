@@ -48,3 +48,9 @@ fused_doc = r"""fused: accepted for compatibility with ``torch.optim.SGD``; only
 seed_doc = r"""seed: seed of the chain's noise (default: None: drawn from torch's global RNG
             at construction, so ``torch.manual_seed`` governs a run; an integer in
             [0, 2**64)). The same seed on every data-parallel rank keeps replicas in sync."""
+
+overlap_noise_doc = r"""overlap_noise: draw the next step's noise on a worker thread right after
+            each step, so that it overlaps the forward and backward passes (default:
+            True). The numbers are the same either way; it costs one parameter-sized
+            buffer for the CPU parameters at temperature > 0 (CUDA parameters draw in
+            the step)."""

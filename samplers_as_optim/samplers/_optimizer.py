@@ -40,6 +40,7 @@ from .._validation import (
     check_temperature,
 )
 from ._common import apply_step_, default_foreach, may_be_non_finite
+from ._prefetch import NoisePrefetcher, NoiseRequest
 
 __all__ = ["SamplerOptimizer"]
 
@@ -100,6 +101,7 @@ class SamplerOptimizer(Optimizer):
         defaults = {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
         params = defaults.pop("params")
         seed = check_seed(defaults.pop("seed"))
+        self._overlap_noise = check_bool("overlap_noise", defaults.pop("overlap_noise"))
         check_sgd_only_flags(defaults.pop("differentiable"), defaults.pop("fused"))
         self.check_hyperparameters(defaults, where="")
         for name in self.signature_only_arguments:
@@ -113,9 +115,14 @@ class SamplerOptimizer(Optimizer):
         """Create what is not part of the chain's state: generator caches, rank agreement."""
         self._streams: dict[int, NoiseStream] = {}
         self._keys: dict[int, int] | None = None
+        self._prefetcher = NoisePrefetcher() if self._overlap_noise else None
         self._seed_given = seed_given
         self._agreed = False
         self._shard: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer``'s state (the whole chain) plus ``overlap_noise``."""
+        return {**super().__getstate__(), "_overlap_noise": self._overlap_noise}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore a pickled or deep-copied optimizer: the same chain continues.
@@ -124,6 +131,7 @@ class SamplerOptimizer(Optimizer):
         ``param_groups``, which hold the whole chain (the seeds and step counters are in
         the param groups); the generator caches are rebuilt here.
         """
+        state.setdefault("_overlap_noise", True)
         super().__setstate__(state)
         self._reset_runtime(seed_given=True)
 
@@ -283,6 +291,8 @@ class SamplerOptimizer(Optimizer):
             _check_representable(group, params, where=_at_group(index))
             gathered.append((index, group, params, grads))
         self._refuse_non_finite(gathered)
+        if self._prefetcher is not None:
+            self._prefetcher.wait()
         for index, group, params, grads in gathered:
             if not params:
                 continue
@@ -293,7 +303,23 @@ class SamplerOptimizer(Optimizer):
             self._update_group(index, group, params, grads, lr=lr, temperature=temperature)
         for group in self.param_groups:
             group["step"] += 1
+        if self._prefetcher is not None:
+            self._prefetcher.submit(self._next_noise_requests())
         return loss
+
+    def _next_noise_requests(self) -> list[NoiseRequest]:
+        """The next step's draws to prefetch: CPU parameters of groups at T > 0."""
+        requests = []
+        for group in self.param_groups:
+            if not (float(group["temperature"]) > 0 and float(group["lr"]) > 0):
+                continue
+            params = list(group["params"])
+            for param, key in zip(params, self._noise_keys(params), strict=True):
+                if param.requires_grad and param.device.type == "cpu":
+                    requests.append(
+                        NoiseRequest(param, group["seed"], group["step"], key, self._shard)
+                    )
+        return requests
 
     def _agree_across_ranks(self) -> None:
         """Under ``torch.distributed``, agree on the seeds once (see ``_distributed``)."""
@@ -346,25 +372,13 @@ class SamplerOptimizer(Optimizer):
         buffers = [[state.get(name) for state in states] for name in fields]
         noise_of = None
         if temperature > 0:
-            stream, keys, step = (
-                self._stream(group["seed"]),
-                self._noise_keys(params),
-                group["step"],
-            )
-
-            def noise_of(i: int, block: int | None = None) -> Tensor | torch.Generator:
-                """Parameter i's noise, or the generator of one of its blocks."""
-                if block is None:
-                    return stream.draw(params[i], step=step, key=keys[i], shard=self._shard)
-                return stream.generator(
-                    params[i].device, step=step, key=keys[i], block=block, shard=self._shard
-                )
+            noise_of = _GroupNoise(self, group, params)
 
         kwargs = {"lr": lr, "temperature": temperature}
         if not foreach and self._chunkable(params, grads, buffers):
             self._update_in_chunks(group, params, grads, buffers, noise_of, **kwargs)
             return
-        noise = None if noise_of is None else [noise_of(i) for i in range(len(params))]
+        noise = None if noise_of is None else [noise_of.whole(i) for i in range(len(params))]
         directions, new_buffers = self._kernel(
             group, params, grads, buffers, noise, foreach=foreach, **kwargs
         )
@@ -391,16 +405,17 @@ class SamplerOptimizer(Optimizer):
         params: list[Tensor],
         grads: list[Tensor],
         buffers: list[list[Tensor]],
-        noise_of: Callable[..., Any] | None,
+        noise_of: _GroupNoise | None,
         *,
         lr: float,
         temperature: float,
     ) -> None:
         """``_update_group`` for CPU tensors, large ones chunk by chunk (buffers in place).
 
-        A chunk is a block of the noise (:data:`~samplers_as_optim._random.BLOCK`), drawn
-        with ``normal_`` into a scratch tensor from the block's own generator: the numbers
-        of ``NoiseStream.draw``, which draws each block with ``torch.randn``.
+        A chunk is a block of the noise (:data:`~samplers_as_optim._random.BLOCK`): a
+        view of the prefetched noise, or drawn with ``normal_`` into a scratch tensor from
+        the block's own generator: the numbers of ``NoiseStream.draw``, which draws each
+        block with ``torch.randn``.
         """
 
         def update(ps, gs, bs, noise):
@@ -416,7 +431,7 @@ class SamplerOptimizer(Optimizer):
 
         def flush():
             if small:
-                noise = None if noise_of is None else [noise_of(i) for i in small]
+                noise = None if noise_of is None else [noise_of.whole(i) for i in small]
                 bs = [[field[i] for i in small] for field in buffers]
                 update([params[i] for i in small], [grads[i] for i in small], bs, noise)
                 small.clear()
@@ -433,8 +448,7 @@ class SamplerOptimizer(Optimizer):
             for block, (start, stop) in enumerate(block_bounds(param.numel())):
                 noise = None
                 if noise_of is not None:
-                    generator = noise_of(i, block)
-                    noise = [scratch[kind][: stop - start].normal_(generator=generator)]
+                    noise = [noise_of.block(i, block, start, stop, scratch[kind])]
                 update(
                     [flat(param, start, stop)],
                     [flat(grads[i], start, stop)],
@@ -610,3 +624,40 @@ def _refuse_non_finite_state(saved_state: dict[Any, Any]) -> None:
                     "infinity (expected finite buffers: they would reach the parameters at "
                     "the next step)"
                 )
+
+
+class _GroupNoise:
+    """The noise of one param group's step: prefetched where it was, drawn otherwise."""
+
+    def __init__(self, optimizer: SamplerOptimizer, group: dict[str, Any], params: list[Tensor]):
+        self.params = params
+        self.stream = optimizer._stream(group["seed"])
+        self.keys = optimizer._noise_keys(params)
+        self.step = group["step"]
+        self.shard = optimizer._shard
+        self.prefetched: list[Tensor | None] = [None] * len(params)
+        if optimizer._prefetcher is not None:
+            self.prefetched = [
+                optimizer._prefetcher.take(
+                    NoiseRequest(param, group["seed"], self.step, key, self.shard)
+                )
+                for param, key in zip(params, self.keys, strict=True)
+            ]
+
+    def whole(self, i: int) -> Tensor:
+        """Parameter i's noise, shaped like it."""
+        prefetched = self.prefetched[i]
+        if prefetched is not None:
+            return prefetched
+        return self.stream.draw(self.params[i], step=self.step, key=self.keys[i], shard=self.shard)
+
+    def block(self, i: int, block: int, start: int, stop: int, scratch: Tensor) -> Tensor:
+        """Elements ``[start, stop)`` of parameter i's noise (its block ``block``)."""
+        prefetched = self.prefetched[i]
+        if prefetched is not None:
+            return prefetched.view(-1)[start:stop]
+        param = self.params[i]
+        generator = self.stream.generator(
+            param.device, step=self.step, key=self.keys[i], block=block, shard=self.shard
+        )
+        return scratch[: stop - start].normal_(generator=generator)

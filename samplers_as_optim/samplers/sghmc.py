@@ -333,6 +333,7 @@ class SGHMC(SamplerOptimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         seed: int | None = None,
+        overlap_noise: bool = True,
     ) -> None:
         super().__init__(locals())
 
@@ -439,6 +440,7 @@ SGHMC.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo, a drop-in for 
         {_docs.differentiable_doc}
         {_docs.fused_doc}
         {_docs.seed_doc}
+        {_docs.overlap_noise_doc}
 
     Example:
         >>> import torch

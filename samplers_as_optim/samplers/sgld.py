@@ -144,6 +144,7 @@ class SGLD(SamplerOptimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         seed: int | None = None,
+        overlap_noise: bool = True,
     ) -> None:
         super().__init__(locals())
 
@@ -225,6 +226,7 @@ SGLD.__doc__ = rf"""Stochastic gradient Langevin dynamics, a drop-in for ``torch
         {_docs.differentiable_doc}
         {_docs.fused_doc}
         {_docs.seed_doc}
+        {_docs.overlap_noise_doc}
 
     Example:
         >>> import torch

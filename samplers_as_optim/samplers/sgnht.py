@@ -249,6 +249,7 @@ class SGNHT(SamplerOptimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         seed: int | None = None,
+        overlap_noise: bool = True,
     ) -> None:
         super().__init__(locals())
 
@@ -355,6 +356,7 @@ SGNHT.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat, a drop-in for
         {_docs.differentiable_doc}
         {_docs.fused_doc}
         {_docs.seed_doc}
+        {_docs.overlap_noise_doc}
 
     Example:
         >>> import torch
