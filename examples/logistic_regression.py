@@ -327,7 +327,9 @@ def run_vi(
     num_data = len(x)
     torch.manual_seed(seed)
     # prior_std=None: the Pyro log joint already holds the prior, stated once, in the model
-    vi = family(PyroLogJoint(model, x, y), num_data=num_data, prior_std=None, init_std=0.1)
+    vi = family(
+        PyroLogJoint(model, x, y), num_data=num_data, prior_std=None, init_std=0.1, stl=True
+    )
     optimizer = torch.optim.Adam(vi.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     generator = torch.Generator().manual_seed(seed)
