@@ -58,7 +58,8 @@ it and start again).
     for step in range(collector.total_steps):
         if step % 100 == 0:                         # step 0 included
             checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                          "collector": collector.state_dict(), "step": step}
+                          "collector": collector.state_dict(), "step": step,
+                          "rng": torch.get_rng_state()}   # dropout, shuffling
             torch.save(checkpoint, "checkpoint.pt.tmp")
             os.replace("checkpoint.pt.tmp", "checkpoint.pt")    # atomic
         ...  # one training step, then collector.step()
@@ -67,6 +68,7 @@ it and start again).
     checkpoint = torch.load("checkpoint.pt")
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
+    torch.set_rng_state(checkpoint["rng"])
     collector = SampleCollector.load("samples", model)
     collector.load_state_dict(checkpoint["collector"])   # rewinds the store
     # continue the loop from checkpoint["step"]
@@ -82,6 +84,7 @@ import json
 import mmap
 import os
 import uuid
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -334,7 +337,9 @@ class SampleCollector:
         """Count one optimizer step; record the source's state if the schedule keeps it.
 
         Call it once after every ``optimizer.step()``. Steps after the collector is full
-        are counted and ignored.
+        are counted and ignored, with a warning the first time (a schedule that ends
+        early, e.g. ``thin=1`` over a long run, usually means samples from its start
+        only).
 
         Returns:
             Whether a sample was recorded.
@@ -344,7 +349,18 @@ class SampleCollector:
                 the checkpoint's state by :meth:`load_state_dict` yet.
         """
         self._require_position()
-        if not self._schedule.advance() or self.full:
+        if not self._schedule.advance():
+            return False
+        if self.full:
+            if not getattr(self, "_warned_full", False):
+                self._warned_full = True
+                warnings.warn(
+                    f"SampleCollector is full: it holds num_samples={self.num_samples} "
+                    f"samples, taken by step {self.total_steps} (burn_in={self.burn_in}, "
+                    f"thin={self.thin}); step {self.steps} and later are not recorded. To "
+                    "spread the samples over a longer run, raise thin or burn_in.",
+                    stacklevel=2,
+                )
             return False
         self.record()
         return True

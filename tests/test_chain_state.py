@@ -182,6 +182,34 @@ def test_a_loaded_invalid_momentum_rate_is_refused(bad):
         opt.load_state_dict(state)
 
 
+@pytest.mark.parametrize("source", ["sgd", "sghmc"])
+def test_an_sgd_or_sghmc_checkpoint_loads_into_sgnht_with_a_fresh_thermostat(source):
+    param = torch.nn.Parameter(torch.randn(10))
+    if source == "sgd":
+        before = torch.optim.SGD([param], lr=1e-2, momentum=0.9)
+    else:
+        before = SGHMC([param], lr=1e-2, momentum=0.9, num_data=100, seed=1)
+    for _ in range(3):
+        before.zero_grad()
+        param.pow(2).sum().backward()
+        before.step()
+    buffer = before.state[param]["momentum_buffer"].clone()
+    twin = torch.nn.Parameter(param.detach().clone())
+    after = SGNHT([param], lr=1e-2, momentum=0.9, num_data=100, seed=1)
+    after.load_state_dict(copy.deepcopy(before.state_dict()))
+    # what it must equal: SGNHT with the loaded buffer and a fresh thermostat 1 - momentum
+    expected = SGNHT([twin], lr=1e-2, momentum=0.9, num_data=100, seed=1)
+    expected.param_groups[0]["step"] = after.param_groups[0]["step"]
+    expected.state[twin] = {"momentum_buffer": buffer.clone(), "thermostat": torch.tensor(0.1)}
+    for p, opt in ((param, after), (twin, expected)):
+        opt.zero_grad()
+        p.pow(2).sum().backward()
+        opt.step()  # failed with "sub(): argument 'other' ... must be Tensor, not NoneType"
+    assert after.state[param]["thermostat"].dtype == torch.float32
+    assert torch.equal(param, twin)
+    assert torch.equal(after.state[param]["thermostat"], expected.state[twin]["thermostat"])
+
+
 # ---------------------------------------------------------------- all or nothing
 @pytest.mark.parametrize("cls", [SGHMC, SGNHT])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -16,6 +16,7 @@ every index field) is an error naming the file and the field; every error messag
 
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -48,6 +49,7 @@ def run(collector, chain, steps):
     return kept
 
 
+@pytest.mark.filterwarnings("ignore:SampleCollector is full")  # it steps past full on purpose
 @pytest.mark.parametrize(("burn_in", "thin"), [(0, 1), (3, 1), (5, 2), (0, 4)])
 def test_schedule_keeps_steps_after_burn_in_every_thin(burn_in, thin):
     chain = Counter()
@@ -146,6 +148,7 @@ def test_ensembles_give_one_sample_per_member_and_step():
     assert_close(out[-4:], ensemble(x))  # the last sample is the current ensemble
 
 
+@pytest.mark.filterwarnings("ignore:SampleCollector is full")
 def test_streaming_to_disk_survives_the_collector_and_resumes_from_a_checkpoint(tmp_path):
     chain = Counter((3, 2))
     path = tmp_path / "chain"
@@ -273,6 +276,7 @@ def test_running_moments_per_member_and_resume():
     assert "count=6" in repr(moments)
 
 
+@pytest.mark.filterwarnings("ignore:SampleCollector is full")
 def test_error_messages(tmp_path):
     state = {"x": torch.zeros(2)}
     with pytest.raises(ValueError, match=r"Invalid num_samples: 0 \(expected an integer >= 1\)"):
@@ -578,3 +582,20 @@ def test_a_store_state_flushes_the_samples_and_resumes_only_its_own_store(tmp_pa
     assert SampleCollector.load(tmp_path / "a").count == 1
     resumed.record()
     assert SampleCollector.load(tmp_path / "a").count == 2
+
+
+def test_stepping_a_full_collector_warns_once():
+    model = torch.nn.Linear(2, 1)
+    collector = SampleCollector(model, num_samples=2, burn_in=1)
+    for _ in range(3):
+        collector.step()
+    assert collector.full
+    with pytest.warns(
+        UserWarning,
+        match=r"SampleCollector is full: it holds num_samples=2 samples, taken by step 3 "
+        r"\(burn_in=1, thin=1\); step 4 and later are not recorded",
+    ):
+        collector.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert collector.step() is False  # only once

@@ -365,7 +365,7 @@ class SamplerOptimizer(Optimizer):
         fields = self._state_fields(group)
         states = [self.state[p] for p in params] if fields else []
         for param, state in zip(params if fields else [], states, strict=True):
-            if not state:
+            if not all(name in state for name in fields):  # new, or loaded from another kind
                 self._init_state(group, param, state)
         if fields:  # state in lr's units follows a change of lr (DESIGN §1)
             self._reexpress_state(group, states, lr=lr, temperature=temperature, foreach=foreach)
@@ -466,7 +466,11 @@ class SamplerOptimizer(Optimizer):
         return ()
 
     def _init_state(self, group: dict[str, Any], param: Tensor, state: dict[str, Any]) -> None:
-        """Create a parameter's state before its first step (default: the kernel does)."""
+        """Create what a parameter's state lacks before a step (default: the kernel does).
+
+        Called before its first step, and when a loaded state lacks a field (an SGD or
+        SGHMC checkpoint loaded into SGNHT has no thermostat): keep what is there.
+        """
 
     def _reexpress_state(
         self,

@@ -283,9 +283,11 @@ class SGNHT(SamplerOptimizer):
         rescale_momentum_state(states, lr=lr, temperature=temperature, foreach=foreach)
 
     def _init_state(self, group: dict[str, Any], param: Tensor, state: dict[str, Any]) -> None:
-        state["momentum_buffer"], state["thermostat"] = sgnht_initial_state(
-            param, group["momentum"]
-        )
+        # A state loaded from torch.optim.SGD or SGHMC has a momentum buffer but no
+        # thermostat: keep the buffer (the chain's momentum) and start the thermostat.
+        buffer, thermostat = sgnht_initial_state(param, group["momentum"])
+        state.setdefault("momentum_buffer", buffer)
+        state.setdefault("thermostat", thermostat)
 
     def _kernel(
         self,
