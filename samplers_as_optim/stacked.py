@@ -191,13 +191,15 @@ def _tensor_slots(module: nn.Module) -> dict[str, tuple[Tensor, list[_Slot]]]:
     return {name: (tensor, slots_by_tensor[id(tensor)]) for name, tensor in named.items()}
 
 
-def _bind(module: nn.Module, names: Sequence[str]) -> list[tuple[dict, str, str]]:
+def _bind(module: nn.Module, stacked: Mapping[str, Tensor]) -> list[tuple[dict, str, str]]:
     """Where each stacked name goes in ``module``: a list of (table, key, name).
 
     Raises:
         KeyError: a name is not a parameter or buffer of ``module``.
-        ValueError: two names given are tied (the same tensor), which is ambiguous.
+        ValueError: two names given are tied (the same tensor), which is ambiguous, or an
+            entry's shape is not ``[S, *shape of the module's tensor]``.
     """
+    names = list(stacked)
     slots = _tensor_slots(module)
     unknown = [name for name in names if name not in slots]
     if unknown:
@@ -215,6 +217,12 @@ def _bind(module: nn.Module, names: Sequence[str]) -> list[tuple[dict, str, str]
                 f"same (tied) tensor of {type(module).__name__} (expected one of them)"
             )
         seen[id(tensor)] = name
+        if stacked[name].shape[1:] != tensor.shape:
+            raise ValueError(
+                f"Invalid stacked parameters: {name!r} has shape {tuple(stacked[name].shape)} "
+                f"(expected [S, {', '.join(map(str, tensor.shape))}]: a leading sample "
+                f"dimension before the module's shape {tuple(tensor.shape)})"
+            )
         bound.extend((table, key, name) for table, key in tensor_slots)
     return bound
 
@@ -349,7 +357,7 @@ def call_stacked(
     chunk_size = check_chunk_size(chunk_size)
     check_choice("randomness", randomness, RANDOMNESS)
     check_bool("per_sample_inputs", per_sample_inputs)
-    bound = _bind(module, list(stacked))
+    bound = _bind(module, stacked)
     if per_sample_inputs:
         _check_per_sample_inputs(args, size)
     return _vmapped_call(

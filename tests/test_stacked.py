@@ -227,3 +227,13 @@ def test_error_messages(members, device):
         call_stacked(module, stacked, x, randomness="sometimes")
     with pytest.raises(TypeError, match=r"Invalid per_sample_inputs: 1 \(expected True or"):
         call_stacked(module, stacked, x, per_sample_inputs=1)
+
+
+def test_an_entry_without_its_sample_dimension_is_an_error_naming_it():
+    model = torch.nn.Linear(4, 3)
+    with pytest.raises(
+        ValueError,
+        match=r"Invalid stacked parameters: 'weight' has shape \(3, 4\) \(expected \[S, 3, 4\]: "
+        r"a leading sample dimension before the module's shape \(3, 4\)\)",
+    ):
+        call_stacked(model, {"weight": torch.randn(3, 4)}, torch.randn(2, 4))
