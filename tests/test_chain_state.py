@@ -11,6 +11,7 @@ import io
 import math
 import pickle
 import re
+import warnings
 
 import pytest
 import torch
@@ -208,6 +209,21 @@ def test_an_sgd_or_sghmc_checkpoint_loads_into_sgnht_with_a_fresh_thermostat(sou
     assert after.state[param]["thermostat"].dtype == torch.float32
     assert torch.equal(param, twin)
     assert torch.equal(after.state[param]["thermostat"], expected.state[twin]["thermostat"])
+
+
+def test_loading_an_unnamed_state_into_a_named_optimizer_warns_that_the_noise_changes():
+    model = make_model()
+    unnamed = SGHMC(model.parameters(), lr=0.01, num_data=100, seed=1)
+    train(model, unnamed, batches(2))
+    named = SGHMC(model.named_parameters(), lr=0.01, num_data=100, seed=1)
+    with pytest.warns(UserWarning, match=r"the noise is now keyed by name, not by position"):
+        named.load_state_dict(copy.deepcopy(unnamed.state_dict()))
+    # the other way round the names come with the state: exact, and silent
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SGHMC(model.parameters(), lr=0.01, num_data=100).load_state_dict(
+            copy.deepcopy(named.state_dict())
+        )
 
 
 # ---------------------------------------------------------------- all or nothing

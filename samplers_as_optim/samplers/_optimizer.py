@@ -19,6 +19,7 @@ which holds only ``defaults``, ``state`` and ``param_groups``.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -560,6 +561,17 @@ class SamplerOptimizer(Optimizer):
                     "silently restart the noise (expected a sampler's state_dict(), or a "
                     "torch.optim.SGD checkpoint, which has neither)"
                 )
+        named_now = any("param_names" in group for group in self.param_groups)
+        named_then = any("param_names" in group for group in saved_groups)
+        if named_now and not named_then and all("seed" in group for group in saved_groups):
+            warnings.warn(
+                f"{type(self).__name__}.load_state_dict: this optimizer was given parameter "
+                "names and the saved one was not, so the noise is now keyed by name, not "
+                "by position: the chain goes on with other (equally valid) noise than the "
+                "saved run would have drawn. For an exact resume, build the optimizer as the "
+                "saved one was built (model.parameters() rather than named_parameters()).",
+                stacklevel=2,
+            )
         _refuse_non_finite_state(state_dict.get("state", {}))
         if len(saved_groups) == len(self.param_groups):
             saved_groups = [
