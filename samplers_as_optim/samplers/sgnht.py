@@ -98,7 +98,7 @@ from ._transform import (
     pick,
     sampler_transformation,
 )
-from .sghmc import rescale_momentum, rescale_momentum_state, sghmc_noise_scale
+from .sghmc import SGHMC, rescale_momentum, sghmc_noise_scale
 
 __all__ = ["SGNHT", "SGNHTState", "sgnht", "sgnht_direction", "sgnht_initial_state"]
 
@@ -270,17 +270,9 @@ class SGNHT(SamplerOptimizer):
     def _state_fields(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer", "thermostat")
 
-    def _reexpress_state(
-        self,
-        group: dict[str, Any],
-        states: list[dict[str, Any]],
-        *,
-        lr: float,
-        temperature: float,
-        foreach: bool,
-    ) -> None:
-        # the buffer keeps the momentum; the thermostat, in SGD units, needs nothing
-        rescale_momentum_state(states, lr=lr, temperature=temperature, foreach=foreach)
+    # the buffer keeps the momentum as SGHMC's does; the thermostat, in SGD units, needs
+    # nothing (see the module docstring)
+    _reexpress_state = SGHMC._reexpress_state
 
     def _init_state(self, group: dict[str, Any], param: Tensor, state: dict[str, Any]) -> None:
         # A state loaded from torch.optim.SGD or SGHMC has a momentum buffer but no
