@@ -16,6 +16,12 @@ import samplers_as_optim._random as random_module
 import samplers_as_optim.samplers._optimizer as optimizer_module
 
 
+@pytest.fixture(autouse=True)
+def prefetch_small_parameters(monkeypatch):
+    """The models here are small: prefetch every parameter, as large ones are."""
+    monkeypatch.setattr(optimizer_module, "PREFETCH_MIN_NUMEL", 1)
+
+
 def make_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(5, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3))
@@ -112,3 +118,15 @@ def test_overlap_noise_must_be_a_bool(case):
     model = make_model()
     with pytest.raises(TypeError, match=r"Invalid overlap_noise: 1 \(expected True or False\)"):
         case.cls(model.parameters(), lr=0.01, num_data=10, overlap_noise=1, **case.kwargs)
+
+
+def test_small_parameters_draw_in_the_step(monkeypatch):
+    """Handing small draws to the worker costs more than it saves: only large ones go."""
+    monkeypatch.setattr(optimizer_module, "PREFETCH_MIN_NUMEL", 200)  # the 40 x 5 weight
+    case = SAMPLERS[1]
+    model = make_model()
+    opt = case.cls(model.parameters(), lr=0.01, num_data=200, seed=7, **case.kwargs)
+    model(torch.randn(4, 5)).pow(2).mean().backward()
+    opt.step()
+    opt._prefetcher.wait()
+    assert [tuple(b.shape) for b in opt._prefetcher._buffers.values()] == [(40, 5)]

@@ -52,5 +52,5 @@ seed_doc = r"""seed: seed of the chain's noise (default: None: drawn from torch'
 overlap_noise_doc = r"""overlap_noise: draw the next step's noise on a worker thread right after
             each step, so that it overlaps the forward and backward passes (default:
             True). The numbers are the same either way; it costs one parameter-sized
-            buffer for the CPU parameters at temperature > 0 (CUDA parameters draw in
-            the step)."""
+            buffer for each CPU parameter of at least 2**16 elements at temperature > 0
+            (smaller and CUDA parameters draw in the step)."""

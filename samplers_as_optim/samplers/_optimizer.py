@@ -52,6 +52,10 @@ _CHAIN_KEYS = ("seed", "step")
 #: param-group entries that only a sampler (not torch.optim.SGD) writes
 _SAMPLER_ONLY_KEYS = ("num_data", "temperature")
 
+#: CPU parameters with at least this many elements have their noise drawn ahead on the
+#: worker thread (``overlap_noise``); smaller ones draw in the step.
+PREFETCH_MIN_NUMEL = 2**16
+
 #: Tensors with more elements than this are updated chunk by chunk on the CPU, in the
 #: noise's blocks (``_random.BLOCK`` elements), so that a chunk draws exactly its block.
 CHUNK = _random.BLOCK
@@ -309,17 +313,27 @@ class SamplerOptimizer(Optimizer):
         return loss
 
     def _next_noise_requests(self) -> list[NoiseRequest]:
-        """The next step's draws to prefetch: CPU parameters of groups at T > 0."""
+        """The next step's draws to prefetch: large CPU parameters of groups at T > 0.
+
+        Handing a draw to the worker costs about as much as drawing a few ten thousand
+        normals (the hand-off, and the worker's Python competing for the GIL), so smaller
+        parameters draw in the step, and a small model hands nothing over.
+        """
         requests = []
         for group in self.param_groups:
             if not (float(group["temperature"]) > 0 and float(group["lr"]) > 0):
                 continue
-            params = list(group["params"])
-            for param, key in zip(params, self._noise_keys(params), strict=True):
-                if param.requires_grad and param.device.type == "cpu":
-                    requests.append(
-                        NoiseRequest(param, group["seed"], group["step"], key, self._shard)
-                    )
+            params = [
+                param
+                for param in group["params"]
+                if param.numel() >= PREFETCH_MIN_NUMEL
+                and param.requires_grad
+                and param.device.type == "cpu"
+            ]
+            requests += [
+                NoiseRequest(param, group["seed"], group["step"], key, self._shard)
+                for param, key in zip(params, self._noise_keys(params), strict=True)
+            ]
         return requests
 
     def _agree_across_ranks(self) -> None:

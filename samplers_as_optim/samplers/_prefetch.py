@@ -13,9 +13,10 @@ draw itself; anything else (a temperature switched on, a loaded state) is drawn 
 spot. The numbers are the same either way: each block is drawn with ``normal_`` from the
 same seeded generator as ``NoiseStream.draw`` (which uses ``torch.randn``).
 
-Cost: one parameter-sized buffer per parameter on the CPU at temperature > 0, kept
-between steps. CUDA parameters are not prefetched (their draw is a fast kernel of its
-own).
+Cost: one parameter-sized buffer for each CPU parameter drawn ahead (those of at least
+``PREFETCH_MIN_NUMEL`` elements, in groups at temperature > 0), kept between steps.
+Smaller parameters draw in the step (handing them over costs more than it saves), and so
+do CUDA parameters (their draw is a fast kernel of its own).
 """
 
 from __future__ import annotations
@@ -73,9 +74,9 @@ class NoisePrefetcher:
 
     def submit(self, requests: list[NoiseRequest]) -> None:
         """Start drawing ``requests`` on the worker thread (after the current draw, if any)."""
-        self.wait()
         if not requests:
             return
+        self.wait()
         for request in requests:
             param = request.param
             buffer = self._buffers.get(id(param))
