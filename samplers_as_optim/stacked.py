@@ -196,8 +196,7 @@ def _bind(module: nn.Module, stacked: Mapping[str, Tensor]) -> list[tuple[dict, 
 
     Raises:
         KeyError: a name is not a parameter or buffer of ``module``.
-        ValueError: two names given are tied (the same tensor), which is ambiguous, or an
-            entry's shape is not ``[S, *shape of the module's tensor]``.
+        ValueError: two names given are tied (the same tensor), which is ambiguous.
     """
     names = list(stacked)
     slots = _tensor_slots(module)
@@ -217,12 +216,6 @@ def _bind(module: nn.Module, stacked: Mapping[str, Tensor]) -> list[tuple[dict, 
                 f"same (tied) tensor of {type(module).__name__} (expected one of them)"
             )
         seen[id(tensor)] = name
-        if stacked[name].shape[1:] != tensor.shape:
-            raise ValueError(
-                f"Invalid stacked parameters: {name!r} has shape {tuple(stacked[name].shape)} "
-                f"(expected [S, {', '.join(map(str, tensor.shape))}]: a leading sample "
-                f"dimension before the module's shape {tuple(tensor.shape)})"
-            )
         bound.extend((table, key, name) for table, key in tensor_slots)
     return bound
 
@@ -360,13 +353,40 @@ def call_stacked(
     bound = _bind(module, stacked)
     if per_sample_inputs:
         _check_per_sample_inputs(args, size)
-    return _vmapped_call(
-        module,
-        bound,
-        dict(stacked),
-        args,
-        kwargs,
-        per_sample_inputs=per_sample_inputs,
-        chunk_size=chunk_size,
-        randomness=randomness,
-    )
+    try:
+        return _vmapped_call(
+            module,
+            bound,
+            dict(stacked),
+            args,
+            kwargs,
+            per_sample_inputs=per_sample_inputs,
+            chunk_size=chunk_size,
+            randomness=randomness,
+        )
+    except RuntimeError as error:
+        _explain_missing_sample_dimension(module, stacked, size, error)
+        raise
+
+
+def _explain_missing_sample_dimension(
+    module: nn.Module, stacked: Mapping[str, Tensor], size: int, error: RuntimeError
+) -> None:
+    """After the model failed: raise a clear error if an entry lacks its sample dimension.
+
+    An entry shaped exactly like the module's own tensor was read as ``size`` samples of
+    its trailing shape, the likeliest cause. (Such an entry is not refused up front: a
+    ``ParallelEnsemble``'s ``module`` holds stacked tensors, and ``ensemble.stacked()``
+    is then shaped like them, correctly.)
+    """
+    slots = _tensor_slots(module)
+    for name, tensor in stacked.items():
+        own = slots[name][0]
+        if tensor.shape == own.shape:
+            raise ValueError(
+                f"Invalid stacked parameters: {name!r} has shape {tuple(tensor.shape)}, the "
+                f"shape of the module's own tensor, so it was read as {size} samples of shape "
+                f"{tuple(tensor.shape[1:])} and the model failed (expected [S, "
+                f"{', '.join(map(str, own.shape))}]: add the sample dimension, e.g. "
+                "tensor.unsqueeze(0) for one sample)"
+            ) from error

@@ -233,7 +233,8 @@ def test_an_entry_without_its_sample_dimension_is_an_error_naming_it():
     model = torch.nn.Linear(4, 3)
     with pytest.raises(
         ValueError,
-        match=r"Invalid stacked parameters: 'weight' has shape \(3, 4\) \(expected \[S, 3, 4\]: "
-        r"a leading sample dimension before the module's shape \(3, 4\)\)",
+        match=r"Invalid stacked parameters: 'weight' has shape \(3, 4\), the shape of the "
+        r"module's own tensor, so it was read as 3 samples of shape \(4,\) and the model "
+        r"failed \(expected \[S, 3, 4\]: add the sample dimension",
     ):
         call_stacked(model, {"weight": torch.randn(3, 4)}, torch.randn(2, 4))
