@@ -7,7 +7,8 @@ Samplers (``torch.optim`` optimizers): :class:`SGLD`, :class:`SGHMC`, :class:`SG
 the same as torchopt transformations: :mod:`.transforms`. Gaussian approximations:
 :class:`Laplace`, :class:`MeanFieldVI`, :class:`FullCovarianceVI`. Parallel chains and
 deep ensembles: :class:`ParallelEnsemble`. Samples: :class:`SampleCollector`,
-:class:`RunningMoments`, :func:`call_stacked`. Using them: :mod:`.predictive`,
+:class:`RunningMoments`, :func:`call_stacked`. Names for wrappers that drop them
+(``ZeroRedundancyOptimizer``): :func:`name_parameters`. Using them: :mod:`.predictive`,
 :mod:`.diagnostics`.
 """
 
@@ -15,6 +16,7 @@ from . import diagnostics, predictive, transforms
 from .collect import RunningMoments, SampleCollector
 from .ensemble import ParallelEnsemble, ensemble_loss
 from .laplace import Laplace
+from .names import name_parameters
 from .samplers import SGHMC, SGLD, SGNHT
 from .stacked import call_stacked
 from .vi import FullCovarianceVI, MeanFieldVI
@@ -32,6 +34,7 @@ __all__ = [
     "call_stacked",
     "diagnostics",
     "ensemble_loss",
+    "name_parameters",
     "predictive",
     "transforms",
 ]

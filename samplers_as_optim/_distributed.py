@@ -11,9 +11,12 @@ step of an optimizer gathers every rank's chain state once (one ``all_gather_obj
 * seeds the user gave (or a checkpoint holds) must be equal on every rank, and so must
   the step counters; otherwise every rank raises the same ``ValueError``;
 * when the ranks hold different parameters (a sharded optimizer such as
-  ``ZeroRedundancyOptimizer``, where each rank updates its own share), each rank's
-  noise is drawn from its own stream (keyed by the rank), so that two ranks never draw
-  the same numbers for different parameters.
+  ``ZeroRedundancyOptimizer``, where each rank updates its own share) and some have no
+  name, the noise of a parameter is keyed by its index in this rank's share, which
+  another rank's parameter shares: each rank then also keys by the rank, so that two
+  ranks never draw the same numbers for different parameters. With names
+  (:func:`~samplers_as_optim.name_parameters`) no rank key is needed, and a sharded run
+  draws the numbers of a 1-process run.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ class ChainAgreement:
 
     Attributes:
         seeds: the seed of each param group to use from now on.
-        shard: None when every rank holds the same parameters (replicas); this rank's
-            index when the parameters are sharded over the ranks.
+        shard: None when every rank holds the same parameters (replicas) or every
+            parameter is named; this rank's index when unnamed parameters are sharded
+            over the ranks.
     """
 
     seeds: list[int]
@@ -41,7 +45,12 @@ class ChainAgreement:
 
 
 def agree_across_ranks(
-    seeds: list[int], steps: list[int], shapes: list[list[tuple[int, ...]]], *, given: bool
+    seeds: list[int],
+    steps: list[int],
+    shapes: list[list[tuple[int, ...]]],
+    *,
+    given: bool,
+    named: bool = False,
 ) -> ChainAgreement:
     """Make the ranks of the default process group agree on the chain's random state.
 
@@ -54,6 +63,8 @@ def agree_across_ranks(
         shapes: the shapes of each param group's parameters (to tell replicas from shards).
         given: whether the seeds were chosen (by the user or a checkpoint) rather than
             drawn from this rank's global RNG.
+        named: whether every parameter's noise is keyed by its name (then shards need no
+            rank key).
 
     Returns:
         The seeds to use and whether this rank holds a shard.
@@ -84,7 +95,9 @@ def agree_across_ranks(
                 "replicas drift apart; pass one seed, or seed=None to use rank 0's)"
             )
     sharded = any(other["shapes"] != reference["shapes"] for other in everyone)
-    return ChainAgreement(list(reference["seeds"]), dist.get_rank() if sharded else None)
+    return ChainAgreement(
+        list(reference["seeds"]), dist.get_rank() if sharded and not named else None
+    )
 
 
 def _show(seeds: list[int]) -> str:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from samplers_as_optim import SGHMC
+from samplers_as_optim import SGHMC, name_parameters
 
 LR, NUM_DATA = 0.01, 256
 
@@ -105,7 +105,38 @@ def zero_resume(rank: int, out: str) -> dict:
     }
 
 
+def zero_named_equals_one_process(rank: int, out: str) -> dict:
+    """Named parameters: 2-rank ZeRO over SGHMC draws the 1-process chain's numbers.
+
+    Every rank trains on the same full batch, so DDP's average of the two identical
+    gradients is exact and the runs can agree bit for bit.
+    """
+    data = list(_batches(0, 15))  # the same batches on every rank
+
+    def train(model, opt):
+        for x, y in data:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return _flat(model)
+
+    # the 1-process reference (run on every rank: its first step is a collective too)
+    reference_model = _model()
+    reference = SGHMC(reference_model.named_parameters(), lr=LR, num_data=NUM_DATA, seed=5)
+    expected = train(reference_model, reference)
+
+    model = name_parameters(_model())
+    ddp = DistributedDataParallel(model)
+    zero = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=SGHMC, lr=LR, num_data=NUM_DATA, seed=5
+    )
+    sharded = train(ddp, zero)
+    shares = [len(group["params"]) for group in zero.optim.param_groups]
+    return {"equal": bool(torch.equal(expected, sharded)), "share": shares}
+
+
 SCENARIOS = {
+    "zero_named_equals_one_process": zero_named_equals_one_process,
     "ddp_with_seed_none": ddp_with_seed_none,
     "ddp_with_different_seeds": ddp_with_different_seeds,
     "zero_resume": zero_resume,

@@ -1,5 +1,7 @@
 """Under torch.distributed the ranks agree on the chain's seed, and ZeRO keeps the chain.
 
+With named parameters (``name_parameters``) a 2-rank ZeRO run is the 1-process run.
+
 Each test spawns 2 gloo processes on 127.0.0.1 (``distributed_workers.py``), bounded in
 time; every process destroys its process group before it exits.
 """
@@ -67,3 +69,11 @@ def test_zero_consolidated_checkpoint_resumes_the_same_chain(tmp_path):
         assert result["chain_state"] and all(step == 10 for _, step in result["chain_state"])
         assert result["equal"], "the resumed chain differs from the uninterrupted one"
         assert result["replicas_equal"]
+
+
+def test_zero_with_named_parameters_equals_the_one_process_run(tmp_path):
+    results = spawn("zero_named_equals_one_process", tmp_path)
+    assert sum(result["share"][0] for result in results) == 4  # each rank holds a share
+    assert all(0 < result["share"][0] < 4 for result in results)
+    for result in results:
+        assert result["equal"], "the ZeRO run's noise differs from the 1-process run's"

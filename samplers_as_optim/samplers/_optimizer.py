@@ -40,6 +40,7 @@ from .._validation import (
     check_seed,
     check_temperature,
 )
+from ..names import parameter_name
 from ._common import apply_step_, default_foreach, may_be_non_finite
 from ._prefetch import NoisePrefetcher, NoiseRequest
 
@@ -162,16 +163,20 @@ class SamplerOptimizer(Optimizer):
     def _noise_keys(self, params: list[Tensor]) -> list[int]:
         """Each parameter's noise key (see ``samplers_as_optim._random``).
 
-        From its name where the optimizer was given names (``named_parameters()``),
-        else from its index among all the optimizer's parameters, in group order.
+        From its name where the optimizer was given names (``named_parameters()``) or the
+        tensor carries one (:func:`~samplers_as_optim.name_parameters`), else from its
+        index among all the optimizer's parameters, in group order.
         """
         if self._keys is None:
             self._keys = {}
+            self._all_named = True
             index = 0
             for group in self.param_groups:
                 names = group.get("param_names")
                 for position, param in enumerate(group["params"]):
-                    identity = names[position] if names else index
+                    identity = names[position] if names else parameter_name(param)
+                    if identity is None:
+                        identity, self._all_named = index, False
                     self._keys[id(param)] = parameter_key(identity)
                     index += 1
         return [self._keys[id(param)] for param in params]
@@ -338,11 +343,13 @@ class SamplerOptimizer(Optimizer):
 
     def _agree_across_ranks(self) -> None:
         """Under ``torch.distributed``, agree on the seeds once (see ``_distributed``)."""
+        self._noise_keys([])  # whether every parameter has a name
         agreement = agree_across_ranks(
             [group["seed"] for group in self.param_groups],
             [group["step"] for group in self.param_groups],
             [[tuple(p.shape) for p in group["params"]] for group in self.param_groups],
             given=self._seed_given,
+            named=self._all_named,
         )
         for group, seed in zip(self.param_groups, agreement.seeds, strict=True):
             group["seed"] = seed

@@ -1,0 +1,52 @@
+"""Parameter names that travel with the parameters, for wrappers that drop them.
+
+A sampler keys each parameter's noise by its name when it has one (see
+``samplers_as_optim._random``), so the noise does not depend on how the parameters are
+grouped, ordered or shared out among ranks. An optimizer given
+``model.named_parameters()`` knows the names; but ``ZeroRedundancyOptimizer`` accepts
+only tensors and builds each rank's optimizer over its share of them, so there the
+names must come with the tensors themselves. :func:`name_parameters` writes each
+parameter's name on the tensor (an attribute); the samplers read it when their param
+group has no ``param_names``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+__all__ = ["name_parameters", "parameter_name"]
+
+_ATTRIBUTE = "_samplers_as_optim_name"
+
+
+def name_parameters(module: nn.Module) -> nn.Module:
+    """Write each parameter's name (as ``module.named_parameters()`` gives it) on the tensor.
+
+    Call it before handing ``module.parameters()`` to a wrapper that drops names, such
+    as ``ZeroRedundancyOptimizer(module.parameters(), optimizer_class=SGHMC, ...)``: the
+    noise of each parameter then follows its name, so a 2-rank ZeRO run draws the
+    numbers of a 1-process run (given names too), whatever parameters each rank holds.
+
+    Args:
+        module: the model; its parameters are marked in place.
+
+    Returns:
+        ``module``, for chaining.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim.names import name_parameters, parameter_name
+        >>> model = name_parameters(torch.nn.Linear(2, 1))
+        >>> [parameter_name(p) for p in model.parameters()]
+        ['weight', 'bias']
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"Invalid module: {module!r} (expected an nn.Module)")
+    for name, param in module.named_parameters():
+        setattr(param, _ATTRIBUTE, name)
+    return module
+
+
+def parameter_name(param: Tensor) -> str | None:
+    """The name :func:`name_parameters` wrote on ``param``, or None."""
+    return getattr(param, _ATTRIBUTE, None)
