@@ -20,21 +20,12 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_samplers import BATCH, NUM_DATA, mlp
 from timing import interleaved, median_ratio
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from samplers_as_optim import SGHMC
-
-NUM_DATA = 60_000
-BATCH = 128
-
-
-def mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
-    )
 
 
 def worker(rank: int, port: int, rounds: int, repeat: int, out: str) -> None:
