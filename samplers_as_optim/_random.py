@@ -127,14 +127,29 @@ class NoiseStream:
         shards = () if shard is None else (shard,)
         return generator.manual_seed(derive_seed(self.seed, step, key, block, *shards))
 
-    def draw(self, like: Tensor, *, step: int, key: int, shard: int | None = None) -> Tensor:
+    def draw(
+        self,
+        like: Tensor,
+        *,
+        step: int,
+        key: int,
+        shard: int | None = None,
+        layout: tuple[int, int] | None = None,
+    ) -> Tensor:
         """The noise of one parameter: ``xi`` shaped like ``like`` (its dtype and device).
 
         One ``torch.randn`` per block, concatenated; a tensor of at most :data:`BLOCK`
         elements is one ``torch.randn`` of its shape. Works inside ``torch.func.vmap``
         (with ``randomness="different"`` each vmapped entry gets its own numbers).
+
+        ``layout=(offset, total)`` says that ``like`` holds elements ``[offset, offset +
+        numel)`` of a tensor of ``total`` elements spread over several processes (a
+        ``ParallelEnsemble`` split over ranks): its noise is then that part of the whole
+        tensor's, drawn from the blocks it overlaps.
         """
         options = {"dtype": like.dtype, "device": like.device}
+        if layout is not None and layout != (0, like.numel()):
+            return self._draw_part(like, step=step, key=key, shard=shard, layout=layout)
         bounds = block_bounds(like.numel())
         if len(bounds) <= 1:
             generator = self.generator(like.device, step=step, key=key, block=0, shard=shard)
@@ -148,6 +163,26 @@ class NoiseStream:
             for b, (start, stop) in enumerate(bounds)
         ]
         return torch.cat(blocks).reshape(like.shape)
+
+    def _draw_part(
+        self, like: Tensor, *, step: int, key: int, shard: int | None, layout: tuple[int, int]
+    ) -> Tensor:
+        offset, total = layout
+        stop = offset + like.numel()
+        if not 0 <= offset <= stop <= total:
+            raise ValueError(
+                f"Invalid layout: {layout!r} for {like.numel()} elements (expected an offset "
+                "and a total with offset + numel <= total)"
+            )
+        parts = []
+        for b in range(offset // BLOCK, -(-stop // BLOCK)):
+            start, end = b * BLOCK, min(total, (b + 1) * BLOCK)
+            generator = self.generator(like.device, step=step, key=key, block=b, shard=shard)
+            block = torch.randn(
+                end - start, generator=generator, dtype=like.dtype, device=like.device
+            )
+            parts.append(block[max(offset, start) - start : min(stop, end) - start])
+        return torch.cat(parts).reshape(like.shape)
 
     def standard_normal(
         self,

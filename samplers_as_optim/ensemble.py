@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -78,6 +79,7 @@ from ._validation import (
     check_positive_int,
     check_seed,
 )
+from .names import set_parameter_layout
 from .stacked import (
     RANDOMNESS,
     _bind_all,
@@ -372,6 +374,17 @@ class ParallelEnsemble(nn.Module):
             speed. The results are the same.
         randomness: ``torch.func.vmap``'s randomness mode (default: "different": each
             member draws its own dropout mask; "same"; "error").
+        process_group: None (default: every member here), or a ``torch.distributed``
+            process group of R ranks (``torch.distributed.group.WORLD`` for all) over
+            which the K members are split: this rank holds members
+            ``member_indices`` (K/R of them, consecutive; K must be a multiple of R), and
+            ``num_members`` is that share. Member i is initialised as member i of the
+            whole ensemble, and a sampler draws its noise as for the whole stacked tensor,
+            so the chains do not depend on R; :meth:`all_gather` collects what each rank
+            computed for its members (predictions, samples) for the model average and the
+            diagnostics. With ``seed=None`` every rank draws all K initialisations in
+            order from its global RNG (give every rank the same ``torch.manual_seed``)
+            and keeps its share; with an integer seed it draws only its own.
 
     Example:
         >>> import torch
@@ -396,26 +409,35 @@ class ParallelEnsemble(nn.Module):
         seed: int | None = None,
         chunk_size: int | None = None,
         randomness: str = "different",
+        process_group: Any = None,
     ) -> None:
         super().__init__()
         num_members = check_positive_int("num_members", num_members)
         seed = check_seed(seed)
+        start, count = _share(num_members, process_group)
+        first_index = 0 if seed is None else start  # seed None: the global RNG's order
         if isinstance(module_or_factory, nn.Module):
-            members = self._reset_copies(module_or_factory, seed)
+            members = self._reset_copies(module_or_factory, seed, first_index)
         elif callable(module_or_factory):
-            members = self._factory_calls(module_or_factory, seed)
+            members = self._factory_calls(module_or_factory, seed, first_index)
         else:
             raise TypeError(
                 f"Invalid module_or_factory: {module_or_factory!r} (expected an nn.Module or "
                 "a callable that returns one)"
             )
-        first, storage = _stack_members(members, num_members, "module_or_factory")
-        self._setup(_template(first, storage), num_members, chunk_size, randomness)
+        members = itertools.islice(members, start - first_index, None)
+        first, storage = _stack_members(members, count, "module_or_factory")
+        self._setup(_template(first, storage), count, chunk_size, randomness)
+        self.process_group = process_group
+        self.member_indices = list(range(start, start + count))
+        if process_group is not None:
+            for param in self.module.parameters():
+                per_member = param[0].numel()
+                set_parameter_layout(param, start * per_member, num_members * per_member)
 
     @staticmethod
-    def _reset_copies(module: nn.Module, seed: int | None) -> Iterator[nn.Module]:
+    def _reset_copies(module: nn.Module, seed: int | None, index: int) -> Iterator[nn.Module]:
         work = copy.deepcopy(module)  # one working copy, re-initialised for each member
-        index = 0
         while True:
             with _member_rng(seed, index):
                 _reset(work)
@@ -423,8 +445,9 @@ class ParallelEnsemble(nn.Module):
             index += 1
 
     @staticmethod
-    def _factory_calls(factory: Callable[[], nn.Module], seed: int | None) -> Iterator[Any]:
-        index = 0
+    def _factory_calls(
+        factory: Callable[[], nn.Module], seed: int | None, index: int
+    ) -> Iterator[Any]:
         while True:
             with _member_rng(seed, index):
                 member = factory()
@@ -436,6 +459,8 @@ class ParallelEnsemble(nn.Module):
     ) -> None:
         self.module = template
         self.num_members = num_members
+        self.process_group: Any = None
+        self.member_indices = list(range(num_members))
         self.chunk_size = check_chunk_size(chunk_size)
         self.randomness = check_choice("randomness", randomness, RANDOMNESS)
 
@@ -697,6 +722,33 @@ class ParallelEnsemble(nn.Module):
         assert total is not None
         return total
 
+    def all_gather(self, tensor: Tensor, *, dim: int = 0) -> Tensor:
+        """Concatenate every rank's ``tensor`` along its member dimension, in member order.
+
+        ``tensor`` holds this rank's members along ``dim``: the ensemble's predictions
+        ``[K/R, B, ...]`` (``dim=0``), or a ``SampleCollector``'s samples of it
+        ``[S, K/R, ...]`` (``dim=1``). Every rank of the process group must call it; the
+        result, on every rank, is what one process holding all K members would have.
+        Without a process group it returns ``tensor`` itself.
+
+        Raises:
+            ValueError: ``tensor``'s size along ``dim`` is not this rank's member count.
+        """
+        if self.process_group is None:
+            return tensor
+        if tensor.dim() <= dim or tensor.shape[dim] != self.num_members:
+            raise ValueError(
+                f"Invalid tensor: shape {tuple(tensor.shape)} (expected this rank's "
+                f"{self.num_members} members along dim {dim})"
+            )
+        distributed = torch.distributed
+        tensor = tensor.detach().contiguous()
+        parts = [
+            torch.empty_like(tensor) for _ in range(distributed.get_world_size(self.process_group))
+        ]
+        distributed.all_gather(parts, tensor, group=self.process_group)
+        return torch.cat(parts, dim=dim)
+
     def extra_repr(self) -> str:
         """The number of members (and the forward's settings when not the default)."""
         text = f"num_members={self.num_members}"
@@ -705,3 +757,23 @@ class ParallelEnsemble(nn.Module):
         if self.randomness != "different":
             text += f", randomness={self.randomness!r}"
         return text
+
+
+def _share(num_members: int, process_group: Any) -> tuple[int, int]:
+    """``(first member, count)`` of this rank's share of ``num_members``."""
+    if process_group is None:
+        return 0, num_members
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()):
+        raise ValueError(
+            f"Invalid process_group: {process_group!r} (expected a group of an initialised "
+            "torch.distributed process group, or None)"
+        )
+    ranks = distributed.get_world_size(process_group)
+    if num_members % ranks:
+        raise ValueError(
+            f"Invalid num_members: {num_members} (expected a multiple of the process group's "
+            f"{ranks} ranks, which share the members equally)"
+        )
+    count = num_members // ranks
+    return distributed.get_rank(process_group) * count, count

@@ -1,4 +1,4 @@
-"""Parameter names that travel with the parameters, for wrappers that drop them.
+"""What identifies a parameter's noise and travels with the tensor: its name, its place.
 
 A sampler keys each parameter's noise by its name when it has one (see
 ``samplers_as_optim._random``), so the noise does not depend on how the parameters are
@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-__all__ = ["name_parameters", "parameter_name"]
+__all__ = ["name_parameters", "parameter_layout", "parameter_name", "set_parameter_layout"]
 
 _ATTRIBUTE = "_samplers_as_optim_name"
+_LAYOUT = "_samplers_as_optim_layout"
 
 
 def name_parameters(module: nn.Module) -> nn.Module:
@@ -50,3 +51,18 @@ def name_parameters(module: nn.Module) -> nn.Module:
 def parameter_name(param: Tensor) -> str | None:
     """The name :func:`name_parameters` wrote on ``param``, or None."""
     return getattr(param, _ATTRIBUTE, None)
+
+
+def set_parameter_layout(param: Tensor, offset: int, total: int) -> None:
+    """Mark ``param`` as elements ``[offset, offset + numel)`` of a tensor of ``total``.
+
+    A ``ParallelEnsemble`` split over ranks marks each rank's share of a stacked tensor so,
+    and the samplers draw that share's part of the whole tensor's noise: the members'
+    chains do not depend on how many ranks hold them.
+    """
+    setattr(param, _LAYOUT, (offset, total))
+
+
+def parameter_layout(param: Tensor) -> tuple[int, int] | None:
+    """The ``(offset, total)`` that :func:`set_parameter_layout` wrote on ``param``, or None."""
+    return getattr(param, _LAYOUT, None)

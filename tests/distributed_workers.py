@@ -15,7 +15,13 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from samplers_as_optim import SGHMC, name_parameters
+from samplers_as_optim import (
+    SGHMC,
+    ParallelEnsemble,
+    SampleCollector,
+    diagnostics,
+    name_parameters,
+)
 
 LR, NUM_DATA = 0.01, 256
 
@@ -135,7 +141,62 @@ def zero_named_equals_one_process(rank: int, out: str) -> dict:
     return {"equal": bool(torch.equal(expected, sharded)), "share": shares}
 
 
+def _member() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def ensemble_across_ranks(rank: int, out: str) -> dict:
+    """8 chains split over 2 ranks are the 8 chains of one process."""
+    data = list(_batches(0, 12))  # every member sees the same batches, on every rank
+    x_test = torch.randn(6, 4, generator=torch.Generator().manual_seed(9))
+
+    def run(ensemble):
+        opt = SGHMC(ensemble.parameters(), lr=LR, momentum=0.9, num_data=NUM_DATA, seed=7)
+        collector = SampleCollector(ensemble, num_samples=5, burn_in=2, thin=2)
+        for x, y in data:
+            opt.zero_grad()
+            ensemble.loss(torch.nn.functional.cross_entropy, ensemble(x), y).backward()
+            opt.step()
+            collector.step()
+        return collector
+
+    results = {}
+    for seed in (3, None):
+        torch.manual_seed(11)  # the same global RNG on every rank (seed=None draws from it)
+        whole = ParallelEnsemble(_member, 8, seed=seed)  # one process's 8 chains
+        whole_samples = run(whole).samples
+        torch.manual_seed(11)
+        split = ParallelEnsemble(_member, 8, seed=seed, process_group=dist.group.WORLD)
+        split_samples = run(split).samples
+        a, b = split.member_indices[0], split.member_indices[-1] + 1
+        gathered = {name: split.all_gather(t, dim=1) for name, t in split_samples.items()}
+        with torch.no_grad():
+            logits_equal = torch.equal(split.all_gather(split(x_test)), whole(x_test))
+        chains = {name: t.transpose(0, 1) for name, t in gathered.items()}
+        whole_chains = {name: t.transpose(0, 1) for name, t in whole_samples.items()}
+        rhat = diagnostics.weight_space(chains).rhat
+        whole_rhat = diagnostics.weight_space(whole_chains).rhat
+        results[str(seed)] = {
+            "members": split.member_indices,
+            "params_equal": all(
+                torch.equal(whole.stacked()[name][a:b], tensor)
+                for name, tensor in split.stacked().items()
+            ),
+            "samples_equal": all(
+                torch.equal(gathered[name], whole_samples[name]) for name in gathered
+            ),
+            "logits_equal": logits_equal,
+            "rhat_equal": all(torch.equal(rhat[name], whole_rhat[name]) for name in rhat),
+        }
+    try:
+        ParallelEnsemble(_member, 7, process_group=dist.group.WORLD)
+    except ValueError as error:
+        results["uneven"] = str(error)
+    return results
+
+
 SCENARIOS = {
+    "ensemble_across_ranks": ensemble_across_ranks,
     "zero_named_equals_one_process": zero_named_equals_one_process,
     "ddp_with_seed_none": ddp_with_seed_none,
     "ddp_with_different_seeds": ddp_with_different_seeds,

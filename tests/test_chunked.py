@@ -119,3 +119,18 @@ def test_a_block_drawn_into_a_scratch_view_equals_the_streams_draw(dtype, monkey
         for i, (a, b) in enumerate(block_bounds(4099))
     ]
     assert torch.equal(whole, torch.cat(parts))
+
+
+@pytest.mark.parametrize(("start", "stop"), [(0, 2), (2, 5), (1, 3), (4, 5), (0, 5)])
+def test_a_share_of_a_tensor_draws_its_part_of_the_whole_tensors_noise(start, stop, monkeypatch):
+    """ParallelEnsemble over ranks: rows [start, stop) of a [5, 9] tensor, blocks of 7."""
+    monkeypatch.setattr(random_module, "BLOCK", 7)
+    stream = NoiseStream(3)
+    whole = stream.draw(torch.empty(5, 9), step=2, key=11)
+    part = stream.draw(torch.empty(stop - start, 9), step=2, key=11, layout=(start * 9, 45))
+    assert torch.equal(part, whole[start:stop])
+
+
+def test_a_share_outside_its_tensor_is_an_error():
+    with pytest.raises(ValueError, match=r"Invalid layout: \(40, 45\) for 18 elements"):
+        NoiseStream(3).draw(torch.empty(2, 9), step=0, key=1, layout=(40, 45))

@@ -77,3 +77,18 @@ def test_zero_with_named_parameters_equals_the_one_process_run(tmp_path):
     assert all(0 < result["share"][0] < 4 for result in results)
     for result in results:
         assert result["equal"], "the ZeRO run's noise differs from the 1-process run's"
+
+
+def test_chains_split_over_ranks_are_the_chains_of_one_process(tmp_path):
+    results = spawn("ensemble_across_ranks", tmp_path)
+    assert [r["3"]["members"] for r in results] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for result in results:
+        for seed in ("3", "None"):
+            outcome = result[seed]
+            assert outcome["params_equal"], f"seed {seed}: members differ from one process's"
+            assert outcome["samples_equal"] and outcome["logits_equal"]
+            assert outcome["rhat_equal"]
+        assert result["uneven"] == (
+            "Invalid num_members: 7 (expected a multiple of the process group's 2 ranks, "
+            "which share the members equally)"
+        )

@@ -522,3 +522,17 @@ def test_error_messages(device):
         ensemble.backward(F.cross_entropy, x, targets=y, chunk_size=2, per_member_targets=True)
     with pytest.raises(ValueError, match=r"Invalid input 0: shape \(3, 5\) \(expected a leading"):
         ensemble.backward(F.cross_entropy, x, targets=y, chunk_size=2, per_member_inputs=True)
+
+
+def test_a_process_group_needs_torch_distributed_initialised():
+    with pytest.raises(
+        ValueError, match=r"Invalid process_group: 'world' \(expected a group of an"
+    ):
+        ParallelEnsemble(lambda: torch.nn.Linear(2, 1), 4, process_group="world")
+
+
+def test_all_gather_without_a_process_group_is_the_identity():
+    ensemble = ParallelEnsemble(lambda: torch.nn.Linear(2, 1), 3, seed=0)
+    out = ensemble(torch.randn(5, 2))
+    assert ensemble.all_gather(out) is out
+    assert ensemble.member_indices == [0, 1, 2]

@@ -40,7 +40,7 @@ from .._validation import (
     check_seed,
     check_temperature,
 )
-from ..names import parameter_name
+from ..names import parameter_layout, parameter_name
 from ._common import apply_step_, default_foreach, may_be_non_finite
 from ._prefetch import NoisePrefetcher, NoiseRequest
 
@@ -334,6 +334,7 @@ class SamplerOptimizer(Optimizer):
                 if param.numel() >= PREFETCH_MIN_NUMEL
                 and param.requires_grad
                 and param.device.type == "cpu"
+                and parameter_layout(param) is None
             ]
             requests += [
                 NoiseRequest(param, group["seed"], group["step"], key, self._shard)
@@ -417,6 +418,8 @@ class SamplerOptimizer(Optimizer):
     ) -> bool:
         if not self.chunked_kernel or not any(p.numel() > CHUNK for p in params):
             return False
+        if any(parameter_layout(p) is not None for p in params):
+            return False  # a share of a larger tensor draws its part of that one's noise
         tensors = [*params, *grads, *(b for field in buffers for b in field)]
         # not e.g. SGHMC's first step, whose buffers the kernel creates
         return all(t is not None and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
@@ -686,7 +689,14 @@ class _GroupNoise:
         prefetched = self.prefetched[i]
         if prefetched is not None:
             return prefetched
-        return self.stream.draw(self.params[i], step=self.step, key=self.keys[i], shard=self.shard)
+        param = self.params[i]
+        return self.stream.draw(
+            param,
+            step=self.step,
+            key=self.keys[i],
+            shard=self.shard,
+            layout=parameter_layout(param),
+        )
 
     def block(self, i: int, block: int, start: int, stop: int, scratch: Tensor) -> Tensor:
         """Elements ``[start, stop)`` of parameter i's noise (its block ``block``)."""
