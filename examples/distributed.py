@@ -1,4 +1,4 @@
-"""SGHMC on several processes with torch.distributed: one chain under DDP, one under ZeRO.
+"""SGHMC on several processes with torch.distributed: DDP, ZeRO, and parallel chains.
 
 Run it with torchrun (gloo on the CPU, NCCL on GPUs, chosen automatically)::
 
@@ -13,7 +13,10 @@ gradient of the global batch, so ``num_data`` stays the training-set size. Two c
   seed, so the replicas draw the same noise and stay identical;
 * **ZeRO**: ``ZeroRedundancyOptimizer(optimizer_class=SGHMC)``, each rank updating its
   share of the parameters; ``name_parameters(model)`` lets each parameter's noise follow
-  its name, so the shares draw the numbers the whole model would.
+  its name, so the shares draw the numbers the whole model would;
+* **parallel chains**: ``ParallelEnsemble(..., process_group=WORLD)`` with 8 members,
+  each rank holding 8/R of them; every member sees every batch. The model average and
+  R-hat gather all 8 chains with ``ensemble.all_gather``.
 
 Each is checked against the same chain run in one process on the same global batches
 (every rank computes that reference too), with the gradient formed as DDP forms it: each
@@ -39,7 +42,15 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import digits, example_arguments, mlp
 
-from samplers_as_optim import SGHMC, SampleCollector, call_stacked, name_parameters, predictive
+from samplers_as_optim import (
+    SGHMC,
+    ParallelEnsemble,
+    SampleCollector,
+    call_stacked,
+    diagnostics,
+    name_parameters,
+    predictive,
+)
 
 LR, MOMENTUM, BATCH = 0.05, 0.9, 64
 
@@ -123,8 +134,41 @@ def main(argv: list[str] | None = None) -> int:
         )
         zero_error = float((train(ddp, zero, mine) - expected).abs().max())
 
+        # parallel chains: 8 members split over the ranks, against 8 in one process
+        members, sample_count = 8, 6
+
+        def run_chains(group):
+            ensemble = ParallelEnsemble(mlp(seed=seed), members, seed=seed, process_group=group).to(
+                device
+            )
+            chains_opt = SGHMC(ensemble.parameters(), **sghmc, seed=opt.seed)
+            chains_collector = SampleCollector(
+                ensemble,
+                num_samples=sample_count,
+                burn_in=steps // 2,
+                thin=steps // (2 * sample_count),
+            )
+            for x, y in whole:  # every member sees every global batch
+                chains_opt.zero_grad()
+                ensemble.loss(nn.functional.cross_entropy, ensemble(x), y).backward()
+                chains_opt.step()
+                chains_collector.step()
+            samples = chains_collector.samples
+            return ensemble, {name: ensemble.all_gather(t, dim=1) for name, t in samples.items()}
+
+        split, split_samples = run_chains(dist.group.WORLD)
+        _, one_samples = run_chains(None)  # the 1-process chains, on every rank
+        chains_error = max(
+            float((split_samples[n] - one_samples[n]).abs().max()) for n in one_samples
+        )
+
         tolerance = 0.0 if world == 2 else 1e-4
-        ok = ddp_error <= tolerance and zero_error <= tolerance and spread == 0.0
+        ok = (
+            ddp_error <= tolerance
+            and zero_error <= tolerance
+            and spread == 0.0
+            and chains_error <= tolerance
+        )
         if rank == 0:
             model.eval()
             bma = predictive.classification(call_stacked(model, collector.samples, x_test))
@@ -142,6 +186,26 @@ def main(argv: list[str] | None = None) -> int:
                 f"BMA of the DDP chain's {collector.count} samples: accuracy {accuracy:.3f}, "
                 f"NLL {nll:.3f}"
             )
+            template = mlp(seed=seed).to(device).eval()
+            draws = {n: t.flatten(0, 1) for n, t in split_samples.items()}  # S x K draws
+            chains_bma = predictive.classification(call_stacked(template, draws, x_test))
+            per_chain = torch.stack(
+                [
+                    call_stacked(template, {n: t[:, k] for n, t in split_samples.items()}, x_test)
+                    for k in range(members)
+                ]
+            ).softmax(-1)  # [chains, draws, B, C]
+            rhat = diagnostics.function_space(per_chain)
+            print(
+                f"Parallel chains: members {split.member_indices} of {members} on rank 0; "
+                f"max |sample - 1-process| = {chains_error:.1e}"
+            )
+            print(
+                f"BMA of {members} chains x {sample_count} samples: accuracy "
+                f"{float(predictive.accuracy(chains_bma.probs, y_test)):.3f}, NLL "
+                f"{float(predictive.nll(chains_bma.log_probs, y_test)):.3f}"
+            )
+            print(f"function-space {rhat.summary}")
             print("matches the 1-process run" if ok else "DOES NOT match the 1-process run")
         return 0 if ok else 1
     finally:

@@ -1,5 +1,6 @@
 """examples/distributed.py under torchrun (2 gloo ranks on this machine): the DDP and the
-ZeRO chains equal the 1-process chain bit for bit, and DDP replicas stay identical."""
+ZeRO chains, and 8 parallel chains split over the ranks, equal the 1-process chains bit
+for bit; DDP replicas stay identical."""
 
 import subprocess
 import sys
@@ -21,4 +22,9 @@ def test_distributed_example_matches_the_one_process_run():
     out = result.stdout
     assert "DDP:  replicas differ by 0.0e+00; max |theta - 1-process| = 0.0e+00" in out
     assert "max |theta - 1-process| = 0.0e+00" in out.split("ZeRO:")[1]
+    assert (
+        "Parallel chains: members [0, 1, 2, 3] of 8 on rank 0; max |sample - 1-process| = 0.0e+00"
+        in out
+    )
+    assert "function-space R-hat over 540 quantities (0 NaN)" in out  # 8 chains gathered
     assert "matches the 1-process run" in out
