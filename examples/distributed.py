@@ -14,6 +14,8 @@ gradient of the global batch, so ``num_data`` stays the training-set size. Two c
 * **ZeRO**: ``ZeroRedundancyOptimizer(optimizer_class=SGHMC)``, each rank updating its
   share of the parameters; ``name_parameters(model)`` lets each parameter's noise follow
   its name, so the shares draw the numbers the whole model would;
+* **FSDP2**: ``fully_shard(model)``, each rank holding half the rows of every parameter
+  (DTensors): a sampler draws each rank's rows of the whole parameter's noise;
 * **parallel chains**: ``ParallelEnsemble(..., process_group=WORLD)`` with 8 members,
   each rank holding 8/R of them; every member sees every batch. The model average and
   R-hat gather all 8 chains with ``ensemble.all_gather``.
@@ -23,8 +25,8 @@ Each is checked against the same chain run in one process on the same global bat
 half's mean-loss gradient divided by the number of ranks, then summed. The noise is the
 same, so with 2 ranks the chains are equal bit for bit (with more, the all-reduce's
 summation order differs from the reference's and the chains agree to rounding, which a
-chain amplifies over a long run). FSDP2 (``fully_shard``) is not supported by the
-samplers yet. Rank 0 collects the DDP chain's
+chain amplifies over a long run). SGLD and SGHMC run under FSDP2 (``Shard(0)``
+placements); SGNHT's per-tensor thermostat does not yet. Rank 0 collects the DDP chain's
 samples and prints the Bayesian model average's test accuracy and NLL.
 """
 
@@ -36,6 +38,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
@@ -134,6 +137,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         zero_error = float((train(ddp, zero, mine) - expected).abs().max())
 
+        # FSDP2: every parameter sharded by rows over the ranks
+        fsdp_model = mlp(seed=seed).to(device)
+        fully_shard(fsdp_model)
+        train(fsdp_model, SGHMC(fsdp_model.named_parameters(), **sghmc, seed=opt.seed), mine)
+        sharded = torch.cat([p.full_tensor().detach().flatten() for p in fsdp_model.parameters()])
+        fsdp_error = float((sharded - expected).abs().max())
+
         # parallel chains: 8 members split over the ranks, against 8 in one process
         members, sample_count = 8, 6
 
@@ -166,12 +176,13 @@ def main(argv: list[str] | None = None) -> int:
         ok = (
             ddp_error <= tolerance
             and zero_error <= tolerance
+            and fsdp_error <= tolerance
             and spread == 0.0
             and chains_error <= tolerance
         )
         if rank == 0:
-            model.eval()
-            bma = predictive.classification(call_stacked(model, collector.samples, x_test))
+            template = mlp(seed=seed).to(device).eval()  # the architecture; samples replace all
+            bma = predictive.classification(call_stacked(template, collector.samples, x_test))
             accuracy = float(predictive.accuracy(bma.probs, y_test))
             nll = float(predictive.nll(bma.log_probs, y_test))
             print(f"{world} ranks ({backend}), {steps} steps, batch {BATCH} per rank")
@@ -186,7 +197,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"BMA of the DDP chain's {collector.count} samples: accuracy {accuracy:.3f}, "
                 f"NLL {nll:.3f}"
             )
-            template = mlp(seed=seed).to(device).eval()
             draws = {n: t.flatten(0, 1) for n, t in split_samples.items()}  # S x K draws
             chains_bma = predictive.classification(call_stacked(template, draws, x_test))
             per_chain = torch.stack(
@@ -196,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 ]
             ).softmax(-1)  # [chains, draws, B, C]
             rhat = diagnostics.function_space(per_chain)
+            print(f"FSDP2: max |theta - 1-process| = {fsdp_error:.1e}")
             print(
                 f"Parallel chains: members {split.member_indices} of {members} on rank 0; "
                 f"max |sample - 1-process| = {chains_error:.1e}"

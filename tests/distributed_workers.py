@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from samplers_as_optim import (
     SGHMC,
+    SGNHT,
     ParallelEnsemble,
     SampleCollector,
     diagnostics,
@@ -195,7 +196,42 @@ def ensemble_across_ranks(rank: int, out: str) -> dict:
     return results
 
 
+def fsdp2_equals_one_process(rank: int, out: str) -> dict:
+    """FSDP2 (fully_shard, each rank holding half the rows) draws the 1-process chain."""
+    from torch.distributed.fsdp import fully_shard
+
+    data = list(_batches(0, 15))  # the same batches on every rank: the averaged
+    # gradient is exactly the 1-process one
+
+    def train(model, opt):
+        for x, y in data:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    reference_model = _model()
+    train(
+        reference_model, SGHMC(reference_model.named_parameters(), lr=LR, num_data=NUM_DATA, seed=5)
+    )
+    model = _model()
+    fully_shard(model)
+    train(model, SGHMC(model.named_parameters(), lr=LR, num_data=NUM_DATA, seed=5))
+    sharded = torch.cat([p.full_tensor().flatten() for p in model.parameters()])
+    local_rows = [p.to_local().shape[0] for p in model.parameters()]
+    refused = None
+    try:
+        SGNHT(model.parameters(), lr=LR, num_data=NUM_DATA, seed=5).step()
+    except NotImplementedError as error:
+        refused = str(error)
+    return {
+        "equal": bool(torch.equal(_flat(reference_model), sharded)),
+        "rows": local_rows,
+        "sgnht": refused,
+    }
+
+
 SCENARIOS = {
+    "fsdp2_equals_one_process": fsdp2_equals_one_process,
     "ensemble_across_ranks": ensemble_across_ranks,
     "zero_named_equals_one_process": zero_named_equals_one_process,
     "ddp_with_seed_none": ddp_with_seed_none,

@@ -92,3 +92,13 @@ def test_chains_split_over_ranks_are_the_chains_of_one_process(tmp_path):
             "Invalid num_members: 7 (expected a multiple of the process group's 2 ranks, "
             "which share the members equally)"
         )
+
+
+def test_fsdp2_equals_the_one_process_run(tmp_path):
+    results = spawn("fsdp2_equals_one_process", tmp_path)
+    assert [r["rows"] for r in results] == [[4, 4, 1, 1], [4, 4, 1, 1]]  # half of each
+    for result in results:
+        assert result["equal"], "the FSDP2 run's noise differs from the 1-process run's"
+        assert result["sgnht"].startswith(
+            "SGNHT does not support DTensor (FSDP2) parameters yet (param group 0, parameter 0"
+        )

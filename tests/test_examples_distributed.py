@@ -27,4 +27,5 @@ def test_distributed_example_matches_the_one_process_run():
         in out
     )
     assert "function-space R-hat over 540 quantities (0 NaN)" in out  # 8 chains gathered
+    assert "FSDP2: max |theta - 1-process| = 0.0e+00" in out
     assert "matches the 1-process run" in out

@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from .. import _random
 from .._distributed import agree_across_ranks
+from .._dtensor import is_dtensor, local_layout, wrap_like
 from .._random import NoiseStream, block_bounds, parameter_key, seed_from_global_rng
 from .._validation import (
     check_bool,
@@ -240,6 +241,12 @@ class SamplerOptimizer(Optimizer):
                     f"({self._describe(group, index, position)}); view them as real with "
                     "torch.view_as_real"
                 )
+            if is_dtensor(param) and not self.supports_dtensor:
+                raise NotImplementedError(
+                    f"{type(self).__name__} does not support DTensor (FSDP2) parameters yet "
+                    f"({self._describe(group, index, position)}): "
+                    f"{self.dtensor_unsupported_reason}; use SGHMC or SGLD"
+                )
             params.append(param)
             grads.append(grad)
         return params, grads
@@ -335,6 +342,7 @@ class SamplerOptimizer(Optimizer):
                 and param.requires_grad
                 and param.device.type == "cpu"
                 and parameter_layout(param) is None
+                and not is_dtensor(param)
             ]
             requests += [
                 NoiseRequest(param, group["seed"], group["step"], key, self._shard)
@@ -418,7 +426,7 @@ class SamplerOptimizer(Optimizer):
     ) -> bool:
         if not self.chunked_kernel or not any(p.numel() > CHUNK for p in params):
             return False
-        if any(parameter_layout(p) is not None for p in params):
+        if any(parameter_layout(p) is not None or is_dtensor(p) for p in params):
             return False  # a share of a larger tensor draws its part of that one's noise
         tensors = [*params, *grads, *(b for field in buffers for b in field)]
         # not e.g. SGHMC's first step, whose buffers the kernel creates
@@ -485,6 +493,9 @@ class SamplerOptimizer(Optimizer):
     # What a sampler supplies.
     #: whether the kernel is elementwise, so that it may run on chunks of a tensor
     chunked_kernel: bool = True
+    #: whether the kernel runs on DTensor parameters (FSDP2's fully_shard), and why not
+    supports_dtensor: bool = True
+    dtensor_unsupported_reason: str = ""
 
     def _state_fields(self, group: dict[str, Any]) -> tuple[str, ...]:
         """The per-parameter state the kernel reads and writes, in its argument order."""
@@ -690,6 +701,12 @@ class _GroupNoise:
         if prefetched is not None:
             return prefetched
         param = self.params[i]
+        if is_dtensor(param):  # FSDP2: this rank's rows of the whole parameter's noise
+            local, layout = local_layout(param)
+            noise = self.stream.draw(
+                local, step=self.step, key=self.keys[i], shard=self.shard, layout=layout
+            )
+            return wrap_like(noise, param)
         return self.stream.draw(
             param,
             step=self.step,

@@ -266,6 +266,10 @@ class SGNHT(SamplerOptimizer):
 
     #: the thermostat reduces over a whole tensor, so tensors are never chunked
     chunked_kernel = False
+    supports_dtensor = False
+    dtensor_unsupported_reason = (
+        "its thermostat reduces each parameter's kinetic energy over the whole tensor"
+    )
 
     def _state_fields(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer", "thermostat")
