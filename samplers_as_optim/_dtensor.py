@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
 from torch import Tensor
 
 __all__ = ["is_dtensor", "local_layout", "wrap_like"]
@@ -64,8 +63,3 @@ def wrap_like(local: Tensor, param: Tensor) -> Tensor:
         shape=param.shape,
         stride=param.stride(),
     )
-
-
-def as_plain(tensor: Tensor) -> torch.Tensor:
-    """The local tensor of a DTensor, or the tensor itself."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor

@@ -127,6 +127,24 @@ class NoiseStream:
         shards = () if shard is None else (shard,)
         return generator.manual_seed(derive_seed(self.seed, step, key, block, *shards))
 
+    def fill_block_(
+        self, out: Tensor, *, step: int, key: int, block: int, shard: int | None = None
+    ) -> Tensor:
+        """Fill ``out`` (contiguous, the size of block ``block``) with that block's noise.
+
+        ``normal_`` into it gives the numbers ``torch.randn`` of its size gives from the
+        same generator, so a block drawn in place equals the one :meth:`draw` returns.
+        """
+        generator = self.generator(out.device, step=step, key=key, block=block, shard=shard)
+        return out.normal_(generator=generator)
+
+    def fill_(self, out: Tensor, *, step: int, key: int, shard: int | None = None) -> Tensor:
+        """Fill contiguous ``out`` with a parameter's noise in place: :meth:`draw`'s numbers."""
+        flat = out.view(-1)
+        for block, (start, stop) in enumerate(block_bounds(flat.numel())):
+            self.fill_block_(flat[start:stop], step=step, key=key, block=block, shard=shard)
+        return out
+
     def draw(
         self,
         like: Tensor,

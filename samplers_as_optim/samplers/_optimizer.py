@@ -310,14 +310,14 @@ class SamplerOptimizer(Optimizer):
         self._refuse_non_finite(gathered)
         if self._prefetcher is not None:
             self._prefetcher.wait()
-        for index, group, params, grads in gathered:
+        for _, group, params, grads in gathered:
             if not params:
                 continue
             temperature = float(group["temperature"])
             lr = float(group["lr"])
             if temperature > 0 and lr == 0:
                 continue  # a step of length zero: no time passes, nothing changes
-            self._update_group(index, group, params, grads, lr=lr, temperature=temperature)
+            self._update_group(group, params, grads, lr=lr, temperature=temperature)
         for group in self.param_groups:
             group["step"] += 1
         if self._prefetcher is not None:
@@ -374,7 +374,6 @@ class SamplerOptimizer(Optimizer):
     # ------------------------------------------------------------------ the update
     def _update_group(
         self,
-        index: int,
         group: dict[str, Any],
         params: list[Tensor],
         grads: list[Tensor],
@@ -720,8 +719,6 @@ class _GroupNoise:
         prefetched = self.prefetched[i]
         if prefetched is not None:
             return prefetched.view(-1)[start:stop]
-        param = self.params[i]
-        generator = self.stream.generator(
-            param.device, step=self.step, key=self.keys[i], block=block, shard=self.shard
+        return self.stream.fill_block_(
+            scratch[: stop - start], step=self.step, key=self.keys[i], block=block, shard=self.shard
         )
-        return scratch[: stop - start].normal_(generator=generator)

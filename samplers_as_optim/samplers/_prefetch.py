@@ -10,8 +10,8 @@ forward and the backward pass on the main thread (torch releases the GIL inside 
 kernels, so the two run on two cores). Step ``s + 1`` waits for the worker, then uses
 the buffers whose tag ``(seed, step, key, shard, shape, dtype)`` matches what it would
 draw itself; anything else (a temperature switched on, a loaded state) is drawn on the
-spot. The numbers are the same either way: each block is drawn with ``normal_`` from the
-same seeded generator as ``NoiseStream.draw`` (which uses ``torch.randn``).
+spot. The numbers are the same either way (``NoiseStream.fill_`` in place, or
+``NoiseStream.draw``).
 
 Cost: one parameter-sized buffer for each CPU parameter drawn ahead (those of at least
 ``PREFETCH_MIN_NUMEL`` elements, in groups at temperature > 0), kept between steps.
@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .._random import NoiseStream, block_bounds
+from .._random import NoiseStream
 
 __all__ = ["NoisePrefetcher", "NoiseRequest"]
 
@@ -93,16 +93,12 @@ class NoisePrefetcher:
             stream = self._streams.get(request.seed)
             if stream is None:
                 stream = self._streams[request.seed] = NoiseStream(request.seed)
-            flat = self._buffers[id(request.param)].view(-1)
-            for block, (start, stop) in enumerate(block_bounds(flat.numel())):
-                generator = stream.generator(
-                    flat.device,
-                    step=request.step,
-                    key=request.key,
-                    block=block,
-                    shard=request.shard,
-                )
-                flat[start:stop].normal_(generator=generator)
+            stream.fill_(
+                self._buffers[id(request.param)],
+                step=request.step,
+                key=request.key,
+                shard=request.shard,
+            )
             drawn.append((id(request.param), _tag(request)))
         return drawn
 
