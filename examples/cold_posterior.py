@@ -15,6 +15,11 @@ and SGHMC, ``prior_precision = 1 / σ²`` for Laplace, ``prior_std = σ`` for VI
 * **Laplace EF / GGN**: diagonal ``Laplace`` around the MAP with the empirical Fisher or
   the generalised Gauss-Newton, covariance T Λ⁻¹; predictions from weight samples, or
   linearised ("(linear)": the GLM predictive, ``predict(linear=True)``).
+* **Laplace KFAC**: ``Laplace(structure="kron")``, the GGN's Kronecker factors per layer
+  (Ritter et al. 2018), sampled or linearised.
+* **Last-layer Laplace**: ``Laplace(structure="dense", subset="last_layer")``, the dense
+  GGN over the output layer with the hidden layer fixed at the MAP (Kristiadi et al.
+  2020); linear in the sampled weights, so one predictive.
 * **VI**: ``MeanFieldVI`` started at the MAP (standard deviations 1e-3), one draw per
   step, stick-the-landing; Adam, learning rate 3e-2 cosine-annealed to 0.
 * **Serial SGHMC**: one ``SGHMC`` chain with SGD's learning rate and momentum; burn-in,
@@ -57,6 +62,9 @@ the split's; differences between methods within a seed are much steadier):
     Laplace EF (linear)   0.092 ± 0.012  0.111 ± 0.012  0.394 ± 0.015  1.308 ± 0.001
     Laplace GGN           0.091 ± 0.012  0.104 ± 0.012  0.408 ± 0.018  1.978 ± 0.033
     Laplace GGN (linear)  0.091 ± 0.012  0.097 ± 0.012  0.207 ± 0.006  0.958 ± 0.014
+    Laplace KFAC          0.091 ± 0.012  0.098 ± 0.011  0.368 ± 0.022  1.921 ± 0.072
+    Laplace KFAC (lin.)   0.090 ± 0.012  0.091 ± 0.012  0.106 ± 0.012  0.382 ± 0.004
+    Last-layer Laplace    0.090 ± 0.012  0.090 ± 0.012  0.092 ± 0.013  0.144 ± 0.016
     VI                    0.082 ± 0.015  0.084 ± 0.011  0.087 ± 0.012  0.121 ± 0.010
     Serial SGHMC          0.090 ± 0.012  0.089 ± 0.013  0.090 ± 0.016  0.100 ± 0.013
     Parallel SGHMC        0.088 ± 0.015  0.085 ± 0.016  0.084 ± 0.016  0.097 ± 0.021
@@ -76,6 +84,11 @@ What reproduces (the takeaways of Section 5.1):
   costs 0.001-0.025 nats over it.
 * Linearisation rescues Laplace, and the GGN beats the empirical Fisher (Kunstner et
   al. 2019), at every temperature and seed.
+* Structure matters as much (not in the paper): keeping each layer's correlations, KFAC
+  (linearised) loses 2.5 times less than the diagonal GGN at T = 1 (0.38 against 0.96
+  nats, every seed), and the last-layer Laplace, a dense Gaussian over the output layer
+  alone, loses least of the Laplace variants (0.14 at T = 1, accuracy 0.973), close to
+  SGHMC; both are still best at the coldest temperature.
 * T -> 0 recovers optimisation: every Laplace variant tends to the MAP and parallel
   SGHMC to the deep ensemble (within 0.001 nats at T = 1e-3); cooling parallel SGHMC
   below its best temperature makes it worse, towards the deep ensemble, which it beats
@@ -149,6 +162,9 @@ METHODS = (
     "Laplace EF (linear)",
     "Laplace GGN",
     "Laplace GGN (linear)",
+    "Laplace KFAC",
+    "Laplace KFAC (linear)",
+    "Last-layer Laplace",
     "VI",
     "Serial SGHMC",
     "Parallel SGHMC",
@@ -317,27 +333,36 @@ def _run(settings: Settings, seed: int) -> dict[str, Any]:
 
     # Laplace around the MAP: the fit does not depend on T (the covariance is T / Λ), so
     # each curvature is fitted once and its temperature set in the sweep.
+    # KFAC (structure="kron") and the last-layer Laplace (dense GGN over the output layer,
+    # the body fixed at the MAP) are GGN too. The last layer enters the logits linearly,
+    # so its sampled and linearised predictives are the same: one row.
     loader = DataLoader(TensorDataset(x, y), batch_size=256)
+    variants = {
+        "Laplace EF": {"curvature": "ef"},
+        "Laplace GGN": {"curvature": "ggn"},
+        "Laplace KFAC": {"structure": "kron"},
+        "Last-layer Laplace": {"structure": "dense", "subset": "last_layer"},
+    }
     laplaces = {
-        curvature: Laplace(
+        label: Laplace(
             map_model,
             num_data=num_data,
             likelihood="classification",
-            curvature=curvature,
             prior_precision=prior_precision,
+            **options,
         ).fit(loader)
-        for curvature in ("ef", "ggn")
+        for label, options in variants.items()
     }
     for temperature in progress(settings.temperatures, "temperatures"):
-        for curvature, laplace in laplaces.items():
+        for label, laplace in laplaces.items():
             laplace.temperature = temperature
             started = time.perf_counter()
-            for linear in (False, True):
+            for linear in (False, True) if label != "Last-layer Laplace" else (True,):
                 with torch.no_grad():
                     logits = laplace.predict(
                         x_test, settings.draws, linear=linear, generator=generator()
                     )
-                name = f"Laplace {curvature.upper()}" + (" (linear)" if linear else "")
+                name = label + (" (linear)" if linear and label != "Last-layer Laplace" else "")
                 record(name, logits, started)
                 started = time.perf_counter()
 
@@ -471,6 +496,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
         "Laplace EF (linear)": ("C1", "-"),
         "Laplace GGN": ("C2", ":"),
         "Laplace GGN (linear)": ("C2", "-"),
+        "Laplace KFAC": ("C5", ":"),
+        "Laplace KFAC (linear)": ("C5", "-"),
+        "Last-layer Laplace": ("C6", "-"),
         "VI": ("C4", "-"),
         "Serial SGHMC": ("C0", "--"),
         "Parallel SGHMC": ("C0", "-"),

@@ -14,6 +14,10 @@ digits above the seen ones: 0.5 is chance, 1 perfect.
 
 * **SGD**: one network (``torch.optim.SGD``); it has only a total uncertainty (the table
   shows "—" for its epistemic AUROC).
+* **Laplace KFAC (linear)**: ``Laplace(structure="kron")`` around SGD's network, T = 1,
+  the linearised (GLM) predictive from 100 weight draws; not in the paper.
+* **Last-layer Laplace**: ``Laplace(structure="dense", subset="last_layer")``, the dense
+  GGN of the output layer with the hidden layer fixed; not in the paper.
 * **Serial SGHMC**: one ``SGHMC`` chain at T = 1, burn-in, then samples at regular
   intervals (``SampleCollector``).
 * **Deep ensemble**: not in the paper's table; ``ParallelEnsemble`` + SGD, the T -> 0
@@ -39,14 +43,16 @@ Run:
 Results (full mode, seeds 0-4: mean ± standard deviation over seeds; accuracy and NLL on
 the in-distribution test images):
 
-    ==============  =======  =============  =============  =============  ===============
-    method          samples  accuracy (in)  NLL (in)       AUROC total    AUROC epistemic
-    ==============  =======  =============  =============  =============  ===============
-    SGD             1        0.996 ± 0.002  0.030 ± 0.004  0.953 ± 0.008  —
-    Serial SGHMC    25       0.992 ± 0.003  0.037 ± 0.006  0.939 ± 0.014  0.938 ± 0.014
-    Deep ensemble   20       0.996 ± 0.000  0.030 ± 0.004  0.955 ± 0.005  0.958 ± 0.005
-    Parallel SGHMC  20       0.998 ± 0.002  0.033 ± 0.004  0.970 ± 0.006  0.970 ± 0.005
-    ==============  =======  =============  =============  =============  ===============
+    =====================  =======  =============  =============  =============  ===============
+    method                 samples  accuracy (in)  NLL (in)       AUROC total    AUROC epistemic
+    =====================  =======  =============  =============  =============  ===============
+    SGD                    1        0.996 ± 0.002  0.030 ± 0.004  0.953 ± 0.008  —
+    Laplace KFAC (linear)  100      0.995 ± 0.002  0.287 ± 0.010  0.962 ± 0.007  0.958 ± 0.006
+    Last-layer Laplace     100      0.996 ± 0.002  0.056 ± 0.004  0.962 ± 0.007  0.966 ± 0.008
+    Serial SGHMC           25       0.992 ± 0.003  0.037 ± 0.006  0.939 ± 0.014  0.938 ± 0.014
+    Deep ensemble          20       0.996 ± 0.000  0.030 ± 0.004  0.955 ± 0.005  0.958 ± 0.005
+    Parallel SGHMC         20       0.998 ± 0.002  0.033 ± 0.004  0.970 ± 0.006  0.970 ± 0.005
+    =====================  =======  =============  =============  =============  ===============
 
 What reproduces:
 
@@ -58,6 +64,13 @@ What reproduces:
 * It is the sampler's noise, not only the K initialisations: parallel SGHMC beats the
   deep ensemble's epistemic AUROC in every full-mode seed (by 0.007-0.017), though only
   in 5 of 8 quick-mode seeds.
+
+* The Laplace rows (not in the paper): around SGD's own network, both raise its total
+  uncertainty's AUROC in every seed (by 0.003-0.021) at no training cost; the last-layer
+  Laplace's epistemic AUROC (0.966 on average) is above the deep ensemble's in 4 of 5
+  seeds and below parallel SGHMC's in 4 of 5. Linearised KFAC at T = 1 is underconfident
+  in distribution (NLL 0.29 against SGD's 0.03: the cold posterior effect of the cold
+  posterior example), the last-layer Laplace much less so (0.056).
 
 What does not, at this scale:
 
@@ -95,7 +108,14 @@ from common import (
 )
 from torch import Tensor, nn
 
-from samplers_as_optim import SGHMC, ParallelEnsemble, SampleCollector, call_stacked, predictive
+from samplers_as_optim import (
+    SGHMC,
+    Laplace,
+    ParallelEnsemble,
+    SampleCollector,
+    call_stacked,
+    predictive,
+)
 
 IN_CLASSES = (0, 1, 2, 3, 4)  # trained on
 OUT_CLASSES = (5, 6, 7, 8, 9)  # never seen: out of distribution
@@ -104,7 +124,15 @@ HIDDEN = (128,)
 BATCH = 64
 LR, MOMENTUM = 0.1, 0.9  # SGD units, shared by SGD, the deep ensemble and SGHMC
 TEMPERATURE = 1.0  # the Bayesian posterior
-METHODS = ("SGD", "Serial SGHMC", "Deep ensemble", "Parallel SGHMC")
+METHODS = (
+    "SGD",
+    "Laplace KFAC (linear)",
+    "Last-layer Laplace",
+    "Serial SGHMC",
+    "Deep ensemble",
+    "Parallel SGHMC",
+)
+LAPLACE_DRAWS = 100  # weight draws per prediction for the two Laplace rows
 
 
 @dataclass(frozen=True)
@@ -225,6 +253,28 @@ def _run(settings: Settings, seed: int) -> dict[str, Any]:
     )
     logits["SGD"] = predict(model, None)
     seconds["SGD"] = time.perf_counter() - started
+
+    # Laplace around SGD's network (its MAP under the prior): KFAC over both layers, and
+    # the dense GGN of the output layer alone; T = 1, the GLM (linearised) predictive.
+    for name, options in (
+        ("Laplace KFAC (linear)", {"structure": "kron"}),
+        ("Last-layer Laplace", {"structure": "dense", "subset": "last_layer"}),
+    ):
+        begun = time.perf_counter()
+        laplace = Laplace(
+            model,
+            num_data=num_data,
+            likelihood="classification",
+            prior_precision=1.0 / PRIOR_STD**2,
+            temperature=TEMPERATURE,
+            **options,
+        ).fit([(x, y)])
+        with torch.no_grad():
+            logits[name] = (
+                laplace.predict(x_in, LAPLACE_DRAWS, linear=True, generator=generator()),
+                laplace.predict(x_out, LAPLACE_DRAWS, linear=True, generator=generator()),
+            )
+        seconds[name] = seconds["SGD"] + time.perf_counter() - begun
 
     started = time.perf_counter()
     model = network()

@@ -3,28 +3,43 @@
 Replace ``torch.optim.SGD`` with :class:`SGHMC` (adding ``num_data``) and a training loop
 draws samples from the posterior; with ``temperature=0`` it is SGD again, bit for bit.
 
-Samplers (``torch.optim`` optimizers): :class:`SGLD`, :class:`SGHMC`, :class:`SGNHT`;
+Samplers (``torch.optim`` optimizers): :class:`SGLD`, :class:`SGHMC`, :class:`SGNHT`,
+:class:`PSGLD` (RMSprop-preconditioned), :class:`BAOA`, the cyclical schedule
+:class:`CyclicalSGMCMC`,
+and full-batch Metropolis-corrected :class:`HMC`;
 the same as torchopt transformations: :mod:`.transforms`. Gaussian approximations:
-:class:`Laplace`, :class:`MeanFieldVI`, :class:`FullCovarianceVI`. Parallel chains and
+:class:`Laplace` (diagonal, dense, KFAC; all or a subset of the weights),
+:class:`ExtendedKalmanFilter`, :class:`SWAG`, :class:`MeanFieldVI`,
+:class:`FullCovarianceVI`; curvature-vector products and conjugate gradients:
+:mod:`.curvature`. Parallel chains and
 deep ensembles: :class:`ParallelEnsemble`. Samples: :class:`SampleCollector`,
 :class:`RunningMoments`, :func:`call_stacked`. Names for wrappers that drop them
 (``ZeroRedundancyOptimizer``): :func:`name_parameters`. Using them: :mod:`.predictive`,
 :mod:`.diagnostics`.
 """
 
-from . import diagnostics, predictive, transforms
+from . import curvature, diagnostics, predictive, transforms
 from .collect import RunningMoments, SampleCollector
+from .ekf import ExtendedKalmanFilter
 from .ensemble import ParallelEnsemble, ensemble_loss
 from .laplace import Laplace
 from .names import name_parameters
-from .samplers import SGHMC, SGLD, SGNHT
+from .samplers import BAOA, HMC, PSGLD, SGHMC, SGLD, SGNHT
+from .schedulers import CyclicalSGMCMC
 from .stacked import call_stacked
+from .swag import SWAG
 from .vi import FullCovarianceVI, MeanFieldVI
 
 __all__ = [
+    "BAOA",
+    "HMC",
+    "PSGLD",
     "SGHMC",
     "SGLD",
     "SGNHT",
+    "SWAG",
+    "CyclicalSGMCMC",
+    "ExtendedKalmanFilter",
     "FullCovarianceVI",
     "Laplace",
     "MeanFieldVI",
@@ -32,6 +47,7 @@ __all__ = [
     "RunningMoments",
     "SampleCollector",
     "call_stacked",
+    "curvature",
     "diagnostics",
     "ensemble_loss",
     "name_parameters",

@@ -56,7 +56,7 @@ from torch.func import functional_call, vjp, vmap
 from ._flat import Treated
 from ._likelihoods import Likelihood
 
-__all__ = ["batch_factor", "dense_curvature", "diag_curvature"]
+__all__ = ["DenseSum", "batch_factor", "dense_curvature", "diag_curvature"]
 
 # Bytes of per-example gradients held at once by the generic path and the conv path.
 _CHUNK_BYTES = 2**27
@@ -281,6 +281,158 @@ def diag_curvature(
     return {name: out[name] for name in treated.names}
 
 
+def _single_linear(model: nn.Module, treated: Treated) -> tuple[nn.Linear, dict[str, str]] | None:
+    """The one ``nn.Linear`` layer owning every treated parameter, if that is the case."""
+    layers = _fast_layers(model, treated.names)
+    if len(layers) != 1:
+        return None
+    module, entries = next(iter(layers.items()))
+    if not isinstance(module, nn.Linear) or set(entries.values()) != set(treated.names):
+        return None
+    return module, entries
+
+
+def _linear_dense_sum(
+    model: nn.Module,
+    module: nn.Linear,
+    entries: dict[str, str],
+    x: Tensor,
+    target: Tensor,
+    likelihood: Likelihood,
+    kind: str,
+) -> Tensor | None:
+    r"""Dense curvature of one Linear layer: :math:`\sum_i M_i\otimes\tilde a_i\tilde a_i^\top`.
+
+    :math:`M_i = \sum_k g_{ik}g_{ik}^\top` from the K output gradients of the layer
+    (one batched backward), :math:`\tilde a_i = [a_i; 1]`; the sum over examples is one
+    matrix product :math:`M^\top (\tilde A\odot\tilde A)` per chunk of examples, in
+    :math:`O(B\,d_\text{out}^2 d_\text{in}^2)` instead of the
+    :math:`O(BK\,d_\text{out}^2 d_\text{in}^2)` of forming the rows, and on the upper
+    triangles of both factors only. Returns that (out(out+1)/2, w(w+1)/2) triangle (see
+    :func:`_expand_linear_dense`), or None when the layer is not called once on a
+    (batch, in) input (the generic path then applies).
+    """
+    batch = x.shape[0]
+    with _capture([module]) as records, torch.set_grad_enabled(True):
+        output = _forward(model, x, target)
+    if not _usable(module, records.get(module, []), batch):
+        return None
+    factor = batch_factor(likelihood, kind, output.detach(), target)
+    inp, _, layer_out = records[module][0]
+    columns = factor.shape[-1]
+    grad_outputs = factor.permute(2, 0, 1).reshape(columns, *output.shape)
+    (grads,) = torch.autograd.grad(
+        output,
+        [layer_out],
+        grad_outputs if columns > 1 else grad_outputs[0],
+        is_grads_batched=columns > 1,
+        allow_unused=True,
+    )
+    del records, output
+    if grads is None:
+        grads = layer_out.new_zeros(columns, *layer_out.shape)
+    elif columns == 1:
+        grads = grads.unsqueeze(0)
+    grads = grads.detach()
+    out_features = grads.shape[-1]
+    # M_i and a~_i a~_i^T are symmetric: only their upper triangles enter the product.
+    upper_out = torch.triu_indices(out_features, out_features, device=grads.device)
+    m = torch.einsum("kbo,kbp->bop", grads, grads)[:, upper_out[0], upper_out[1]]
+    parts = [inp.detach()] if "weight" in entries else []
+    if "bias" in entries:
+        parts.append(grads.new_ones(batch, 1))
+    augmented = torch.cat(parts, dim=1)
+    width = augmented.shape[1]
+    upper_in = torch.triu_indices(width, width, device=grads.device)
+    total = grads.new_zeros(m.shape[1], upper_in.shape[1])
+    step = _rows_per_chunk(upper_in.shape[1] * augmented.element_size())
+    for start in range(0, batch, step):
+        chunk = augmented[start : start + step]
+        outer = chunk[:, upper_in[0]] * chunk[:, upper_in[1]]
+        total += m[start : start + step].T @ outer
+    return total
+
+
+def _expand_linear_dense(
+    total: Tensor, treated: Treated, module: nn.Linear, entries: dict[str, str]
+) -> Tensor:
+    """The (P, P) matrix in the treated flat order from :func:`_linear_dense_sum`'s triangle."""
+    out_features = module.out_features
+    width = (module.in_features if "weight" in entries else 0) + ("bias" in entries)
+    upper_out = torch.triu_indices(out_features, out_features, device=total.device)
+    upper_in = torch.triu_indices(width, width, device=total.device)
+    blocks = total.new_empty(total.shape[0], width, width)
+    blocks[:, upper_in[0], upper_in[1]] = total
+    blocks[:, upper_in[1], upper_in[0]] = total
+    full = total.new_empty(out_features, out_features, width, width)
+    full[upper_out[0], upper_out[1]] = blocks
+    full[upper_out[1], upper_out[0]] = blocks
+    block = full.permute(0, 2, 1, 3).reshape(out_features * width, out_features * width)
+    # row-major vec([W, b]) -> the treated flat order (weight entries, then the bias)
+    starts = [0, *torch.tensor(treated.sizes).cumsum(0).tolist()]
+    offsets = dict(zip(treated.names, starts[:-1], strict=True))
+    positions = torch.empty(out_features, width, dtype=torch.long)
+    rows = torch.arange(out_features).unsqueeze(1)
+    if "weight" in entries:
+        in_features = module.in_features
+        positions[:, :in_features] = (
+            offsets[entries["weight"]] + rows * in_features + torch.arange(in_features)
+        )
+    if "bias" in entries:
+        positions[:, -1] = offsets[entries["bias"]] + rows[:, 0]
+    order = torch.argsort(positions.reshape(-1)).to(block.device)
+    return block[order][:, order]
+
+
+class DenseSum:
+    r"""Accumulates the dense curvature :math:`\sum_{i,k} g_{ik}g_{ik}^\top` over batches.
+
+    When the treated parameters are exactly one ``nn.Linear`` layer's (a last-layer
+    Laplace) the Kronecker structure of its per-example curvature gives a fast exact path
+    whose triangle is summed over the batches and expanded once (``fast=False`` forces
+    the generic path, for testing).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        treated: Treated,
+        likelihood: Likelihood,
+        kind: str,
+        *,
+        fast: bool = True,
+    ) -> None:
+        self.model, self.treated, self.likelihood, self.kind = model, treated, likelihood, kind
+        self.single = _single_linear(model, treated) if fast else None
+        self.triangle: Tensor | None = None
+        self.generic: Tensor | None = None
+
+    def add(self, x: Tensor, target: Tensor) -> None:
+        """Add one batch's curvature."""
+        if self.single is not None:
+            part = _linear_dense_sum(
+                self.model, *self.single, x, target, self.likelihood, self.kind
+            )
+            if part is not None:
+                self.triangle = part if self.triangle is None else self.triangle + part
+                return
+        part = _generic_dense(self.model, self.treated, x, target, self.likelihood, self.kind)
+        self.generic = part if self.generic is None else self.generic + part
+
+    def result(self, like: Tensor) -> Tensor:
+        """The (P, P) sum (zeros shaped and typed after ``like``'s device/dtype if empty)."""
+        size = self.treated.numel
+        total = (
+            self.generic
+            if self.generic is not None
+            else torch.zeros(size, size, dtype=like.dtype, device=like.device)
+        )
+        if self.triangle is not None:
+            assert self.single is not None
+            total = total + _expand_linear_dense(self.triangle, self.treated, *self.single)
+        return total
+
+
 def dense_curvature(
     model: nn.Module,
     treated: Treated,
@@ -288,11 +440,29 @@ def dense_curvature(
     target: Tensor,
     likelihood: Likelihood,
     kind: str,
+    *,
+    fast: bool = True,
 ) -> Tensor:
     r"""Dense curvature :math:`\sum_{i,k} g_{ik} g_{ik}^\top` over the batch, shape (P, P).
 
-    The flat order is that of ``treated`` (``model.named_parameters()``).
+    The flat order is that of ``treated`` (``model.named_parameters()``); see
+    :class:`DenseSum` for the fast path of a single Linear layer.
     """
+    accumulator = DenseSum(model, treated, likelihood, kind, fast=fast)
+    accumulator.add(x, target)
+    reference = dict(model.named_parameters())[treated.names[0]]
+    return accumulator.result(reference)
+
+
+def _generic_dense(
+    model: nn.Module,
+    treated: Treated,
+    x: Tensor,
+    target: Tensor,
+    likelihood: Likelihood,
+    kind: str,
+) -> Tensor:
+    """Per-example ``vmap(vjp)`` rows, a chunk of examples at a time: sum of R^T R."""
     with torch.no_grad():
         output = _forward(model, x, target)
     factor = batch_factor(likelihood, kind, output, target)

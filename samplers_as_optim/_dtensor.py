@@ -11,7 +11,7 @@ dimensions) are refused with a clear error.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor
 
@@ -36,7 +36,8 @@ def local_layout(param: Tensor) -> tuple[Tensor, tuple[int, int]]:
         NotImplementedError: a placement other than ``Shard(0)`` or ``Replicate()`` on
             a 1-dimensional mesh.
     """
-    placements = tuple(param.placements)
+    dtensor = cast("DTensor", param)
+    placements = tuple(dtensor.placements)
     if len(placements) != 1 or not (
         isinstance(placements[0], Replicate)
         or (isinstance(placements[0], Shard) and placements[0].dim == 0)
@@ -46,8 +47,8 @@ def local_layout(param: Tensor) -> tuple[Tensor, tuple[int, int]]:
             f"on a 1-dimensional mesh (FSDP2's fully_shard default); got placements "
             f"{placements}"
         )
-    local = param.to_local()
-    _, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, placements)
+    local = dtensor.to_local()
+    _, offsets = compute_local_shape_and_global_offset(param.shape, dtensor.device_mesh, placements)
     row = math.prod(param.shape[1:]) if param.dim() else 1
     offset = offsets[0] * row if param.dim() and local.numel() else 0
     return local, (offset, param.numel())
@@ -57,8 +58,8 @@ def wrap_like(local: Tensor, param: Tensor) -> Tensor:
     """``local`` as a DTensor with ``param``'s mesh, placements, shape and stride."""
     return DTensor.from_local(
         local,
-        param.device_mesh,
-        param.placements,
+        cast("DTensor", param).device_mesh,
+        cast("DTensor", param).placements,
         run_check=False,
         shape=param.shape,
         stride=param.stride(),

@@ -69,7 +69,7 @@ class Treated:
     def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
         """Split ``(..., P)`` back into a dict name -> ``(..., *shape)`` (views)."""
         lead = flat.shape[:-1]
-        pieces = torch.split(flat, self.sizes, dim=-1)
+        pieces = torch.split(flat, list(self.sizes), dim=-1)
         return {
             name: piece.reshape(*lead, *shape)
             for name, shape, piece in zip(self.names, self.shapes, pieces, strict=True)

@@ -151,7 +151,8 @@ class CallableLikelihood(Likelihood):
         hessian = torch.stack(rows, dim=1)
         hessian = 0.5 * (hessian + hessian.transpose(1, 2))
         eigenvalues, eigenvectors = torch.linalg.eigh(hessian)
-        return eigenvectors * eigenvalues.clamp(min=0.0).sqrt().unsqueeze(-2)
+        factor: Tensor = eigenvectors * eigenvalues.clamp(min=0.0).sqrt().unsqueeze(-2)
+        return factor
 
 
 def make_likelihood(

@@ -33,6 +33,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ._noise_op import COMPILED_DRAW, compiled_draw
+
 __all__ = [
     "BLOCK",
     "NoiseStream",
@@ -54,6 +56,20 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+#: SplitMix64 rounds of counters already seen: seeds, keys and block indices recur
+_COUNTER_HASHES: dict[int, int] = {}
+
+
+def _counter_hash(counter: int) -> int:
+    """``_splitmix64(counter)``, remembered (a plain dict, which TorchDynamo traces)."""
+    hashed = _COUNTER_HASHES.get(counter)
+    if hashed is None:
+        if len(_COUNTER_HASHES) >= 4096:
+            _COUNTER_HASHES.clear()
+        hashed = _COUNTER_HASHES[counter] = _splitmix64(counter)
+    return hashed
+
+
 def derive_seed(seed: int, *counters: int) -> int:
     """Mix ``seed`` and any number of non-negative counters into one 64-bit seed.
 
@@ -61,9 +77,9 @@ def derive_seed(seed: int, *counters: int) -> int:
     a full SplitMix64 round), which is how the noise of different steps, param groups and
     devices is kept independent.
     """
-    h = _splitmix64(seed & _MASK64)
+    h = _counter_hash(seed & _MASK64)
     for counter in counters:
-        h = _splitmix64(h ^ _splitmix64(counter & _MASK64))
+        h = _splitmix64(h ^ _counter_hash(counter & _MASK64))
     return h
 
 
@@ -78,6 +94,7 @@ def seed_from_global_rng() -> int:
 
 #: elements per independently seeded block of noise (also the CPU update's chunk size)
 BLOCK = 2**18
+
 
 _NAME_DOMAIN = 0x6E616D65  # keeps name keys apart from index keys
 
@@ -94,9 +111,10 @@ def parameter_key(identity: str | int) -> int:
     return derive_seed(identity)
 
 
-def block_bounds(numel: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each block of :data:`BLOCK` elements covering ``range(numel)``."""
-    return [(start, min(numel, start + BLOCK)) for start in range(0, numel, BLOCK)]
+def block_bounds(numel: int, block: int | None = None) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each block (of ``block`` elements, default :data:`BLOCK`)."""
+    size = BLOCK if block is None else block
+    return [(start, min(numel, start + size)) for start in range(0, numel, size)]
 
 
 class NoiseStream:
@@ -153,11 +171,15 @@ class NoiseStream:
         key: int,
         shard: int | None = None,
         layout: tuple[int, int] | None = None,
+        ahead: bool = False,
     ) -> Tensor:
         """The noise of one parameter: ``xi`` shaped like ``like`` (its dtype and device).
 
-        One ``torch.randn`` per block, concatenated; a tensor of at most :data:`BLOCK`
-        elements is one ``torch.randn`` of its shape. Works inside ``torch.func.vmap``
+        ``ahead`` (traced code only, see ``_noise_op``): also start drawing the next
+        step's noise on the worker thread.
+
+        One ``torch.randn`` per block, concatenated; a tensor of at most one block is
+        one ``torch.randn`` of its shape. Works inside ``torch.func.vmap``
         (with ``randomness="different"`` each vmapped entry gets its own numbers).
 
         ``layout=(offset, total)`` says that ``like`` holds elements ``[offset, offset +
@@ -165,18 +187,23 @@ class NoiseStream:
         ``ParallelEnsemble`` split over ranks): its noise is then that part of the whole
         tensor's, drawn from the blocks it overlaps.
         """
-        options = {"dtype": like.dtype, "device": like.device}
+        if COMPILED_DRAW and torch.compiler.is_compiling():  # one node (see _noise_op)
+            return compiled_draw(
+                like, seed=self.seed, step=step, key=key, shard=shard, layout=layout, ahead=ahead
+            )
+        dtype, device = like.dtype, like.device
         if layout is not None and layout != (0, like.numel()):
             return self._draw_part(like, step=step, key=key, shard=shard, layout=layout)
         bounds = block_bounds(like.numel())
         if len(bounds) <= 1:
             generator = self.generator(like.device, step=step, key=key, block=0, shard=shard)
-            return torch.randn(like.shape, generator=generator, **options)
+            return torch.randn(like.shape, generator=generator, dtype=dtype, device=device)
         blocks = [
             torch.randn(
                 stop - start,
                 generator=self.generator(like.device, step=step, key=key, block=b, shard=shard),
-                **options,
+                dtype=dtype,
+                device=device,
             )
             for b, (start, stop) in enumerate(bounds)
         ]
@@ -193,8 +220,9 @@ class NoiseStream:
                 "and a total with offset + numel <= total)"
             )
         parts = []
-        for b in range(offset // BLOCK, -(-stop // BLOCK)):
-            start, end = b * BLOCK, min(total, (b + 1) * BLOCK)
+        size = BLOCK
+        for b in range(offset // size, -(-stop // size)):
+            start, end = b * size, min(total, (b + 1) * size)
             generator = self.generator(like.device, step=step, key=key, block=b, shard=shard)
             block = torch.randn(
                 end - start, generator=generator, dtype=like.dtype, device=like.device

@@ -32,7 +32,7 @@ from torch import Tensor
 try:  # NumPy is a torchopt dependency, but the package must not require it.
     import numpy as _np
 except ImportError:  # pragma: no cover - exercised only without NumPy
-    _np = None
+    _np = None  # type: ignore[assignment]
 
 __all__ = ["average_ranks", "blom_scores", "normal_scores", "sort_rows", "sort_values"]
 
@@ -94,8 +94,8 @@ def sort_rows(y: Tensor, *, finite: bool = False) -> tuple[Tensor, Tensor]:
 
         _in_row_blocks(rows, work)
         return torch.from_numpy(values), torch.from_numpy(order)
-    values, order = torch.sort(y, dim=-1)
-    return values, order
+    sorted_values, sorted_order = torch.sort(y, dim=-1)
+    return sorted_values, sorted_order
 
 
 def _sort_rows_packed(y: Tensor, *, finite: bool) -> tuple[Tensor, Tensor]:
@@ -147,7 +147,8 @@ def average_ranks(sorted_values: Tensor) -> Tensor:
 
 def blom_scores(ranks: Tensor, n: int) -> Tensor:
     r"""Normal scores :math:`\Phi^{-1}((r - 3/8) / (n + 1/4))` of 1-based ranks (Blom, 1958)."""
-    return torch.special.ndtri((ranks - 0.375) / (n + 0.25))
+    scores: Tensor = torch.special.ndtri((ranks - 0.375) / (n + 0.25))
+    return scores
 
 
 @functools.lru_cache(maxsize=8)

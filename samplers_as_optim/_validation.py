@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -39,7 +39,9 @@ __all__ = [
 _SEED_LIMIT = 2**64
 
 
-def _fail(name: str, value: Any, expected: str, where: str, error: type = ValueError):
+def _fail(
+    name: str, value: Any, expected: str, where: str, error: type[Exception] = ValueError
+) -> NoReturn:
     raise error(f"Invalid {name}{where}: {value!r} (expected {expected})")
 
 
@@ -58,7 +60,9 @@ def _real(name: str, value: Any, expected: str, where: str) -> float:
     return float(value)
 
 
-def _integer(name: str, value: Any, expected: str, where: str, *, low: int, high: int | None):
+def _integer(
+    name: str, value: Any, expected: str, where: str, *, low: int, high: int | None
+) -> int:
     """Return ``value`` as an int in [low, high) (Python, NumPy or 0-dim tensor integers).
 
     TypeError for bools and non-integers, ValueError outside the range; ``expected``

@@ -333,13 +333,19 @@ class SampleCollector:
         return {name: storage[: self.count] for name, storage in self._storage.items()}
 
     # -------------------------------------------------------------- collecting
-    def step(self) -> bool:
+    def step(self, *, sampling: bool = True) -> bool:
         """Count one optimizer step; record the source's state if the schedule keeps it.
 
         Call it once after every ``optimizer.step()``. Steps after the collector is full
         are counted and ignored, with a warning the first time (a schedule that ends
         early, e.g. ``thin=1`` over a long run, usually means samples from its start
         only).
+
+        Args:
+            sampling: whether the step was a sampling step (default: True). A step that
+                was not (the exploration of :class:`~samplers_as_optim.CyclicalSGMCMC`,
+                whose ``is_sampling`` says which: pass it before ``scheduler.step()``) is
+                counted for burn-in and thinning but never recorded.
 
         Returns:
             Whether a sample was recorded.
@@ -349,7 +355,7 @@ class SampleCollector:
                 the checkpoint's state by :meth:`load_state_dict` yet.
         """
         self._require_position()
-        if not self._schedule.advance():
+        if not self._schedule.advance() or not sampling:
             return False
         if self.full:
             if not getattr(self, "_warned_full", False):

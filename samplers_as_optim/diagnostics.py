@@ -357,7 +357,8 @@ def _lag_sums_fft(centred: Tensor) -> Tensor:
     size = _fast_fft_size(2 * n)
     spectrum = torch.fft.rfft(centred, n=size, dim=-1)
     power = spectrum.real.square() + spectrum.imag.square()
-    return torch.fft.irfft(power, n=size, dim=-1)[..., :n].sum(dim=-2).to(torch.float64)
+    sums: Tensor = torch.fft.irfft(power, n=size, dim=-1)[..., :n].sum(dim=-2)
+    return sums.to(torch.float64)
 
 
 def _geyer_tau(rho: Tensor, n: int) -> tuple[Tensor, Tensor]:

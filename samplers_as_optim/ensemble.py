@@ -38,6 +38,15 @@ Memory. One vmapped call holds all K members' activations at once, where a loop 
 models holds one member's; for activation-heavy models :meth:`ParallelEnsemble.backward`
 runs forward and backward a chunk of members at a time.
 
+A subset of the parameters. ``ParallelEnsemble(model, K, subset="trainable")`` stacks
+only the parameters that require grad (a PEFT model's LoRA adapters, or any names or
+predicate) and shares the rest, unbatched, between the members: memory is the frozen base
+once plus K times the adapters, and the layers before the first adapter run once for all
+members. This is the posteriors paper's Bayesian LoRA (Section 5.3: a 10-member SGHMC
+ensemble over a language model's last attention layer). Models that ``torch.func.vmap``
+cannot trace run as a loop over the members with the same API and results
+(``backend="auto"``, announced once).
+
 Example:
     >>> import torch
     >>> import torch.nn.functional as F
@@ -62,6 +71,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -82,10 +92,18 @@ from ._validation import (
 from .names import set_parameter_layout
 from .stacked import (
     RANDOMNESS,
+    _bind,
     _bind_all,
     _check_per_sample_inputs,
+    _looped_call,
     _vmapped_call,
 )
+
+#: how the members are run: "auto" (vmap, falling back to a loop), "vmap" or "loop"
+BACKENDS = ("auto", "vmap", "loop")
+
+#: what ``subset`` accepts: "trainable", names, or a predicate on (name, tensor)
+Subset = str | Sequence[str] | Callable[[str, Tensor], bool]
 
 __all__ = ["ParallelEnsemble", "ensemble_loss"]
 
@@ -283,10 +301,51 @@ def _member_rng(seed: int | None, index: int) -> Iterator[None]:
         yield
 
 
+def _select(module: nn.Module, subset: Any) -> list[str]:
+    """The names ``subset`` picks among ``module``'s parameters and buffers, in their order.
+
+    Raises:
+        ValueError: ``subset`` is not "trainable", names or a predicate; a name is unknown;
+            nothing is selected.
+    """
+    tensors = _tensors(module)
+    expected = (
+        "expected 'trainable', a sequence of parameter or buffer names, or a predicate "
+        "subset(name, tensor) -> bool"
+    )
+    if isinstance(subset, str):
+        if subset != "trainable":
+            raise ValueError(f"Invalid subset: {subset!r} ({expected})")
+        names = [name for name, param in module.named_parameters() if param.requires_grad]
+    elif callable(subset):
+        names = [name for name, tensor in tensors.items() if subset(name, tensor)]
+    elif isinstance(subset, Sequence) and all(isinstance(name, str) for name in subset):
+        unknown = sorted(set(subset) - set(tensors))
+        if unknown:
+            raise ValueError(
+                f"Invalid subset: names {unknown} are not parameters or buffers of "
+                f"{type(module).__name__} (expected names from named_parameters() or "
+                "named_buffers())"
+            )
+        chosen = set(subset)
+        names = [name for name in tensors if name in chosen]
+    else:
+        raise ValueError(f"Invalid subset: {subset!r} ({expected})")
+    if not names:
+        raise ValueError(
+            f"Invalid subset: {subset!r} selects no parameter or buffer of "
+            f"{type(module).__name__} (expected at least one)"
+        )
+    return names
+
+
 def _stack_members(
-    members: Iterator[nn.Module], num_members: int, argname: str
+    members: Iterator[nn.Module], num_members: int, argname: str, subset: Any = None
 ) -> tuple[nn.Module, dict[str, Tensor]]:
     """Copy each member into preallocated ``[K, ...]`` storage, one member alive at a time.
+
+    With ``subset``, only the selected tensors are stacked; every other tensor is the first
+    member's, and the other members must hold equal values there (they are shared).
 
     Returns:
         (the first member, name -> stacked tensor).
@@ -294,6 +353,7 @@ def _stack_members(
     first: nn.Module | None = None
     expected: dict[str, tuple[Any, ...]] = {}
     storage: dict[str, Tensor] = {}
+    shared: dict[str, Tensor] = {}
     with torch.no_grad():
         for index in range(num_members):
             member = next(members)
@@ -314,25 +374,45 @@ def _stack_members(
                     )
                 first = member
                 expected = _layout(member)
+                tensors = _tensors(member)
+                names = list(tensors) if subset is None else _select(member, subset)
                 storage = {
                     name: torch.empty(
-                        (num_members, *tensor.shape), dtype=tensor.dtype, device=tensor.device
+                        (num_members, *tensors[name].shape),
+                        dtype=tensors[name].dtype,
+                        device=tensors[name].device,
                     )
-                    for name, tensor in _tensors(member).items()
+                    for name in names
                 }
-            else:
+                shared = {name: t for name, t in tensors.items() if name not in storage}
+            elif member is not first:
                 _check_same_layout(argname, index, member, first, expected)
-            for name, tensor in _tensors(member).items():
-                storage[name][index].copy_(tensor)
+                tensors = _tensors(member)
+                for name, tensor in shared.items():
+                    if not torch.equal(tensors[name], tensor):
+                        raise ValueError(
+                            f"Invalid {argname}: member {index} has {name!r}, outside the "
+                            "subset, different from member 0's (expected the same shared "
+                            "values in every member, e.g. a factory that deep-copies one "
+                            "base model and adds its own adapters)"
+                        )
+            tensors = _tensors(member)
+            for name in storage:
+                storage[name][index].copy_(tensors[name])
     assert first is not None
     return first, storage
 
 
 def _template(first: nn.Module, storage: Mapping[str, Tensor]) -> nn.Module:
-    """A copy of ``first`` whose parameters and buffers are the stacked tensors."""
+    """A copy of ``first`` whose parameters and buffers are the stacked tensors.
+
+    Tensors not in ``storage`` (outside a subset) are ``first``'s own, shared, not copied.
+    """
     memo: dict[int, Any] = {}
     for name, tensor in _tensors(first).items():
-        if isinstance(tensor, nn.Parameter):
+        if name not in storage:
+            memo[id(tensor)] = tensor
+        elif isinstance(tensor, nn.Parameter):
             memo[id(tensor)] = nn.Parameter(storage[name], requires_grad=tensor.requires_grad)
         else:
             memo[id(tensor)] = storage[name]
@@ -385,6 +465,29 @@ class ParallelEnsemble(nn.Module):
             diagnostics. With ``seed=None`` every rank draws all K initialisations in
             order from its global RNG (give every rank the same ``torch.manual_seed``)
             and keeps its share; with an integer seed it draws only its own.
+        subset: None (default: every parameter and buffer is stacked), or which tensors
+            to stack: ``"trainable"`` (the parameters that require grad: a PEFT model's
+            LoRA adapters), a sequence of names from ``named_parameters()`` /
+            ``named_buffers()``, or a predicate ``subset(name, tensor) -> bool``. Every
+            other tensor is shared by all members, not copied: it is passed to the
+            vmapped forward unbatched, so memory is the base once plus K times the subset,
+            and layers that touch no stacked tensor run once for all members. A module
+            given with a subset is not re-initialised: every member starts from its
+            values of the subset (K equal starts; SGHMC's noise separates them), and its
+            other tensors are shared with it (the module itself is not modified). A factory
+            is called K times, under the member seeds as without a subset (e.g. ``lambda:
+            get_peft_model(copy.deepcopy(base), config)`` draws each member's adapters),
+            and must give equal values outside the subset. Shared parameters that require
+            grad receive the sum of the members' gradients: freeze them unless you mean
+            to train a shared trunk.
+        backend: how the members run: ``"auto"`` (default) one ``torch.func.vmap`` call,
+            and where vmap cannot trace the model (data-dependent control flow on a
+            member's values, ``.item()``, ...) a loop over the members, announced once by
+            a ``RuntimeWarning``; ``"vmap"`` (never the loop: vmap's errors propagate); or
+            ``"loop"`` (always the loop). The loop computes what vmap does, member by
+            member, with the same API: outputs and gradients equal to rounding (vmap's
+            batched kernels may round the last bit differently), in-place buffer updates
+            reach each member's slice, dropout draws one member after another.
 
     Example:
         >>> import torch
@@ -410,13 +513,19 @@ class ParallelEnsemble(nn.Module):
         chunk_size: int | None = None,
         randomness: str = "different",
         process_group: Any = None,
+        subset: Subset | None = None,
+        backend: str = "auto",
     ) -> None:
         super().__init__()
         num_members = check_positive_int("num_members", num_members)
         seed = check_seed(seed)
+        check_choice("backend", backend, BACKENDS)
         start, count = _share(num_members, process_group)
         first_index = 0 if seed is None else start  # seed None: the global RNG's order
-        if isinstance(module_or_factory, nn.Module):
+        members: Iterator[Any]
+        if isinstance(module_or_factory, nn.Module) and subset is not None:
+            members = itertools.repeat(module_or_factory)  # the subset's values, K times
+        elif isinstance(module_or_factory, nn.Module):
             members = self._reset_copies(module_or_factory, seed, first_index)
         elif callable(module_or_factory):
             members = self._factory_calls(module_or_factory, seed, first_index)
@@ -426,12 +535,12 @@ class ParallelEnsemble(nn.Module):
                 "a callable that returns one)"
             )
         members = itertools.islice(members, start - first_index, None)
-        first, storage = _stack_members(members, count, "module_or_factory")
-        self._setup(_template(first, storage), count, chunk_size, randomness)
+        first, storage = _stack_members(members, count, "module_or_factory", subset)
+        self._setup(_template(first, storage), count, chunk_size, randomness, storage, backend)
         self.process_group = process_group
         self.member_indices = list(range(start, start + count))
         if process_group is not None:
-            for param in self.module.parameters():
+            for param in self.stacked(buffers=False).values():
                 per_member = param[0].numel()
                 set_parameter_layout(param, start * per_member, num_members * per_member)
 
@@ -455,7 +564,13 @@ class ParallelEnsemble(nn.Module):
             index += 1
 
     def _setup(
-        self, template: nn.Module, num_members: int, chunk_size: Any, randomness: Any
+        self,
+        template: nn.Module,
+        num_members: int,
+        chunk_size: Any,
+        randomness: Any,
+        storage: Mapping[str, Tensor],
+        backend: str,
     ) -> None:
         self.module = template
         self.num_members = num_members
@@ -463,6 +578,12 @@ class ParallelEnsemble(nn.Module):
         self.member_indices = list(range(num_members))
         self.chunk_size = check_chunk_size(chunk_size)
         self.randomness = check_choice("randomness", randomness, RANDOMNESS)
+        self.backend = check_choice("backend", backend, BACKENDS)
+        every = list(_tensors(template))
+        #: the stacked names, or None when every parameter and buffer is stacked
+        self.subset: list[str] | None = None if list(storage) == every else list(storage)
+        #: whether the vmapped forward has worked (None: not tried yet), for "auto"
+        self._vmap_works: bool | None = None
 
     @classmethod
     def from_modules(
@@ -471,6 +592,8 @@ class ParallelEnsemble(nn.Module):
         *,
         chunk_size: int | None = None,
         randomness: str = "different",
+        subset: Subset | None = None,
+        backend: str = "auto",
     ) -> ParallelEnsemble:
         r"""An ensemble whose members start as copies of given (e.g. trained) modules.
 
@@ -480,12 +603,16 @@ class ParallelEnsemble(nn.Module):
                 one module K times gives K identical members.
             chunk_size: as in the constructor.
             randomness: as in the constructor.
+            subset: as in the constructor: only these tensors are stacked; the others
+                must be equal in every module, and member 0's are shared (not copied).
+            backend: as in the constructor.
 
         Returns:
             The ensemble; member k equals ``modules[k]``.
 
         Raises:
-            ValueError: ``modules`` is empty or its entries differ in class or layout.
+            ValueError: ``modules`` is empty, its entries differ in class or layout, or
+                (with ``subset``) in a shared tensor.
             TypeError: an entry is not an ``nn.Module``.
 
         Example:
@@ -499,10 +626,12 @@ class ParallelEnsemble(nn.Module):
             raise ValueError(
                 f"Invalid modules: {modules!r} (expected a non-empty sequence of nn.Modules)"
             )
+        check_choice("backend", backend, BACKENDS)
         ensemble = cls.__new__(cls)
         nn.Module.__init__(ensemble)
-        first, storage = _stack_members(iter(modules), len(modules), "modules")
-        ensemble._setup(_template(first, storage), len(modules), chunk_size, randomness)
+        first, storage = _stack_members(iter(modules), len(modules), "modules", subset)
+        template = _template(first, storage)
+        ensemble._setup(template, len(modules), chunk_size, randomness, storage, backend)
         return ensemble
 
     # ------------------------------------------------------------------ the stacked layout
@@ -511,7 +640,8 @@ class ParallelEnsemble(nn.Module):
 
         These are the ensemble's tensors themselves (not copies): the layout every method's
         samples share, ready for :func:`~samplers_as_optim.stacked.call_stacked` with the
-        original model, or with ``ensemble.member(0)``.
+        original model, or with ``ensemble.member(0)``. With a ``subset``, only its
+        tensors (the others are shared by every member).
 
         Args:
             buffers: include the buffers (default: True).
@@ -523,7 +653,80 @@ class ParallelEnsemble(nn.Module):
         tensors = dict(self.module.named_parameters())
         if buffers:
             tensors.update(self.module.named_buffers())
+        if self.subset is not None:
+            tensors = {name: tensors[name] for name in self.subset if name in tensors}
         return tensors
+
+    def _binding(self) -> tuple[dict[str, Tensor], list[tuple[dict, str, str]]]:
+        """The stacked tensors by name, and the module slots they are swapped into."""
+        if self.subset is None:
+            return _bind_all(self.module)
+        stacked = self.stacked()
+        return stacked, _bind(self.module, stacked)
+
+    def _run(
+        self,
+        bound: list[tuple[dict, str, str]],
+        stacked: dict[str, Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        per_member_inputs: bool,
+        chunk_size: int | None,
+    ) -> Any:
+        """The members' outputs: one vmapped call, or a loop over members (see ``backend``)."""
+        loop = self.backend == "loop" or (self.backend == "auto" and self._vmap_works is False)
+        if loop:
+            return _looped_call(
+                self.module,
+                bound,
+                stacked,
+                args,
+                kwargs,
+                per_sample_inputs=per_member_inputs,
+                randomness=self.randomness,
+            )
+        vmapped = dict(per_sample_inputs=per_member_inputs, randomness=self.randomness)
+        if self.backend == "vmap" or self._vmap_works:
+            return _vmapped_call(
+                self.module, bound, stacked, args, kwargs, chunk_size=chunk_size, **vmapped
+            )
+        # The first call under "auto": keep the buffers, in case a failed attempt updated
+        # some (BatchNorm statistics) before vmap gave up.
+        parameters = {name for name, _ in self.module.named_parameters()}
+        with torch.no_grad():
+            kept = {n: t.clone() for n, t in stacked.items() if n not in parameters}
+        try:
+            outputs = _vmapped_call(
+                self.module, bound, stacked, args, kwargs, chunk_size=chunk_size, **vmapped
+            )
+        except Exception as error:
+            with torch.no_grad():
+                for name, value in kept.items():
+                    stacked[name].copy_(value)
+            outputs = _looped_call(
+                self.module,
+                bound,
+                stacked,
+                args,
+                kwargs,
+                per_sample_inputs=per_member_inputs,
+                randomness=self.randomness,
+            )  # a model that fails here too has a bug of its own: that error propagates
+            self._vmap_works = False
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            warnings.warn(
+                f"ParallelEnsemble: torch.func.vmap cannot run {type(self.module).__name__} "
+                f"({type(error).__name__}: {reason[:200]}); running its "
+                f"{self.num_members} members one after another instead, with the same "
+                "results, more slowly (pass backend='loop' to skip the attempt, or "
+                "backend='vmap' to see the error)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return outputs
+        self._vmap_works = True
+        return outputs
 
     def member(self, index: int) -> nn.Module:
         """Member ``index`` as an ordinary module (a copy of its current values).
@@ -534,6 +737,8 @@ class ParallelEnsemble(nn.Module):
         Returns:
             A new module of the model's class holding member ``index``'s parameters and
             buffers (detached copies; ``requires_grad`` and the train/eval mode as here).
+            With a ``subset``, the tensors outside it are the ensemble's own, shared (the
+            frozen base is not copied).
 
         Raises:
             IndexError: ``index`` is out of range.
@@ -542,6 +747,8 @@ class ParallelEnsemble(nn.Module):
         if isinstance(index, bool) or not isinstance(index, int) or not -size <= index < size:
             raise IndexError(f"Invalid index: {index!r} (expected an integer in [{-size}, {size}))")
         memo: dict[int, Any] = {}
+        if self.subset is not None:  # the tensors outside the subset are shared
+            memo.update((id(tensor), tensor) for tensor in _tensors(self.module).values())
         with torch.no_grad():
             for tensor in self.stacked().values():
                 value = tensor[index].clone()
@@ -572,18 +779,16 @@ class ParallelEnsemble(nn.Module):
             ValueError: ``per_member_inputs=True`` and an input's leading dimension is not K.
         """
         check_bool("per_member_inputs", per_member_inputs)
-        stacked, bound = _bind_all(self.module)
+        stacked, bound = self._binding()
         if per_member_inputs:
             _check_per_sample_inputs(args, self.num_members)
-        return _vmapped_call(
-            self.module,
+        return self._run(
             bound,
             stacked,
             args,
             kwargs,
-            per_sample_inputs=per_member_inputs,
+            per_member_inputs=per_member_inputs,
             chunk_size=self.chunk_size,
-            randomness=self.randomness,
         )
 
     def loss(
@@ -677,7 +882,7 @@ class ParallelEnsemble(nn.Module):
             loss = ensemble_loss(loss_fn, outputs, targets, per_member_targets=per_member_targets)
             loss.backward()
             return loss.detach()
-        stacked, bound = _bind_all(self.module)
+        stacked, bound = self._binding()
         for tensor in stacked.values():
             if tensor.requires_grad and tensor.grad is None:
                 tensor.grad = torch.zeros_like(tensor)
@@ -701,15 +906,13 @@ class ParallelEnsemble(nn.Module):
                     return value
                 return tree_map(lambda v: v[start:stop] if isinstance(v, Tensor) else v, value)
 
-            outputs = _vmapped_call(
-                self.module,
+            outputs = self._run(
                 bound,
                 entry,
                 tuple(part(arg, per_member_inputs) for arg in args),
                 kwargs,
-                per_sample_inputs=per_member_inputs,
+                per_member_inputs=per_member_inputs,
                 chunk_size=None,
-                randomness=self.randomness,
             )
             loss = ensemble_loss(
                 loss_fn,
@@ -756,6 +959,10 @@ class ParallelEnsemble(nn.Module):
             text += f", chunk_size={self.chunk_size}"
         if self.randomness != "different":
             text += f", randomness={self.randomness!r}"
+        if self.subset is not None:
+            text += f", subset=<{len(self.subset)} tensors>"
+        if self.backend != "auto":
+            text += f", backend={self.backend!r}"
         return text
 
 

@@ -41,6 +41,15 @@ per-example gradient formed. ``nn.Conv2d`` forms per-example gradients of that l
 only, a chunk of examples at a time; other modules (and dense) use chunked
 ``vmap(vjp)`` per example. See ``samplers_as_optim/_curvature.py``.
 
+``"kron"`` keeps a Kronecker factor pair per ``nn.Linear``/``nn.Conv2d`` layer (KFAC;
+Martens & Grosse 2015, Ritter et al. 2018), the bias inside the factor, with the damped
+inverse, log-determinant and square root exact through the factors'
+eigendecompositions (:mod:`samplers_as_optim.kfac`); other treated parameters get a
+diagonal. ``subset="last_layer"`` (or a list of parameter names) restricts the Gaussian
+to those weights and keeps the others at the MAP (Kristiadi, Hein & Hennig 2020;
+Daxberger et al. 2021, §3.1): samples, log-densities and both predictives then cover the
+subset only.
+
 Predictions (:meth:`Laplace.predict`) are Monte Carlo over weights,
 :math:`f(x; \theta_s)`, or linearised (the GLM predictive of Immer, Korzepa & Bauer 2021):
 :math:`f_\text{lin}(x;\theta_s) = f(x;\theta_*) + J_{\theta_*}(x)(\theta_s - \theta_*)`, one
@@ -54,19 +63,24 @@ References:
     Immer, Korzepa & Bauer (2021), Improving predictions of Bayesian neural nets via
     local linearization, eq. 7.
     Duffield et al. (2024), Scalable Bayesian learning with posteriors, §2 and App. A.1.
+    Martens & Grosse (2015), Optimizing neural networks with Kronecker-factored
+    approximate curvature. Ritter, Botev & Barber (2018), A scalable Laplace
+    approximation for neural networks.
+    Kristiadi, Hein & Hennig (2020), Being Bayesian, even just a bit, fixes overconfidence
+    in ReLU networks.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vmap
 
-from ._curvature import dense_curvature, diag_curvature
+from ._curvature import DenseSum, diag_curvature
 from ._flat import Treated
 from ._likelihoods import make_likelihood
 from ._memory import check_dense_fits
@@ -78,11 +92,13 @@ from ._validation import (
     check_positive_int,
     check_temperature,
 )
+from .kfac import KronPrecision, KronSums, build_precision, kron_curvature, kron_layers
 from .stacked import call_stacked
 
 __all__ = ["Laplace"]
 
 Precision = float | Mapping[str, Tensor] | Tensor
+Fitted = dict[str, Tensor] | Tensor | KronPrecision
 
 
 def _split_batch(batch: Any) -> tuple[Tensor, Tensor]:
@@ -94,97 +110,94 @@ def _split_batch(batch: Any) -> tuple[Tensor, Tensor]:
     )
 
 
-class Laplace:
-    r"""Gaussian approximation :math:`\mathcal N(\theta_*, T\Lambda^{-1})` at a trained model.
+def select_subset(model: nn.Module, subset: str | Sequence[str] | None) -> Treated:
+    """The treated parameters: ``requires_grad`` ones, or the named subset / last layer."""
+    if subset is None:
+        return Treated.of(model)
+    treated_all = Treated.of(model)
+    expected = "expected None, 'last_layer' or a list of parameter names"
+    named = dict(model.named_parameters())
+    if isinstance(subset, str):
+        if subset != "last_layer":
+            raise ValueError(f"Invalid subset: {subset!r} ({expected})")
+        last: list[str] = []
+        for prefix, module in model.named_modules():
+            owned = [
+                f"{prefix}.{local}" if prefix else local
+                for local, param in module._parameters.items()
+                if param is not None and param.requires_grad
+            ]
+            if owned:
+                last = owned
+        names = [name for name in treated_all.names if name in set(last)]
+    elif isinstance(subset, Sequence) and all(isinstance(name, str) for name in subset):
+        if not subset:
+            raise ValueError("Invalid subset: [] (expected at least one parameter name)")
+        unknown = [name for name in subset if name not in named]
+        if unknown:
+            raise ValueError(
+                f"Invalid subset: unknown parameter names {unknown} (expected names from "
+                f"model.named_parameters(): {list(named)})"
+            )
+        wanted = set(subset)
+        names = [name for name in named if name in wanted]
+    else:
+        raise TypeError(f"Invalid subset: {subset!r} ({expected})")
+    return Treated(tuple(names), tuple(named[name].shape for name in names))
 
-    .. math::
 
-        \Lambda = \Lambda_0 + \frac{N}{n}\sum_{i=1}^n C_i(\theta_*), \qquad
-        C_i = J_i^\top H_i J_i \;(\text{ggn}) \;\text{ or }\;
-        \nabla\ell_i\nabla\ell_i^\top \;(\text{ef}),
+def predict_samples(
+    model: nn.Module,
+    mean: dict[str, Tensor],
+    samples: dict[str, Tensor],
+    x: Tensor,
+    *,
+    linear: bool,
+    chunk_size: int | None,
+) -> Tensor:
+    r"""Outputs for stacked weight draws: :math:`f(x;\theta_s)`, or linearised at ``mean``.
 
-    with :math:`\Lambda_0` = ``prior_precision``, N = ``num_data``, T = ``temperature``,
-    n the examples seen by :meth:`fit`, :math:`\ell_i` the per-example negative
-    log-likelihood of ``likelihood`` and :math:`\theta_*` the model's weights when
-    :meth:`fit` runs. Only parameters with ``requires_grad=True`` at construction are
-    treated; the others stay at the model's values in every sample.
+    The shared predictive of every Gaussian here: ``linear=False`` is
+    :func:`~samplers_as_optim.stacked.call_stacked`; ``linear=True`` is
+    :math:`f(x;\mu) + J_\mu(x)(\theta_s-\mu)`, one ``torch.func.jvp`` per draw.
+    """
+    if not linear:
+        return cast(Tensor, call_stacked(model, samples, x, chunk_size=chunk_size))
+    chunk_size = check_chunk_size(chunk_size)
+    deltas = {name: samples[name] - mean[name] for name in mean}
 
-    Args:
-        model: the trained network; its output for a batch has the batch first.
-        num_data: the number of training examples N (required, a positive integer).
-        likelihood: ``"classification"`` (softmax cross-entropy on ``(batch, classes)``
-            logits; targets are class indices or probabilities), ``"regression"``
-            (Gaussian with standard deviation ``noise_std``; targets shaped like the
-            output) or a callable ``log_likelihood(output, target)`` returning one
-            log-likelihood per example, shape ``(batch,)`` (its output Hessian, for the
-            GGN, is computed by autograd and its negative eigenvalues clipped).
-        noise_std: the Gaussian noise scale σ for ``likelihood="regression"`` (default:
-            None, meaning 1.0; a finite number > 0). Must be None otherwise.
-        curvature: ``"ggn"`` (default; the Fisher for these likelihoods) or ``"ef"``
-            (the empirical Fisher).
-        structure: ``"diag"`` (default) or ``"dense"`` (a P x P precision over the P
-            treated scalars; refused with the size when it cannot fit in memory).
-        prior_precision: :math:`\Lambda_0` (default: 1.0). A finite number > 0 for the
-            prior :math:`\mathcal N(0, 1/\Lambda_0)` on every weight, i.e. ``num_data *
-            weight_decay``; or a dict name -> tensor of positive per-weight precisions;
-            or, with ``structure="dense"``, a P x P positive-definite matrix. The last
-            two are what :attr:`precision` returns, so a fitted posterior can be the next
-            task's prior.
-        temperature: T, multiplies the covariance (default: 1.0; a finite number >= 0;
-            0 gives the point mass at :math:`\theta_*`). The fit does not depend on it:
-            set ``la.temperature = T`` after ``fit`` to sweep temperatures without
-            refitting.
+    def output(params: dict[str, Tensor]) -> Tensor:
+        return cast(Tensor, functional_call(model, params, (x,)))
 
-    Example:
-        >>> import torch
-        >>> from torch.utils.data import DataLoader, TensorDataset
-        >>> from samplers_as_optim.laplace import Laplace
-        >>> _ = torch.manual_seed(0)
-        >>> model = torch.nn.Sequential(
-        ...     torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-        >>> x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
-        >>> # ... train the model (to the MAP), then:
-        >>> la = Laplace(model, num_data=64, likelihood="classification")
-        >>> la = la.fit(DataLoader(TensorDataset(x, y), batch_size=16))
-        >>> samples = la.sample(8, generator=torch.Generator().manual_seed(1))
-        >>> samples["0.weight"].shape
-        torch.Size([8, 16, 4])
-        >>> logits = la.predict(x[:5], num_samples=8, linear=True)
-        >>> logits.shape
-        torch.Size([8, 5, 3])
-        >>> probs = logits.softmax(-1).mean(0)  # Bayesian model average
-        >>> torch.allclose(probs.sum(-1), torch.ones(5))
-        True
+    def tangent(delta: dict[str, Tensor]) -> Tensor:
+        return cast(Tensor, jvp(output, (mean,), (delta,))[1])
+
+    center = output(mean)
+    return center + vmap(tangent, chunk_size=chunk_size, randomness="different")(deltas)
+
+
+class _Gaussian:
+    r"""A Gaussian :math:`\mathcal N(\mu, T\Lambda^{-1})` over a model's treated parameters.
+
+    The shared half of :class:`Laplace` and the extended Kalman filter: sampling,
+    log-density, penalty and the sampled and linearised predictive, for a diagonal
+    (dict), dense (P x P with its Cholesky factor) or Kronecker-factored
+    (:class:`~samplers_as_optim.kfac.KronPrecision`) precision.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        num_data: int,
-        likelihood: str | Callable[[Tensor, Tensor], Tensor],
-        noise_std: float | None = None,
-        curvature: str = "ggn",
-        structure: str = "diag",
-        prior_precision: Precision = 1.0,
-        temperature: float = 1.0,
-    ) -> None:
-        self.treated = Treated.of(model)
-        self.model = model
-        self.num_data = check_num_data(num_data)
-        self.likelihood = make_likelihood(likelihood, noise_std)
-        #: The Gaussian noise scale of ``likelihood="regression"`` (None otherwise).
-        self.noise_std: float | None = getattr(self.likelihood, "noise_std", None)
-        self.curvature = check_choice("curvature", curvature, ("ggn", "ef"))
-        self.structure = check_choice("structure", structure, ("diag", "dense"))
-        self.temperature = temperature
-        reference = self._reference()
-        if self.structure == "dense":
-            check_dense_fits(self.treated.numel, reference.dtype, reference.device)
-        self.prior_precision = self._check_prior(prior_precision)
-        self._mean: dict[str, Tensor] | None = None
-        self._precision: dict[str, Tensor] | Tensor | None = None
-        self._cholesky: Tensor | None = None
+    model: nn.Module
+    treated: Treated
+    structure: str
+    prior_precision: float | dict[str, Tensor] | Tensor
+    _mean: dict[str, Tensor] | None
+    _precision: Fitted | None
+    _cholesky: Tensor | None
+    _not_fitted = "Laplace is not fitted yet: call fit(loader) first"
+
+    def _fitted(self) -> tuple[dict[str, Tensor], Any]:
+        if self._mean is None:
+            raise RuntimeError(self._not_fitted)
+        return self._mean, self._precision
 
     # ------------------------------------------------------------------ setup helpers
     def _reference(self) -> Tensor:
@@ -242,77 +255,6 @@ class Laplace:
             diag = torch.full((self.treated.numel,), prior, dtype=ref.dtype, device=ref.device)
         return diag if self.structure == "diag" else torch.diag(diag)
 
-    # ------------------------------------------------------------------ fitting
-    def fit(self, loader: Iterable[Any]) -> Laplace:
-        r"""Compute :math:`\Lambda` in one pass over ``loader`` at the current weights.
-
-        Each batch is a pair ``(inputs, targets)``, moved to the parameters' device. The
-        model runs in eval mode during the pass (examples must not interact) and its
-        mode is restored afterwards. Calling :meth:`fit` again starts from scratch.
-
-        Args:
-            loader: an iterable of ``(inputs, targets)`` batches, e.g. a ``DataLoader``.
-
-        Returns:
-            ``self``, so that ``Laplace(...).fit(loader)`` chains.
-        """
-        ref = self._reference()
-        mean = self.treated.current(self.model)
-        dense = self.structure == "dense"
-        size = self.treated.numel
-        total: Any = (
-            torch.zeros(size, size, dtype=ref.dtype, device=ref.device)
-            if dense
-            else {name: torch.zeros_like(value) for name, value in mean.items()}
-        )
-        seen = 0
-        training = self.model.training
-        self.model.eval()
-        try:
-            for batch in loader:
-                inputs, targets = _split_batch(batch)
-                inputs, targets = inputs.to(ref.device), targets.to(ref.device)
-                if dense:
-                    total += dense_curvature(
-                        self.model, self.treated, inputs, targets, self.likelihood, self.curvature
-                    )
-                else:
-                    part = diag_curvature(
-                        self.model, self.treated, inputs, targets, self.likelihood, self.curvature
-                    )
-                    for name in self.treated.names:
-                        total[name] += part[name]
-                seen += inputs.shape[0]
-        finally:
-            self.model.train(training)
-        if seen == 0:
-            raise ValueError("Invalid loader: it yielded no examples (expected one pass over data)")
-        scale = self.num_data / seen
-        prior = self._prior_flat()
-        if dense:
-            precision = prior + scale * total
-            precision = 0.5 * (precision + precision.T)
-            cholesky, info = torch.linalg.cholesky_ex(precision)
-            if info != 0:
-                raise ValueError(
-                    "Invalid precision: the fitted dense precision is not positive definite "
-                    f"in {precision.dtype} (expected prior_precision large enough to dominate "
-                    "round-off; increase it or use float64)"
-                )
-            self._precision, self._cholesky = precision, cholesky
-        else:
-            flat = prior + scale * self.treated.flatten(total)
-            self._precision = self.treated.unflatten(flat)
-            self._cholesky = None
-        self._mean = mean
-        return self
-
-    def _fitted(self) -> tuple[dict[str, Tensor], Any]:
-        if self._mean is None:
-            raise RuntimeError("Laplace is not fitted yet: call fit(loader) first")
-        return self._mean, self._precision
-
-    # ------------------------------------------------------------------ the Gaussian
     @property
     def temperature(self) -> float:
         """T, which multiplies the covariance; settable (validated) without refitting."""
@@ -328,27 +270,39 @@ class Laplace:
         return dict(self._fitted()[0])
 
     @property
-    def precision(self) -> dict[str, Tensor] | Tensor:
-        r""":math:`\Lambda` at temperature 1: a dict of diagonals (``"diag"``) or (P, P).
+    def precision(self) -> Fitted:
+        r""":math:`\Lambda` at temperature 1 (a dict, a matrix or a KronPrecision).
 
-        Pass it as the next task's ``prior_precision`` (continual learning).
+        A dict of diagonals (``"diag"``), (P, P) (``"dense"``) or a
+        :class:`~samplers_as_optim.kfac.KronPrecision` (``"kron"``).
+        Pass a diagonal or dense one as the next task's ``prior_precision`` (continual
+        learning).
         """
         precision = self._fitted()[1]
         return dict(precision) if isinstance(precision, dict) else precision
 
     @property
     def covariance(self) -> dict[str, Tensor] | Tensor:
-        r""":math:`T\Lambda^{-1}`: a dict of variances (``"diag"``) or the (P, P) matrix."""
+        r""":math:`T\Lambda^{-1}`: a dict of variances, or the (P, P) matrix (``"dense"``).
+
+        For ``"kron"``, a dict of its marginal variances (its diagonal, exact through the
+        eigendecomposition; the matrix itself is never formed).
+        """
         precision = self._fitted()[1]
         if isinstance(precision, dict):
             return {name: self.temperature / value for name, value in precision.items()}
+        if isinstance(precision, KronPrecision):
+            return {name: self.temperature * value for name, value in precision.variances().items()}
+        assert self._cholesky is not None
         return self.temperature * torch.cholesky_inverse(self._cholesky)
 
     def sample(self, n: int, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         r"""Draw n weight samples :math:`\theta_s = \theta_* + \sqrt{T}\,\Lambda^{-1/2}\xi_s`.
 
         With :math:`\Lambda = LL^\top` (Cholesky) the dense square root is
-        :math:`L^{-\top}`; for ``"diag"`` it is :math:`1/\sqrt{\Lambda_{jj}}`.
+        :math:`L^{-\top}`; for ``"diag"`` it is :math:`1/\sqrt{\Lambda_{jj}}`; for
+        ``"kron"`` it is :math:`(Q_G\otimes Q_A)\,\mathrm{diag}(D)^{-1/2}` per layer (see
+        :mod:`samplers_as_optim.kfac`).
 
         Args:
             n: number of samples (an integer >= 1).
@@ -372,7 +326,12 @@ class Laplace:
         scale = math.sqrt(self.temperature)
         if isinstance(precision, dict):
             step = noise * (scale * self.treated.flatten(precision).rsqrt())
+        elif isinstance(precision, KronPrecision):
+            step = scale * self.treated.flatten(
+                precision.inverse_sqrt(self.treated.unflatten(noise)), batch_dims=1
+            )
         else:
+            assert self._cholesky is not None
             step = scale * torch.linalg.solve_triangular(self._cholesky.T, noise.T, upper=True).T
         return self.treated.unflatten(flat_mean + step)
 
@@ -455,9 +414,13 @@ class Laplace:
                 f"{tuple(shape)}, optionally with one leading sample dimension)"
             )
         delta = self.treated.flatten(params, batch_dims) - self.treated.flatten(mean)
+        if isinstance(precision, KronPrecision):
+            quad = precision.quadratic(self.treated.unflatten(delta), batch_dims)
+            return quad, precision.logdet()
         if isinstance(precision, dict):
             diag = self.treated.flatten(precision)
             return (delta.square() * diag).sum(-1), diag.log().sum()
+        assert self._cholesky is not None
         quad = (delta @ self._cholesky).square().sum(-1)
         return quad, 2.0 * self._cholesky.diagonal().log().sum()
 
@@ -497,17 +460,227 @@ class Laplace:
             raise TypeError(f"Invalid linear: {linear!r} (expected True or False)")
         num_samples = check_positive_int("num_samples", num_samples)
         samples = self.sample(num_samples, generator=generator)
-        if not linear:
-            return call_stacked(self.model, samples, x, chunk_size=chunk_size)
-        chunk_size = check_chunk_size(chunk_size)
-        mean = self._fitted()[0]
-        deltas = {name: samples[name] - mean[name] for name in self.treated.names}
+        return predict_samples(
+            self.model, self._fitted()[0], samples, x, linear=linear, chunk_size=chunk_size
+        )
 
-        def output(params: dict[str, Tensor]) -> Tensor:
-            return functional_call(self.model, params, (x,))
 
-        def tangent(delta: dict[str, Tensor]) -> Tensor:
-            return jvp(output, (mean,), (delta,))[1]
+class Laplace(_Gaussian):
+    r"""Gaussian approximation :math:`\mathcal N(\theta_*, T\Lambda^{-1})` at a trained model.
 
-        center = output(mean)
-        return center + vmap(tangent, chunk_size=chunk_size, randomness="different")(deltas)
+    .. math::
+
+        \Lambda = \Lambda_0 + \frac{N}{n}\sum_{i=1}^n C_i(\theta_*), \qquad
+        C_i = J_i^\top H_i J_i \;(\text{ggn}) \;\text{ or }\;
+        \nabla\ell_i\nabla\ell_i^\top \;(\text{ef}),
+
+    with :math:`\Lambda_0` = ``prior_precision``, N = ``num_data``, T = ``temperature``,
+    n the examples seen by :meth:`fit`, :math:`\ell_i` the per-example negative
+    log-likelihood of ``likelihood`` and :math:`\theta_*` the model's weights when
+    :meth:`fit` runs. Only parameters with ``requires_grad=True`` at construction (or
+    those named by ``subset``) are treated; the others stay at the model's values in
+    every sample.
+
+    Args:
+        model: the trained network; its output for a batch has the batch first.
+        num_data: the number of training examples N (required, a positive integer).
+        likelihood: ``"classification"`` (softmax cross-entropy on ``(batch, classes)``
+            logits; targets are class indices or probabilities), ``"regression"``
+            (Gaussian with standard deviation ``noise_std``; targets shaped like the
+            output) or a callable ``log_likelihood(output, target)`` returning one
+            log-likelihood per example, shape ``(batch,)`` (its output Hessian, for the
+            GGN, is computed by autograd and its negative eigenvalues clipped).
+        noise_std: the Gaussian noise scale σ for ``likelihood="regression"`` (default:
+            None, meaning 1.0; a finite number > 0). Must be None otherwise.
+        curvature: ``"ggn"`` (default; the Fisher for these likelihoods) or ``"ef"``
+            (the empirical Fisher).
+        structure: ``"diag"`` (default), ``"dense"`` (a P x P precision over the P
+            treated scalars; refused with the size when it cannot fit in memory) or
+            ``"kron"`` (KFAC: a Kronecker factor pair per ``nn.Linear``/``nn.Conv2d``
+            layer, bias inside the factor, a diagonal for other parameters; memory
+            :math:`O(\sum d_\text{in}^2 + d_\text{out}^2)`; see
+            :mod:`samplers_as_optim.kfac`).
+        prior_precision: :math:`\Lambda_0` (default: 1.0). A finite number > 0 for the
+            prior :math:`\mathcal N(0, 1/\Lambda_0)` on every weight, i.e. ``num_data *
+            weight_decay``; or a dict name -> tensor of positive per-weight precisions;
+            or, with ``structure="dense"``, a P x P positive-definite matrix. The last
+            two are what :attr:`precision` returns, so a fitted posterior can be the next
+            task's prior. ``structure="kron"`` takes a number only.
+        temperature: T, multiplies the covariance (default: 1.0; a finite number >= 0;
+            0 gives the point mass at :math:`\theta_*`). The fit does not depend on it:
+            set ``la.temperature = T`` after ``fit`` to sweep temperatures without
+            refitting.
+        subset: the weights the Gaussian covers (default: None, every parameter with
+            ``requires_grad=True``): ``"last_layer"`` (the parameters requiring grad of
+            the last module, in ``model.named_modules()`` order, that owns any) or a
+            list of names from ``model.named_parameters()``. The rest stay at the MAP in
+            every sample and prediction.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> from samplers_as_optim.laplace import Laplace
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Sequential(
+        ...     torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        >>> x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+        >>> # ... train the model (to the MAP), then:
+        >>> la = Laplace(model, num_data=64, likelihood="classification")
+        >>> la = la.fit(DataLoader(TensorDataset(x, y), batch_size=16))
+        >>> samples = la.sample(8, generator=torch.Generator().manual_seed(1))
+        >>> samples["0.weight"].shape
+        torch.Size([8, 16, 4])
+        >>> logits = la.predict(x[:5], num_samples=8, linear=True)
+        >>> logits.shape
+        torch.Size([8, 5, 3])
+        >>> probs = logits.softmax(-1).mean(0)  # Bayesian model average
+        >>> torch.allclose(probs.sum(-1), torch.ones(5))
+        True
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        num_data: int,
+        likelihood: str | Callable[[Tensor, Tensor], Tensor],
+        noise_std: float | None = None,
+        curvature: str = "ggn",
+        structure: str = "diag",
+        prior_precision: Precision = 1.0,
+        temperature: float = 1.0,
+        subset: str | Sequence[str] | None = None,
+    ) -> None:
+        self.treated = select_subset(model, subset)
+        self.model = model
+        self.num_data = check_num_data(num_data)
+        self.likelihood = make_likelihood(likelihood, noise_std)
+        #: The Gaussian noise scale of ``likelihood="regression"`` (None otherwise).
+        self.noise_std: float | None = getattr(self.likelihood, "noise_std", None)
+        self.curvature = check_choice("curvature", curvature, ("ggn", "ef"))
+        self.structure = check_choice("structure", structure, ("diag", "dense", "kron"))
+        self.temperature = temperature
+        reference = self._reference()
+        if self.structure == "dense":
+            check_dense_fits(self.treated.numel, reference.dtype, reference.device)
+        if self.structure == "kron" and isinstance(prior_precision, (Mapping, Tensor)):
+            raise ValueError(
+                f"Invalid prior_precision: a {type(prior_precision).__name__} (expected a "
+                "finite number > 0 with structure='kron')"
+            )
+        self.prior_precision = self._check_prior(prior_precision)
+        #: The treated parameter names (the subset the Gaussian covers).
+        self.subset: tuple[str, ...] = self.treated.names
+        self._mean = None
+        self._precision = None
+        self._cholesky = None
+
+    # ------------------------------------------------------------------ fitting
+    def fit(self, loader: Iterable[Any]) -> Laplace:
+        r"""Compute :math:`\Lambda` in one pass over ``loader`` at the current weights.
+
+        Each batch is a pair ``(inputs, targets)``, moved to the parameters' device. The
+        model runs in eval mode during the pass (examples must not interact) and its
+        mode is restored afterwards. Calling :meth:`fit` again starts from scratch.
+
+        Args:
+            loader: an iterable of ``(inputs, targets)`` batches, e.g. a ``DataLoader``.
+
+        Returns:
+            ``self``, so that ``Laplace(...).fit(loader)`` chains.
+        """
+        if self.structure == "kron":
+            return self._fit_kron(loader)
+        ref = self._reference()
+        mean = self.treated.current(self.model)
+        dense = self.structure == "dense"
+        total: Any = (
+            DenseSum(self.model, self.treated, self.likelihood, self.curvature)
+            if dense
+            else {name: torch.zeros_like(value) for name, value in mean.items()}
+        )
+        seen = 0
+        training = self.model.training
+        self.model.eval()
+        try:
+            for batch in loader:
+                inputs, targets = _split_batch(batch)
+                inputs, targets = inputs.to(ref.device), targets.to(ref.device)
+                if dense:
+                    total.add(inputs, targets)
+                else:
+                    part = diag_curvature(
+                        self.model, self.treated, inputs, targets, self.likelihood, self.curvature
+                    )
+                    for name in self.treated.names:
+                        total[name] += part[name]
+                seen += inputs.shape[0]
+        finally:
+            self.model.train(training)
+        if seen == 0:
+            raise ValueError("Invalid loader: it yielded no examples (expected one pass over data)")
+        scale = self.num_data / seen
+        prior = self._prior_flat()
+        if dense:
+            precision = prior + scale * total.result(ref)
+            precision = 0.5 * (precision + precision.T)
+            cholesky, info = torch.linalg.cholesky_ex(precision)
+            if info != 0:
+                raise ValueError(
+                    "Invalid precision: the fitted dense precision is not positive definite "
+                    f"in {precision.dtype} (expected prior_precision large enough to dominate "
+                    "round-off; increase it or use float64)"
+                )
+            self._precision, self._cholesky = precision, cholesky
+        else:
+            flat = prior + scale * self.treated.flatten(total)
+            self._precision = self.treated.unflatten(flat)
+            self._cholesky = None
+        self._mean = mean
+        return self
+
+    def _fit_kron(self, loader: Iterable[Any]) -> Laplace:
+        ref = self._reference()
+        mean = self.treated.current(self.model)
+        layers = kron_layers(self.model, self.treated)
+        sums: list[KronSums] | None = None
+        diag: dict[str, Tensor] = {}
+        seen = 0
+        training = self.model.training
+        self.model.eval()
+        try:
+            for batch in loader:
+                inputs, targets = _split_batch(batch)
+                inputs, targets = inputs.to(ref.device), targets.to(ref.device)
+                part, part_diag = kron_curvature(
+                    self.model,
+                    self.treated,
+                    layers,
+                    inputs,
+                    targets,
+                    self.likelihood,
+                    self.curvature,
+                )
+                if sums is None:
+                    sums = part
+                else:
+                    for total, item in zip(sums, part, strict=True):
+                        total.g += item.g
+                        total.a += item.a
+                        total.rows += item.rows
+                for name, value in part_diag.items():
+                    diag[name] = diag[name] + value if name in diag else value
+                seen += inputs.shape[0]
+        finally:
+            self.model.train(training)
+        if seen == 0 or sums is None:
+            raise ValueError("Invalid loader: it yielded no examples (expected one pass over data)")
+        prior = self.prior_precision
+        assert isinstance(prior, float)
+        shapes = dict(zip(self.treated.names, self.treated.shapes, strict=True))
+        self._precision = build_precision(
+            self.treated, sums, diag, self.num_data / seen, prior, shapes
+        )
+        self._cholesky = None
+        self._mean = mean
+        return self

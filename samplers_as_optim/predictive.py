@@ -318,7 +318,7 @@ def _check_variances(variances: object, means: Tensor, *, positive: bool = False
         )
     variances = torch.as_tensor(variances, dtype=means.dtype, device=means.device)
     try:
-        torch.broadcast_shapes(variances.shape, means.shape)
+        torch.broadcast_shapes(variances.shape, means.shape)  # type: ignore[no-untyped-call]
     except RuntimeError:
         raise ValueError(
             f"Invalid variances: shape {tuple(variances.shape)} (expected a shape that "

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import vmap
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ._validation import check_bool, check_choice, check_chunk_size
 
@@ -294,6 +294,63 @@ def _vmapped_call(
         run, in_dims=in_dims, randomness=randomness, chunk_size=chunk_size
     )
     return batched(stacked, *args)
+
+
+def _looped_call(
+    module: nn.Module,
+    bound: Sequence[tuple[dict, str, str]],
+    stacked: dict[str, Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    per_sample_inputs: bool,
+    randomness: str,
+) -> Any:
+    """What :func:`_vmapped_call` computes, one entry after another (no ``vmap``).
+
+    For models ``torch.func.vmap`` cannot trace (data-dependent control flow on a batched
+    tensor, ``.item()``, in-place ops on unbatched tensors, ...). Entry i runs the module
+    with every bound tensor swapped for ``stacked[name][i]`` (a view: autograd and in-place
+    buffer updates reach the stacked tensor) and the outputs are stacked leaf by leaf;
+    non-tensor leaves are entry 0's. Random draws: one after another from torch's
+    generators ("different"), or from the same generator state for every entry ("same");
+    "error" cannot be enforced without vmap and behaves as "different".
+    """
+    size = num_stacked(stacked)
+    same = randomness == "same"
+    cuda = sorted(
+        {tensor.device.index or 0 for tensor in stacked.values() if tensor.device.type == "cuda"}
+    )
+    states = None
+    if same:
+        states = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda])
+    results: list[Any] = []
+    for index in range(size):
+        if states is not None:  # every entry draws from the same generator state
+            torch.set_rng_state(states[0])
+            for device, state in zip(cuda, states[1], strict=True):
+                torch.cuda.set_rng_state(state, device)
+        inputs = args
+        if per_sample_inputs:
+            inputs = tuple(
+                tree_map(lambda v, i=index: v[i] if isinstance(v, Tensor) else v, arg)
+                for arg in args
+            )
+        saved = [table[key] for table, key, _ in bound]
+        try:
+            for table, key, name in bound:
+                table[key] = stacked[name][index]
+            results.append(module(*inputs, **kwargs))
+        finally:
+            for (table, key, _), original in zip(bound, saved, strict=True):
+                table[key] = original
+    leaves, spec = tree_flatten(results[0])
+    columns = [tree_flatten(result)[0] for result in results]
+    stacked_leaves = [
+        torch.stack([column[position] for column in columns]) if isinstance(leaf, Tensor) else leaf
+        for position, leaf in enumerate(leaves)
+    ]
+    return tree_unflatten(stacked_leaves, spec)
 
 
 def call_stacked(

@@ -1,10 +1,12 @@
 r"""The samplers as torchopt gradient transformations, for torchopt and ``torch.func`` loops.
 
-:func:`sgld`, :func:`sghmc` and :func:`sgnht` are the chains of :class:`~samplers_as_optim.SGLD`,
-:class:`~samplers_as_optim.SGHMC` and :class:`~samplers_as_optim.SGNHT`, computed by the
-same kernels, as ``torchopt.base.GradientTransformation`` s: an ``(init, update)`` pair
-of pure functions. :func:`langevin_noise` is the noise they inject, as a part to chain in
-front of a torchopt optimizer. Each returns the update :math:`-lr\, d` for the kernel's
+:func:`sgld`, :func:`sghmc`, :func:`sgnht`, :func:`psgld` and :func:`baoa` are the chains
+of :class:`~samplers_as_optim.SGLD`, :class:`~samplers_as_optim.SGHMC`,
+:class:`~samplers_as_optim.SGNHT`, :class:`~samplers_as_optim.PSGLD` and
+:class:`~samplers_as_optim.BAOA`, computed by the same kernels, as
+``torchopt.base.GradientTransformation`` s: an ``(init, update)`` pair of pure functions.
+:func:`langevin_noise` is the noise they inject, as a part to chain in front of a
+torchopt optimizer. Each returns the update :math:`-lr\, d` for the kernel's
 direction :math:`d`; ``torchopt.apply_updates`` adds it to the parameters.
 
 The state. Everything a chain needs is in its state, a NamedTuple: the buffers (a tuple
@@ -66,22 +68,30 @@ from __future__ import annotations
 import torch
 
 from .samplers._transform import ScalarOrSchedule, chain_dims
+from .samplers.baoa import BAOAState, baoa
+from .samplers.psgld import PSGLDState, psgld
 from .samplers.sghmc import LangevinNoiseState, SGHMCState, langevin_noise, sghmc
 from .samplers.sgld import SGLDState, sgld
 from .samplers.sgnht import SGNHTState, sgnht
 
 __all__ = [
+    "BAOAState",
     "LangevinNoiseState",
+    "PSGLDState",
     "SGHMCState",
     "SGLDState",
     "SGNHTState",
     "ScalarOrSchedule",
+    "baoa",
     "chain_dims",
     "langevin_noise",
+    "psgld",
     "sghmc",
     "sgld",
     "sgnht",
 ]
 
 # The states hold tensors, tuples and integers only: safe for torch.load(weights_only=True).
-torch.serialization.add_safe_globals([SGLDState, SGHMCState, SGNHTState, LangevinNoiseState])
+torch.serialization.add_safe_globals(
+    [SGLDState, SGHMCState, SGNHTState, LangevinNoiseState, PSGLDState, BAOAState]
+)

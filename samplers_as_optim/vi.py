@@ -117,7 +117,7 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NoReturn, cast
 
 import torch
 from torch import Tensor, nn
@@ -293,7 +293,7 @@ class _GaussianVI(nn.Module):
             )
         flat = self._last
         z, log_det = self._standardise_stopped(flat)
-        error = (z - self._last_noise).detach().abs().amax()
+        error = (z - cast(Tensor, self._last_noise)).detach().abs().amax()  # set with _last
         if not bool(error <= _STANDARDISED_TOLERANCE):  # NaN fails too
             self._degenerate(
                 f"the draws of the last forward, standardised by L, differ from their noise by "
@@ -307,7 +307,7 @@ class _GaussianVI(nn.Module):
             value = value + self._neg_log_prior(flat)
         return value.mean() / self.num_data
 
-    def _degenerate(self, what: str, advice: str) -> None:
+    def _degenerate(self, what: str, advice: str) -> NoReturn:
         diagonal = self._scale_diagonal()
         raise FloatingPointError(
             f"{type(self).__name__}: the variational scale has degenerated: {what}; the "
@@ -318,7 +318,8 @@ class _GaussianVI(nn.Module):
 
     def _neg_log_prior(self, flat: Tensor) -> Tensor:
         """(n,) -log p(theta) of the Gaussian prior at flat draws."""
-        return 0.5 * flat.square().sum(-1) / self.prior_std**2 + self._prior_constant()
+        prior_std = cast(float, self.prior_std)  # called only with a prior
+        return 0.5 * flat.square().sum(-1) / prior_std**2 + self._prior_constant()
 
     def _neg_log_prior_mean(self) -> Tensor:
         """E_q[-log p(theta)] in closed form (0 when the loss carries the prior)."""
@@ -328,7 +329,8 @@ class _GaussianVI(nn.Module):
         return 0.5 * second_moment / self.prior_std**2 + self._prior_constant()
 
     def _prior_constant(self) -> float:
-        return 0.5 * self.treated.numel * math.log(2 * math.pi * self.prior_std**2)
+        prior_std = cast(float, self.prior_std)  # called only with a prior
+        return 0.5 * self.treated.numel * math.log(2 * math.pi * prior_std**2)
 
     @torch.no_grad()
     def sample(self, n: int, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
@@ -366,7 +368,8 @@ class _GaussianVI(nn.Module):
         """
         samples = self.sample(check_positive_int("num_samples", num_samples), generator=generator)
         with torch.no_grad():
-            return call_stacked(self.model, samples, x, chunk_size=chunk_size)
+            outputs: Tensor = call_stacked(self.model, samples, x, chunk_size=chunk_size)
+        return outputs
 
 
 _SHARED_ARGS = r"""model: the network; its parameters with ``requires_grad=True`` are treated
@@ -601,4 +604,4 @@ class FullCovarianceVI(_GaussianVI):
 
 
 for _cls in (MeanFieldVI, FullCovarianceVI):
-    _cls.__doc__ = _cls.__doc__.replace("{shared_args}", _SHARED_ARGS)
+    _cls.__doc__ = cast(str, _cls.__doc__).replace("{shared_args}", _SHARED_ARGS)

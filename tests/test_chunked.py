@@ -134,3 +134,7 @@ def test_a_share_of_a_tensor_draws_its_part_of_the_whole_tensors_noise(start, st
 def test_a_share_outside_its_tensor_is_an_error():
     with pytest.raises(ValueError, match=r"Invalid layout: \(40, 45\) for 18 elements"):
         NoiseStream(3).draw(torch.empty(2, 9), step=0, key=1, layout=(40, 45))
+
+
+def test_block_bounds_of_an_explicit_size():
+    assert block_bounds(10, 4) == [(0, 4), (4, 8), (8, 10)]

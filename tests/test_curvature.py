@@ -297,3 +297,24 @@ def test_errors():
     wrapped = DictOut()
     with pytest.raises(TypeError, match="Invalid model output: dict"):
         diag_curvature(wrapped, Treated.of(wrapped), x, y, Classification(), "ggn")
+
+
+@pytest.mark.parametrize("kind", ["ggn", "ef"])
+@pytest.mark.parametrize("frozen", [None, "4.bias", "4.weight"])
+def test_single_linear_layer_dense_fast_path(kind, frozen, monkeypatch):
+    """Treated = one Linear layer (last-layer Laplace): the Kronecker fast path equals the
+    generic path and the brute force, and the generic path is not used."""
+    model = mlp()
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("4.") and name != frozen)
+    x, y = classification_batch()
+    treated = Treated.of(model)
+    likelihood = Classification()
+    expected = brute_force(model, treated, x, y, kind, likelihood)
+    generic = dense_curvature(model, treated, x, y, likelihood, kind, fast=False)
+    monkeypatch.setattr(
+        _curvature, "_per_example_vjp", lambda *a: (_ for _ in ()).throw(AssertionError)
+    )
+    fast = dense_curvature(model, treated, x, y, likelihood, kind)
+    assert_close(generic, expected)
+    assert_close(fast, expected)

@@ -66,6 +66,14 @@ def check_cold_posterior(results: dict) -> None:
     for method in laplace:
         assert abs(nll[method][0] - map_nll) < 0.01, method
     assert abs(nll["Parallel SGHMC"][0] - ensemble_nll) < 0.005
+    # So do KFAC and the last-layer Laplace. Seen: <= 0.001.
+    for method in ("Laplace KFAC", "Laplace KFAC (linear)", "Last-layer Laplace"):
+        assert abs(nll[method][0] - map_nll) < 0.01, method
+
+    # Kronecker factors keep the correlations within a layer that the diagonal drops:
+    # linearised KFAC beats the linearised diagonal GGN at T = 1. Seen: 0.34 against 0.98
+    # (quick mode, seed 0); the margin asserted is a third of that gap.
+    assert nll["Laplace KFAC (linear)"][warm] < nll["Laplace GGN (linear)"][warm] - 0.2
 
     # Linearised Laplace beats Laplace sampled in weight space. Seen: the gap is >= 0.14
     # at T = 0.1 and >= 0.75 at T = 1.

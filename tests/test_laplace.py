@@ -516,9 +516,40 @@ CONSTRUCTION_ERRORS = [
         "Invalid curvature: 'hessian' (expected one of 'ggn', 'ef')",
     ),
     (
-        {"structure": "kron"},
+        {"structure": "blocks"},
         ValueError,
-        "Invalid structure: 'kron' (expected one of 'diag', 'dense')",
+        "Invalid structure: 'blocks' (expected one of 'diag', 'dense', 'kron')",
+    ),
+    (
+        {"structure": "kron", "prior_precision": {"0.weight": torch.ones(6, 4)}},
+        ValueError,
+        "Invalid prior_precision: a dict (expected a finite number > 0 with structure='kron')",
+    ),
+    (
+        {"structure": "kron", "prior_precision": torch.eye(51)},
+        ValueError,
+        "Invalid prior_precision: a Tensor (expected a finite number > 0 with structure='kron')",
+    ),
+    (
+        {"subset": "first_layer"},
+        ValueError,
+        "Invalid subset: 'first_layer' (expected None, 'last_layer' or a list of parameter names)",
+    ),
+    (
+        {"subset": 3},
+        TypeError,
+        "Invalid subset: 3 (expected None, 'last_layer' or a list of parameter names)",
+    ),
+    (
+        {"subset": []},
+        ValueError,
+        "Invalid subset: [] (expected at least one parameter name)",
+    ),
+    (
+        {"subset": ["2.weight", "head.bias"]},
+        ValueError,
+        "Invalid subset: unknown parameter names ['head.bias'] (expected names from "
+        "model.named_parameters(): ['0.weight', '0.bias', '2.weight', '2.bias'])",
     ),
     (
         {"prior_precision": 0.0},

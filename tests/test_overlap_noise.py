@@ -27,8 +27,8 @@ def make_model():
     return torch.nn.Sequential(torch.nn.Linear(5, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3))
 
 
-def run(case, overlap, *, foreach, events=False):
-    model = make_model()
+def run(case, overlap, *, foreach, events=False, device="cpu"):
+    model = make_model().to(device)
     opt = case.cls(
         model.parameters(),
         lr=0.01,
@@ -51,7 +51,7 @@ def run(case, overlap, *, foreach, events=False):
             if step == 8:  # a state from elsewhere: the tags no longer match
                 opt.load_state_dict(copy.deepcopy(opt.state_dict()))
             model[0].bias.requires_grad_(step != 9)  # frozen for one step
-        x = torch.randn(16, 5, generator=generator)
+        x = torch.randn(16, 5, generator=generator).to(device)
         opt.zero_grad()
         model(x).pow(2).mean().backward()
         opt.step()
@@ -66,6 +66,17 @@ def test_overlapped_noise_gives_the_same_chain(case, foreach, events):
     serial, _ = run(case, False, foreach=foreach, events=events)
     assert all(torch.equal(a, b) for a, b in zip(overlapped, serial, strict=True))
     assert opt._prefetcher is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", SAMPLERS, ids=repr)
+@pytest.mark.parametrize("foreach", [False, True])
+def test_noise_drawn_on_a_cuda_side_stream_gives_the_same_chain(case, foreach):
+    overlapped, opt = run(case, True, foreach=foreach, events=True, device="cuda")
+    serial, _ = run(case, False, foreach=foreach, events=True, device="cuda")
+    assert all(torch.equal(a, b) for a, b in zip(overlapped, serial, strict=True))
+    assert opt._prefetcher._side_streams  # the draws went to a side stream
+    assert all(b.device.type == "cuda" for b in opt._prefetcher._buffers.values())
 
 
 @pytest.mark.parametrize("case", SAMPLERS[:2], ids=repr)

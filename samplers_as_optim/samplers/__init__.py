@@ -1,13 +1,21 @@
 """The SGMCMC samplers: one module per sampler, each holding its pure kernel and Optimizer."""
 
+from .baoa import BAOA, baoa_direction
+from .hmc import HMC
+from .psgld import PSGLD, psgld_direction
 from .sghmc import SGHMC, sghmc_direction, sghmc_noise_scale
 from .sgld import SGLD, sgld_direction, sgld_noise_scale
 from .sgnht import SGNHT, sgnht_direction, sgnht_initial_state
 
 __all__ = [
+    "BAOA",
+    "HMC",
+    "PSGLD",
     "SGHMC",
     "SGLD",
     "SGNHT",
+    "baoa_direction",
+    "psgld_direction",
     "sghmc_direction",
     "sghmc_noise_scale",
     "sgld_direction",

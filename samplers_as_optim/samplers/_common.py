@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "all_finite",
     "apply_step_",
     "buckets",
     "default_foreach",
@@ -46,13 +47,13 @@ def effective_grads(
     """
     owned = False
     if maximize:
-        grads = torch._foreach_neg(grads)
+        grads = list(torch._foreach_neg(grads))
         owned = True
     if weight_decay != 0:
         if owned:
             torch._foreach_add_(grads, params, alpha=weight_decay)
         else:
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+            grads = list(torch._foreach_add(grads, params, alpha=weight_decay))
             owned = True
     return grads, owned
 
@@ -79,6 +80,33 @@ def may_be_non_finite(tensors: Sequence[Tensor]) -> bool:
     return False
 
 
+def all_finite(tensors: Sequence[Tensor]) -> dict[torch.device, Tensor]:
+    """Whether every tensor is finite, as a 0-d boolean tensor on each tensors' device.
+
+    Nothing is read back to Python (no host synchronisation). Exact: a tensor's smallest
+    and largest elements (``torch.aminmax``, which propagates NaN and cannot overflow)
+    are finite exactly when every element is. (The L2 norm of the eager check can
+    overflow, and the ``inf``-norm is ten times slower on the CPU.) With tensors on
+    several devices, each device's flag holds the verdict over all of them.
+    """
+    flags: list[Tensor] = []
+    for tensor in tensors:
+        if tensor.numel():
+            smallest, largest = torch.aminmax(tensor)
+            flags.append(torch.isfinite(torch.stack((smallest, largest))).all())
+    devices = {tensor.device for tensor in tensors}
+    verdict: dict[torch.device, Tensor] = {}
+    for device in devices:
+        on_device = [flag.to(device, non_blocking=True) for flag in flags]
+        if not on_device:
+            verdict[device] = torch.ones((), dtype=torch.bool, device=device)
+        elif len(on_device) == 1:
+            verdict[device] = on_device[0]
+        else:
+            verdict[device] = torch.stack(on_device).all()
+    return verdict
+
+
 def default_foreach(tensors: Sequence[Tensor]) -> bool:
     """torch.optim's default: foreach when every tensor is a plain tensor on an accelerator."""
     return bool(tensors) and all(
@@ -88,7 +116,13 @@ def default_foreach(tensors: Sequence[Tensor]) -> bool:
 
 
 def apply_step_(
-    params: list[Tensor], directions: list[Tensor], *, lr: float, as_sgd: bool, foreach: bool
+    params: list[Tensor],
+    directions: list[Tensor],
+    *,
+    lr: float,
+    as_sgd: bool,
+    foreach: bool,
+    keep: dict[torch.device, Tensor] | None = None,
 ) -> None:
     """Take the step ``theta <- theta - lr * d`` in place.
 
@@ -101,7 +135,16 @@ def apply_step_(
     * ``as_sgd=False`` (temperature > 0): ``param.add_(d * -lr)``, exactly what a
       torchopt transform's update followed by ``torchopt.apply_updates`` does, so an
       Optimizer and a transform with one seed produce the same chain bit for bit.
+
+    ``keep`` (``nonfinite="skip"``): per device, a 0-d boolean tensor; where it is False
+    the parameters keep their values (``torch.where``, the same roundings otherwise).
     """
+    if keep is not None:
+        for param, direction in zip(params, directions, strict=True):
+            step = direction if as_sgd else direction.mul(-lr)
+            moved = param.add(step, alpha=-lr) if as_sgd else param.add(step)
+            param.copy_(torch.where(keep[param.device], moved, param))
+        return
     if not foreach:
         for param, direction in zip(params, directions, strict=True):
             if as_sgd:

@@ -49,8 +49,18 @@ seed_doc = r"""seed: seed of the chain's noise (default: None: drawn from torch'
             at construction, so ``torch.manual_seed`` governs a run; an integer in
             [0, 2**64)). The same seed on every data-parallel rank keeps replicas in sync."""
 
-overlap_noise_doc = r"""overlap_noise: draw the next step's noise on a worker thread right after
-            each step, so that it overlaps the forward and backward passes (default:
-            True). The numbers are the same either way; it costs one parameter-sized
-            buffer for each CPU parameter of at least 2**16 elements at temperature > 0
-            (smaller and CUDA parameters draw in the step)."""
+overlap_noise_doc = r"""overlap_noise: draw the next step's noise right after each step, so
+            that it overlaps the forward and backward passes (default: True): on a worker
+            thread for CPU parameters, on a side stream for CUDA parameters. The numbers
+            are the same either way; it costs one parameter-sized buffer for each
+            parameter of at least 2**16 elements at temperature > 0 (smaller ones draw in
+            the step). Off under ``torch.compile``, which draws in the graph."""
+
+nonfinite_doc = r"""nonfinite: what a step does when a gradient holds NaN or infinity
+            (default: ``"raise"``): ``"raise"`` refuses the step with a
+            ``FloatingPointError`` naming the parameter, before anything changes (this
+            reads one value back from the device: a host synchronisation, and a graph
+            break under ``torch.compile``); ``"skip"`` makes that step a no-op (parameters
+            and state keep their values, the step counter advances) and counts it in
+            ``param_group["skipped_steps"]`` (a 0-d integer tensor), without any
+            synchronisation, so ``torch.compile(opt.step)`` is one graph."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -30,9 +30,11 @@ from torch.optim import Optimizer
 from .. import _random
 from .._distributed import agree_across_ranks
 from .._dtensor import is_dtensor, local_layout, wrap_like
+from .._noise_op import COMPILED_DRAW
 from .._random import NoiseStream, block_bounds, parameter_key, seed_from_global_rng
 from .._validation import (
     check_bool,
+    check_choice,
     check_foreach,
     check_learning_rate,
     check_nonnegative,
@@ -42,7 +44,7 @@ from .._validation import (
     check_temperature,
 )
 from ..names import parameter_layout, parameter_name
-from ._common import apply_step_, default_foreach, may_be_non_finite
+from ._common import all_finite, apply_step_, default_foreach, may_be_non_finite
 from ._prefetch import NoisePrefetcher, NoiseRequest
 
 __all__ = ["SamplerOptimizer"]
@@ -54,8 +56,12 @@ _CHAIN_KEYS = ("seed", "step")
 #: param-group entries that only a sampler (not torch.optim.SGD) writes
 _SAMPLER_ONLY_KEYS = ("num_data", "temperature")
 
-#: CPU parameters with at least this many elements have their noise drawn ahead on the
-#: worker thread (``overlap_noise``); smaller ones draw in the step.
+#: what a step does with a non-finite gradient: refuse it (an error, after a host sync) or
+#: skip it (a no-op, counted in ``group["skipped_steps"]``, without a sync)
+NONFINITE_POLICIES = ("raise", "skip")
+
+#: Parameters with at least this many elements have their noise drawn ahead (on the
+#: worker thread, or a CUDA side stream: ``overlap_noise``); smaller ones draw in the step.
 PREFETCH_MIN_NUMEL = 2**16
 
 #: Tensors with more elements than this are updated chunk by chunk on the CPU, in the
@@ -109,6 +115,9 @@ class SamplerOptimizer(Optimizer):
         params = defaults.pop("params")
         seed = check_seed(defaults.pop("seed"))
         self._overlap_noise = check_bool("overlap_noise", defaults.pop("overlap_noise"))
+        self._nonfinite = check_choice(
+            "nonfinite", defaults.pop("nonfinite", "raise"), NONFINITE_POLICIES
+        )
         check_sgd_only_flags(defaults.pop("differentiable"), defaults.pop("fused"))
         self.check_hyperparameters(defaults, where="")
         for name in self.signature_only_arguments:
@@ -119,17 +128,31 @@ class SamplerOptimizer(Optimizer):
         super().__init__(params, defaults)
 
     def _reset_runtime(self, *, seed_given: bool) -> None:
-        """Create what is not part of the chain's state: generator caches, rank agreement."""
+        """Create what is not part of the chain's state: generator caches, rank agreement.
+
+        What the step itself updates lives in dicts (``_keys``, ``_runtime``), never in
+        attributes assigned during the step: TorchDynamo traces dict mutations of an
+        optimizer, not (in every torch version) attribute assignments.
+        """
         self._streams: dict[int, NoiseStream] = {}
-        self._keys: dict[int, int] | None = None
+        self._keys: dict[int, int] = {}  # empty: not computed yet
         self._prefetcher = NoisePrefetcher() if self._overlap_noise else None
         self._seed_given = seed_given
-        self._agreed = False
-        self._shard: int | None = None
+        self._runtime: dict[str, Any] = {"agreed": False, "shard": None, "all_named": True}
+
+    @property
+    def _shard(self) -> int | None:
+        """This rank's index when sharded ranks update different, unnamed parameters."""
+        shard: int | None = self._runtime["shard"]
+        return shard
 
     def __getstate__(self) -> dict[str, Any]:
-        """``torch.optim.Optimizer``'s state (the whole chain) plus ``overlap_noise``."""
-        return {**super().__getstate__(), "_overlap_noise": self._overlap_noise}
+        """``torch.optim.Optimizer``'s state (the whole chain) plus the runtime options."""
+        return {
+            **super().__getstate__(),
+            "_overlap_noise": self._overlap_noise,
+            "_nonfinite": self._nonfinite,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore a pickled or deep-copied optimizer: the same chain continues.
@@ -139,6 +162,7 @@ class SamplerOptimizer(Optimizer):
         the param groups); the generator caches are rebuilt here.
         """
         state.setdefault("_overlap_noise", True)
+        state.setdefault("_nonfinite", "raise")
         super().__setstate__(state)
         self._reset_runtime(seed_given=True)
 
@@ -159,7 +183,8 @@ class SamplerOptimizer(Optimizer):
             self.check_hyperparameters(candidate, where=where)
             self._check_chain_state(candidate, where=where)
         super().add_param_group(param_group)
-        self._keys = None
+        if hasattr(self, "_keys"):
+            self._keys.clear()
 
     def _noise_keys(self, params: list[Tensor]) -> list[int]:
         """Each parameter's noise key (see ``samplers_as_optim._random``).
@@ -168,16 +193,16 @@ class SamplerOptimizer(Optimizer):
         tensor carries one (:func:`~samplers_as_optim.name_parameters`), else from its
         index among all the optimizer's parameters, in group order.
         """
-        if self._keys is None:
-            self._keys = {}
-            self._all_named = True
+        if not self._keys:
+            self._runtime["all_named"] = True
             index = 0
             for group in self.param_groups:
                 names = group.get("param_names")
                 for position, param in enumerate(group["params"]):
                     identity = names[position] if names else parameter_name(param)
                     if identity is None:
-                        identity, self._all_named = index, False
+                        identity = index
+                        self._runtime["all_named"] = False
                     self._keys[id(param)] = parameter_key(identity)
                     index += 1
         return [self._keys[id(param)] for param in params]
@@ -290,26 +315,39 @@ class SamplerOptimizer(Optimizer):
             The closure's loss, or None.
 
         Raises:
-            FloatingPointError: a gradient holds NaN or infinity; nothing was changed.
+            FloatingPointError: a gradient holds NaN or infinity; nothing was changed
+                (with ``nonfinite="raise"``, the default).
             ValueError: a param group holds an invalid hyperparameter (a schedule may
                 have moved it); nothing was changed.
+
+        Under ``torch.compile`` the step is one graph (the noise draw is one custom op,
+        ``samplers_as_optim._noise_op``) when built with ``nonfinite="skip"``; with
+        ``"raise"`` the check of the gradients reads a value back to Python, which
+        splits the graph there, exactly as in eager mode.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._agreed:
+        compiling = torch.compiler.is_compiling()
+        if not self._runtime["agreed"]:
             self._agree_across_ranks()
         gathered = []
         for index, group in enumerate(self.param_groups):
             self.check_hyperparameters(group, where=_at_group(index))
-            self._check_chain_state(group, where=_at_group(index))
+            if not compiling:  # checked on the way in; reading it would specialise the graph
+                self._check_chain_state(group, where=_at_group(index))
             params, grads = self._gather(group, index)
             _check_representable(group, params, where=_at_group(index))
             gathered.append((index, group, params, grads))
-        self._refuse_non_finite(gathered)
-        if self._prefetcher is not None:
-            self._prefetcher.wait()
+        keep = None
+        if self._nonfinite == "raise":
+            self._refuse_non_finite(gathered)
+        else:
+            keep = self._finite_flags(gathered)
+        prefetcher = None if compiling else self._prefetcher
+        if prefetcher is not None:
+            prefetcher.wait()
         for _, group, params, grads in gathered:
             if not params:
                 continue
@@ -317,12 +355,33 @@ class SamplerOptimizer(Optimizer):
             lr = float(group["lr"])
             if temperature > 0 and lr == 0:
                 continue  # a step of length zero: no time passes, nothing changes
-            self._update_group(group, params, grads, lr=lr, temperature=temperature)
+            self._update_group(group, params, grads, lr=lr, temperature=temperature, keep=keep)
         for group in self.param_groups:
             group["step"] += 1
-        if self._prefetcher is not None:
-            self._prefetcher.submit(self._next_noise_requests())
+        if prefetcher is not None:
+            prefetcher.submit(self._next_noise_requests())
         return loss
+
+    def _finite_flags(
+        self, gathered: Sequence[tuple[int, dict[str, Any], list[Tensor], list[Tensor]]]
+    ) -> dict[torch.device, Tensor]:
+        """``nonfinite="skip"``: whether every gradient is finite, one flag per device.
+
+        Computed without reading anything back to Python (no host synchronisation, no
+        graph break under ``torch.compile``); every param group counts the steps it
+        skipped in ``group["skipped_steps"]``, a 0-d integer tensor on its device.
+        """
+        flags = all_finite([grad for *_, grads in gathered for grad in grads])
+        for _, group, params, _ in gathered:
+            if params:
+                device = params[0].device
+                skipped = group.get("skipped_steps")
+                if not isinstance(skipped, Tensor):
+                    skipped = group["skipped_steps"] = torch.zeros(
+                        (), dtype=torch.int64, device=device
+                    )
+                skipped.add_(flags[skipped.device].logical_not().to(torch.int64))
+        return flags
 
     def _next_noise_requests(self) -> list[NoiseRequest]:
         """The next step's draws to prefetch: large CPU parameters of groups at T > 0.
@@ -340,7 +399,7 @@ class SamplerOptimizer(Optimizer):
                 for param in group["params"]
                 if param.numel() >= PREFETCH_MIN_NUMEL
                 and param.requires_grad
-                and param.device.type == "cpu"
+                and param.device.type in ("cpu", "cuda")
                 and parameter_layout(param) is None
                 and not is_dtensor(param)
             ]
@@ -358,12 +417,11 @@ class SamplerOptimizer(Optimizer):
             [group["step"] for group in self.param_groups],
             [[tuple(p.shape) for p in group["params"]] for group in self.param_groups],
             given=self._seed_given,
-            named=self._all_named,
+            named=self._runtime["all_named"],
         )
         for group, seed in zip(self.param_groups, agreement.seeds, strict=True):
             group["seed"] = seed
-        self._shard = agreement.shard
-        self._agreed = True
+        self._runtime.update(shard=agreement.shard, agreed=True)
 
     def _stream(self, seed: int) -> NoiseStream:
         stream = self._streams.get(seed)
@@ -380,8 +438,13 @@ class SamplerOptimizer(Optimizer):
         *,
         lr: float,
         temperature: float,
+        keep: dict[torch.device, Tensor] | None = None,
     ) -> None:
         """Draw the noise, call the sampler's kernel, store its state and take the step.
+
+        ``keep`` (``nonfinite="skip"``): per device, a 0-d boolean tensor, False when the
+        step must change nothing; the new parameters and buffers are then selected with
+        ``torch.where`` against the old ones, without a host synchronisation.
 
         On the CPU without foreach, tensors larger than ``CHUNK`` elements are updated
         chunk by chunk (the kernel on views, the noise drawn into a scratch chunk): the
@@ -390,8 +453,8 @@ class SamplerOptimizer(Optimizer):
         of SGD's step plus drawing the noise, instead of ~30% for whole tensors.
         """
         foreach = group["foreach"]
-        if foreach is None:
-            foreach = default_foreach(params)
+        if foreach is None:  # under compile, whole tensors (both paths: the same numbers)
+            foreach = torch.compiler.is_compiling() or default_foreach(params)
         fields = self._state_fields(group)
         states = [self.state[p] for p in params] if fields else []
         for param, state in zip(params if fields else [], states, strict=True):
@@ -405,17 +468,22 @@ class SamplerOptimizer(Optimizer):
             noise_of = _GroupNoise(self, group, params)
 
         kwargs = {"lr": lr, "temperature": temperature}
-        if not foreach and self._chunkable(params, grads, buffers):
+        if keep is None and not foreach and self._chunkable(params, grads, buffers):
             self._update_in_chunks(group, params, grads, buffers, noise_of, **kwargs)
             return
         noise = None if noise_of is None else [noise_of.whole(i) for i in range(len(params))]
+        old = None
+        if keep is not None:  # the kernels update buffers in place
+            old = [[None if b is None else b.clone() for b in field] for field in buffers]
         directions, new_buffers = self._kernel(
             group, params, grads, buffers, noise, foreach=foreach, **kwargs
         )
-        for name, field in zip(fields, new_buffers, strict=True):
-            for state, value in zip(states, field, strict=True):
+        for f, (name, field) in enumerate(zip(fields, new_buffers, strict=True)):
+            for i, (state, value) in enumerate(zip(states, field, strict=True)):
+                if old is not None and keep is not None and isinstance(value, Tensor):
+                    value = _kept(value, old[f][i], keep)
                 state[name] = value
-        apply_step_(params, directions, lr=lr, as_sgd=temperature == 0, foreach=foreach)
+        apply_step_(params, directions, lr=lr, as_sgd=temperature == 0, foreach=foreach, keep=keep)
 
     def _chunkable(
         self,
@@ -436,7 +504,7 @@ class SamplerOptimizer(Optimizer):
         group: dict[str, Any],
         params: list[Tensor],
         grads: list[Tensor],
-        buffers: list[list[Tensor]],
+        buffers: list[list[Tensor | None]],
         noise_of: _GroupNoise | None,
         *,
         lr: float,
@@ -450,18 +518,23 @@ class SamplerOptimizer(Optimizer):
         block with ``torch.randn``.
         """
 
-        def update(ps, gs, bs, noise):
+        def update(
+            ps: list[Tensor],
+            gs: list[Tensor],
+            bs: list[list[Tensor | None]],
+            noise: list[Tensor] | None,
+        ) -> None:
             directions, _ = self._kernel(
                 group, ps, gs, bs, noise, lr=lr, temperature=temperature, foreach=False
             )
             apply_step_(ps, directions, lr=lr, as_sgd=temperature == 0, foreach=False)
 
-        def flat(tensor, start, stop):
+        def flat(tensor: Tensor, start: int, stop: int) -> Tensor:
             return tensor.view(-1)[start:stop]
 
         small: list[int] = []  # consecutive small tensors, updated together in order
 
-        def flush():
+        def flush() -> None:
             if small:
                 noise = None if noise_of is None else [noise_of.whole(i) for i in small]
                 bs = [[field[i] for i in small] for field in buffers]
@@ -484,7 +557,7 @@ class SamplerOptimizer(Optimizer):
                 update(
                     [flat(param, start, stop)],
                     [flat(grads[i], start, stop)],
-                    [[flat(field[i], start, stop)] for field in buffers],
+                    [[flat(cast(Tensor, field[i]), start, stop)] for field in buffers],
                     noise,
                 )
         flush()
@@ -545,12 +618,12 @@ class SamplerOptimizer(Optimizer):
 
         Every param group holds it as ``group["seed"]``; this is the first group's.
         """
-        return self.param_groups[0]["seed"]
+        return int(self.param_groups[0]["seed"])
 
     @property
     def steps_taken(self) -> int:
         """How many steps this optimizer has taken (restored by ``load_state_dict``)."""
-        return max(group["step"] for group in self.param_groups)
+        return max(int(group["step"]) for group in self.param_groups)
 
     def _restore_own_dtype_state(self, state_dict: dict[str, Any]) -> None:
         saved_state = state_dict.get("state", {})
@@ -621,6 +694,25 @@ class SamplerOptimizer(Optimizer):
         self._reset_runtime(seed_given=True)
 
 
+if not COMPILED_DRAW:
+    # torch < 2.13 cannot trace the step soundly (see ``_noise_op``; torch 2.11's dynamo
+    # also fails on its comprehensions): under torch.compile the step then runs eagerly.
+    SamplerOptimizer.step = torch.compiler.disable(  # type: ignore[method-assign,no-untyped-call]
+        SamplerOptimizer.step
+    )
+
+
+def _drawn_ahead(param: Tensor) -> bool:
+    """Whether a parameter's next noise is drawn ahead on the worker (CPU, large)."""
+    return param.device.type == "cpu" and param.numel() >= PREFETCH_MIN_NUMEL
+
+
+def _kept(new: Tensor, old: Tensor | None, keep: dict[torch.device, Tensor]) -> Tensor:
+    """``new`` where the step is kept, else ``old`` (zeros for a buffer the step created)."""
+    before = torch.zeros_like(new) if old is None else old
+    return new.copy_(torch.where(keep[new.device], new, before))  # the kernel's own buffer
+
+
 def _check_representable(group: dict[str, Any], params: list[Tensor], *, where: str) -> None:
     r"""Raise unless the step's scalars fit the parameters' dtypes (before anything changes).
 
@@ -686,6 +778,8 @@ class _GroupNoise:
         self.step = group["step"]
         self.shard = optimizer._shard
         self.prefetched: list[Tensor | None] = [None] * len(params)
+        #: under torch.compile, whether the draw hands the next step's to the worker
+        self.ahead = optimizer._overlap_noise
         if optimizer._prefetcher is not None:
             self.prefetched = [
                 optimizer._prefetcher.take(
@@ -706,12 +800,14 @@ class _GroupNoise:
                 local, step=self.step, key=self.keys[i], shard=self.shard, layout=layout
             )
             return wrap_like(noise, param)
+        share = parameter_layout(param)
         return self.stream.draw(
             param,
             step=self.step,
             key=self.keys[i],
             shard=self.shard,
-            layout=parameter_layout(param),
+            layout=share,
+            ahead=self.ahead and share is None and _drawn_ahead(param),
         )
 
     def block(self, i: int, block: int, start: int, stop: int, scratch: Tensor) -> Tensor:

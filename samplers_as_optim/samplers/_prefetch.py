@@ -1,4 +1,4 @@
-"""Draw the next step's noise on a worker thread while the forward and backward passes run.
+"""Draw the next step's noise while the forward and backward passes run.
 
 On the CPU, drawing the standard normals is most of a sampler step's cost (Mersenne
 Twister, about as expensive as ``uniform_``), and nothing else can make it cheaper. But
@@ -13,10 +13,15 @@ draw itself; anything else (a temperature switched on, a loaded state) is drawn 
 spot. The numbers are the same either way (``NoiseStream.fill_`` in place, or
 ``NoiseStream.draw``).
 
-Cost: one parameter-sized buffer for each CPU parameter drawn ahead (those of at least
+On a CUDA device the draw is queued on a side stream of that device instead (its own
+generator, re-seeded per block, as in the step): the kernels run beside the forward and
+backward kernels of the next iteration, and the step makes its stream wait for the side
+stream's event before it reads the buffers. The side stream first waits for the current
+stream, so a buffer is never overwritten while the previous step still reads it.
+
+Cost: one parameter-sized buffer for each parameter drawn ahead (those of at least
 ``PREFETCH_MIN_NUMEL`` elements, in groups at temperature > 0), kept between steps.
-Smaller parameters draw in the step (handing them over costs more than it saves), and so
-do CUDA parameters (their draw is a fast kernel of its own).
+Smaller parameters draw in the step (handing them over costs more than it saves).
 """
 
 from __future__ import annotations
@@ -31,14 +36,14 @@ from torch import Tensor
 
 from .._random import NoiseStream
 
-__all__ = ["NoisePrefetcher", "NoiseRequest"]
+__all__ = ["NoisePrefetcher", "NoiseRequest", "shared_executor"]
 
 _executor: ThreadPoolExecutor | None = None
 _executor_pid: int | None = None
 _executor_lock = threading.Lock()
 
 
-def _shared_executor() -> ThreadPoolExecutor:
+def shared_executor() -> ThreadPoolExecutor:
     """One worker thread per process, shared by every Optimizer (created after a fork)."""
     global _executor, _executor_pid
     with _executor_lock:
@@ -58,7 +63,11 @@ class NoiseRequest(NamedTuple):
     shard: int | None
 
 
-def _tag(request: NoiseRequest) -> tuple:
+#: what identifies a draw: seed, step, key, shard, shape and dtype
+Tag = tuple[int, int, int, "int | None", torch.Size, torch.dtype]
+
+
+def _tag(request: NoiseRequest) -> Tag:
     param = request.param
     return (request.seed, request.step, request.key, request.shard, param.shape, param.dtype)
 
@@ -68,9 +77,11 @@ class NoisePrefetcher:
 
     def __init__(self) -> None:
         self._buffers: dict[int, Tensor] = {}
-        self._tags: dict[int, tuple] = {}
-        self._pending: Future | None = None
+        self._tags: dict[int, Tag] = {}
+        self._pending: Future[list[tuple[int, Tag]]] | None = None
         self._streams: dict[int, NoiseStream] = {}
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._events: dict[torch.device, torch.cuda.Event] = {}
 
     def submit(self, requests: list[NoiseRequest]) -> None:
         """Start drawing ``requests`` on the worker thread (after the current draw, if any)."""
@@ -85,9 +96,30 @@ class NoisePrefetcher:
                     param, memory_format=torch.contiguous_format
                 )
             self._tags.pop(id(param), None)  # invalid until drawn
-        self._pending = _shared_executor().submit(self._draw, requests)
+        on_cpu = [request for request in requests if request.param.device.type == "cpu"]
+        on_cuda = [request for request in requests if request.param.device.type == "cuda"]
+        if on_cuda:
+            self._draw_on_side_streams(on_cuda)
+        if on_cpu:
+            self._pending = shared_executor().submit(self._draw, on_cpu)
 
-    def _draw(self, requests: list[NoiseRequest]) -> list[tuple[int, tuple]]:
+    def _draw_on_side_streams(self, requests: list[NoiseRequest]) -> None:
+        """Queue the CUDA draws on each device's side stream; record when they are done."""
+        devices = {request.param.device for request in requests}
+        for device in devices:
+            side = self._side_streams.get(device)
+            if side is None:
+                side = self._side_streams[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                drawn = self._draw([r for r in requests if r.param.device == device])
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(side)
+            self._events[device] = event
+            for ident, tag in drawn:
+                self._tags[ident] = tag
+
+    def _draw(self, requests: list[NoiseRequest]) -> list[tuple[int, Tag]]:
         drawn = []
         for request in requests:
             stream = self._streams.get(request.seed)
@@ -114,4 +146,7 @@ class NoisePrefetcher:
         """The prefetched noise for ``request`` (call :meth:`wait` first), or None."""
         if self._tags.get(id(request.param)) != _tag(request):
             return None
+        device = request.param.device
+        if device.type == "cuda":  # the draw was queued on the side stream
+            torch.cuda.current_stream(device).wait_event(self._events[device])
         return self._buffers[id(request.param)]

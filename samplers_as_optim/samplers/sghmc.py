@@ -69,6 +69,7 @@ a ``torch.optim.SGD`` checkpoint) is taken to be in the current units. A step of
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -110,6 +111,12 @@ def sghmc_noise_scale(lr: float, momentum: float, temperature: float, num_data: 
     if temperature == 0:
         return 0.0
     return math.sqrt(2.0 * (1.0 - momentum) * temperature / (num_data * lr))
+
+
+def _present(buffer: Tensor | None) -> Tensor:
+    """A buffer known to exist (for the type checker)."""
+    assert buffer is not None
+    return buffer
 
 
 def rescale_momentum(
@@ -160,16 +167,16 @@ def rescale_momentum(
             by_rate.setdefault(old, []).append(i)
     for old, index in by_rate.items():
         factor = math.sqrt(old / lr)
+        chosen = [_present(buffers[i]) for i in index]  # only buffers with a rate
         if not foreach:
-            for i in index:
-                buffers[i] = buffers[i].mul_(factor) if inplace else buffers[i].mul(factor)
+            for i, buffer in zip(index, chosen, strict=True):
+                buffers[i] = buffer.mul_(factor) if inplace else buffer.mul(factor)
             continue
-        chosen = [buffers[i] for i in index]
         for bucket in buckets(chosen):
             tensors = [chosen[j] for j in bucket]
             # out of place (then copied): on the CPU the in-place foreach multiply rounds
             # the factor to a bfloat16/float16 buffer's dtype first, unlike mul_
-            scaled = torch._foreach_mul(tensors, factor)
+            scaled = list(torch._foreach_mul(tensors, factor))
             if inplace:
                 torch._foreach_copy_(tensors, scaled)
                 scaled = tensors
@@ -243,7 +250,8 @@ def sghmc_direction(
         raise ValueError("noise must be given exactly when temperature > 0")
     scale = sghmc_noise_scale(lr, momentum, temperature, num_data)
     if not foreach:
-        directions, buffers = [], []
+        single_directions: list[Tensor] = []
+        single_buffers: list[Tensor | None] = []
         for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
             grad = effective_grad(grad, param, weight_decay=weight_decay, maximize=maximize)
             buffer = momentum_buffers[i]
@@ -254,11 +262,11 @@ def sghmc_direction(
                 buffer.add_(grad, alpha=1 - dampening)
             if noise is not None:
                 buffer.add_(noise[i], alpha=scale)
-            buffers.append(buffer)
-            directions.append(grad.add(buffer, alpha=momentum) if nesterov else buffer)
-        return directions, buffers
+            single_buffers.append(buffer)
+            single_directions.append(grad.add(buffer, alpha=momentum) if nesterov else buffer)
+        return single_directions, single_buffers
 
-    directions: list[Tensor] = [grads[0]] * len(grads)
+    directions = [grads[0]] * len(grads)
     buffers: list[Tensor | None] = list(momentum_buffers)
     for index in buckets(params):
         bucket_grads, _ = effective_grads(
@@ -268,14 +276,15 @@ def sghmc_direction(
             maximize=maximize,
         )
         old = [momentum_buffers[i] for i in index]
+        new: list[Tensor] = []
         if all(buffer is not None for buffer in old):
             # in place, as torch.optim.SGD (on the CPU that rounds the momentum to a
             # bfloat16/float16 buffer's dtype first): new buffers are copies, then scaled
-            new = old if inplace else [buffer.clone() for buffer in old]
+            present = [_present(buffer) for buffer in old]
+            new = present if inplace else [buffer.clone() for buffer in present]
             torch._foreach_mul_(new, momentum)
             torch._foreach_add_(new, bucket_grads, alpha=1 - dampening)
         else:
-            new = []
             for buffer, grad in zip(old, bucket_grads, strict=True):
                 if buffer is None:
                     buffer = grad.detach().clone()
@@ -285,7 +294,7 @@ def sghmc_direction(
                 new.append(buffer)
         if noise is not None:
             torch._foreach_add_(new, [noise[i] for i in index], alpha=scale)
-        bucket_directions = (
+        bucket_directions: Sequence[Tensor] = (
             torch._foreach_add(bucket_grads, new, alpha=momentum) if nesterov else new
         )
         for position, i in enumerate(index):
@@ -334,6 +343,7 @@ class SGHMC(SamplerOptimizer):
         fused: bool | None = None,
         seed: int | None = None,
         overlap_noise: bool = True,
+        nonfinite: str = "raise",
     ) -> None:
         super().__init__(locals())
 
@@ -382,7 +392,7 @@ class SGHMC(SamplerOptimizer):
         temperature: float,
         foreach: bool,
     ) -> tuple[list[Tensor], list[list[Tensor | None]]]:
-        momentum_buffers = buffers[0] if buffers else [None] * len(params)
+        momentum_buffers: list[Tensor | None] = buffers[0] if buffers else [None] * len(params)
         directions, momentum_buffers = sghmc_direction(
             params,
             grads,
@@ -441,6 +451,7 @@ SGHMC.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo, a drop-in for 
         {_docs.fused_doc}
         {_docs.seed_doc}
         {_docs.overlap_noise_doc}
+        {_docs.nonfinite_doc}
 
     Example:
         >>> import torch
@@ -481,7 +492,7 @@ class SGHMCState(NamedTuple):
     momentum_buffer: tuple[Tensor | None, ...]
     momentum_lr: tuple[float | None, ...]
     seed: int
-    count: int
+    count: int  # type: ignore[assignment]  # a field, as optax's ScaleByScheduleState.count
 
 
 def sghmc(
@@ -620,7 +631,7 @@ class LangevinNoiseState(NamedTuple):
     """
 
     seed: int
-    count: int
+    count: int  # type: ignore[assignment]  # a field, as optax's ScaleByScheduleState.count
 
 
 def langevin_noise(

@@ -98,13 +98,13 @@ def sgld_direction(
         raise ValueError("noise must be given exactly when temperature > 0")
     scale = math.sqrt(2.0 * temperature / (num_data * lr)) if noise is not None else 0.0
     if not foreach:
-        directions = []
+        single: list[Tensor] = []
         for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
             direction = effective_grad(grad, param, weight_decay=weight_decay, maximize=maximize)
             if noise is not None:
                 direction = direction.add(noise[i], alpha=-scale)
-            directions.append(direction)
-        return directions
+            single.append(direction)
+        return single
 
     directions: list[Tensor] = [grads[0]] * len(grads)
     for index in buckets(params):
@@ -119,7 +119,7 @@ def sgld_direction(
             if owned:
                 torch._foreach_add_(bucket, bucket_noise, alpha=-scale)
             else:
-                bucket = torch._foreach_add(bucket, bucket_noise, alpha=-scale)
+                bucket = list(torch._foreach_add(bucket, bucket_noise, alpha=-scale))
         for i, direction in zip(index, bucket, strict=True):
             directions[i] = direction
     return directions
@@ -145,6 +145,7 @@ class SGLD(SamplerOptimizer):
         fused: bool | None = None,
         seed: int | None = None,
         overlap_noise: bool = True,
+        nonfinite: str = "raise",
     ) -> None:
         super().__init__(locals())
 
@@ -227,6 +228,7 @@ SGLD.__doc__ = rf"""Stochastic gradient Langevin dynamics, a drop-in for ``torch
         {_docs.fused_doc}
         {_docs.seed_doc}
         {_docs.overlap_noise_doc}
+        {_docs.nonfinite_doc}
 
     Example:
         >>> import torch
@@ -258,7 +260,7 @@ class SGLDState(NamedTuple):
     """
 
     seed: int
-    count: int
+    count: int  # type: ignore[assignment]  # a field, as optax's ScaleByScheduleState.count
 
 
 def sgld(

@@ -1,0 +1,401 @@
+r"""Kronecker-factored curvature (KFAC) of ``nn.Linear`` and ``nn.Conv2d`` layers.
+
+For a layer :math:`z = \tilde W \tilde a` with :math:`\tilde W = [W, b]` (out x (in+1))
+and the input augmented with a 1, :math:`\tilde a = [a; 1]` (Martens & Grosse 2015, §3:
+the bias lives inside the Kronecker factor), the per-example pseudo-gradients of the
+curvature (see :mod:`._curvature`) are :math:`g_{ik}\tilde a_i^\top` with
+:math:`g_{ik} = \partial(f_i\cdot v_{ik})/\partial z_i`, so the layer's block of
+:math:`\sum_i C_i` is, in the row-major order of :math:`\mathrm{vec}(\tilde W)`,
+
+.. math::
+
+    \sum_i \Big(\sum_k g_{ik}g_{ik}^\top\Big)\otimes\tilde a_i\tilde a_i^\top
+    \;\approx\; \underbrace{\sum_{i,k} g_{ik}g_{ik}^\top}_{G}\;\otimes\;
+    \underbrace{\frac1n\sum_i\tilde a_i\tilde a_i^\top}_{A},
+
+the K-FAC "expectation of a product ≈ product of expectations" (Martens & Grosse 2015,
+eq. 1-2; Ritter, Botev & Barber 2018 for the Laplace approximation). It is exact when
+the sum has one term (n = 1), or when :math:`\sum_k g_{ik}g_{ik}^\top` does not depend on
+i (a linear-Gaussian last layer). ``"ggn"`` uses the K columns of the output-Hessian
+factor, ``"ef"`` the one column :math:`\nabla_f\ell_i`. A convolution (and a Linear layer
+applied to inputs with more than a batch dimension) shares its weight over T positions;
+the positions are treated as extra examples ("KFAC-expand", Grosse & Martens 2016;
+Eschenhagen et al. 2023): :math:`G = \sum_{i,t,k} g_{itk}g_{itk}^\top`,
+:math:`A = \frac{1}{nT}\sum_{i,t}\tilde u_{it}\tilde u_{it}^\top` with :math:`u_{it}`
+the unfolded input patch. Memory: :math:`O(\sum_\ell d_\text{in}^2 + d_\text{out}^2)`.
+
+**The damped inverse by eigendecomposition** (Martens & Grosse 2015, App. B; George et
+al. 2018). With :math:`G = Q_G\,\mathrm{diag}(\lambda_G)Q_G^\top` and :math:`A =
+Q_A\,\mathrm{diag}(\lambda_A)Q_A^\top`, the layer's posterior precision
+:math:`\Lambda = \delta I + s\,G\otimes A` (δ the prior precision, s = N/n) is
+exactly :math:`(Q_G\otimes Q_A)\,\mathrm{diag}(D)\,(Q_G\otimes Q_A)^\top` with
+:math:`D_{ab} = \delta + s\,\lambda_{G,a}\lambda_{A,b}`. So, with :math:`\Delta` the
+out x (in+1) deviation from the mean,
+
+* :math:`\mathrm{vec}(\Delta)^\top\Lambda\,\mathrm{vec}(\Delta) = \sum_{ab} D_{ab}
+  (Q_G^\top\Delta Q_A)_{ab}^2`, :math:`\log\det\Lambda = \sum_{ab}\log D_{ab}`;
+* a draw is :math:`\Delta = \sqrt T\,Q_G\,(Z \oslash \sqrt D)\,Q_A^\top`, Z standard
+  normal (a square root of :math:`T\Lambda^{-1}`, no approximation);
+* the marginal variances are :math:`T\,(Q_G\circ Q_G)\,D^{-1}(Q_A\circ Q_A)^\top`.
+
+Treated parameters outside such layers (normalisation layers, embeddings, a layer
+called twice, shared weights) get a diagonal block, computed as ``structure="diag"``.
+
+References:
+    Martens & Grosse (2015), Optimizing neural networks with Kronecker-factored
+    approximate curvature. ICML.
+    Grosse & Martens (2016), A Kronecker-factored approximate Fisher matrix for
+    convolution layers. ICML.
+    Ritter, Botev & Barber (2018), A scalable Laplace approximation for neural networks.
+    ICLR.
+    George et al. (2018), Fast approximate natural gradient descent in a
+    Kronecker-factored eigenbasis. NeurIPS.
+    Eschenhagen et al. (2023), Kronecker-factored approximate curvature for modern
+    neural network architectures. NeurIPS.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ._curvature import _capture, _check_output, _fast_layers, batch_factor, diag_curvature
+from ._flat import Treated
+from ._likelihoods import Likelihood
+
+__all__ = ["KronBlock", "KronPrecision", "kron_curvature"]
+
+
+@dataclass
+class KronSums:
+    """Running sums of one layer's factors over a pass: G, the sum of A, and its rows."""
+
+    weight: str | None
+    bias: str | None
+    g: Tensor
+    a: Tensor
+    rows: int
+
+
+def _input_rows(module: nn.Module, inp: Tensor) -> Tensor:
+    """The layer's inputs as rows (n*T, in): unfolded patches for a convolution."""
+    if isinstance(module, nn.Conv2d):
+        unfolded = F.unfold(
+            inp.detach(),
+            module.kernel_size,
+            dilation=module.dilation,
+            padding=cast(tuple[int, ...], module.padding),
+            stride=module.stride,
+        )  # (B, C*kh*kw, L)
+        return unfolded.transpose(1, 2).reshape(-1, unfolded.shape[1])
+    return inp.detach().reshape(-1, inp.shape[-1])
+
+
+def _augmented_gram(rows: Tensor, with_weight: bool, with_bias: bool) -> Tensor:
+    r""":math:`\sum \tilde u\tilde u^\top` for :math:`\tilde u = [u; 1]` without forming it."""
+    count = rows.shape[0]
+    if not with_bias:
+        return rows.T @ rows
+    if not with_weight:
+        return rows.new_full((1, 1), float(count))
+    width = rows.shape[1]
+    gram = rows.new_empty(width + 1, width + 1)
+    torch.mm(rows.T, rows, out=gram[:width, :width])
+    sums = rows.sum(0)
+    gram[:width, width] = sums
+    gram[width, :width] = sums
+    gram[width, width] = count
+    return gram
+
+
+def _output_grads(module: nn.Module, grad: Tensor) -> Tensor:
+    """(K, B, out, ...) or (K, B, ..., out) output gradients as rows (K*B*T, out)."""
+    if isinstance(module, nn.Conv2d):
+        k, batch, channels = grad.shape[:3]
+        return grad.reshape(k, batch, channels, -1).transpose(2, 3).reshape(-1, channels)
+    return grad.reshape(-1, grad.shape[-1])
+
+
+def _kron_usable(module: nn.Module, calls: list[tuple[object, int, Tensor]], batch: int) -> bool:
+    if len(calls) != 1:
+        return False
+    inp, version, out = calls[0]
+    if not isinstance(inp, Tensor) or not isinstance(out, Tensor):
+        return False
+    if inp._version != version or out.grad_fn is None or inp.shape[:1] != (batch,):
+        return False
+    return inp.dim() == 4 if isinstance(module, nn.Conv2d) else inp.dim() >= 2
+
+
+def kron_layers(model: nn.Module, treated: Treated) -> dict[nn.Module, dict[str, str]]:
+    """The Linear/Conv2d layers whose treated parameters get a Kronecker block."""
+    return _fast_layers(model, treated.names)
+
+
+def kron_curvature(
+    model: nn.Module,
+    treated: Treated,
+    layers: dict[nn.Module, dict[str, str]],
+    x: Tensor,
+    target: Tensor,
+    likelihood: Likelihood,
+    kind: str,
+) -> tuple[list[KronSums], dict[str, Tensor]]:
+    r"""One batch's KFAC sums for ``layers`` and the diagonal for the other treated names.
+
+    Returns:
+        For each layer (in the order of ``layers``), :math:`\sum g g^\top` (out x out),
+        :math:`\sum\tilde u\tilde u^\top` and the number of rows (examples x positions) in
+        it; and name -> summed diagonal curvature for the treated parameters outside
+        ``layers``.
+
+    Raises:
+        ValueError: a layer is called more than once per forward, or on an input without
+            the batch first (its Kronecker factors would be wrong).
+    """
+    batch = x.shape[0]
+    with _capture(layers) as records, torch.set_grad_enabled(True):
+        output = _check_output(model(x))
+    factor = batch_factor(likelihood, kind, output.detach(), target)
+    names = {module: name for name, module in model.named_modules()}
+    for module in layers:
+        if not _kron_usable(module, records.get(module, []), batch):
+            calls = len(records.get(module, []))
+            raise ValueError(
+                f"Invalid model for structure='kron': layer {names[module]!r} "
+                f"({type(module).__name__}) ran {calls} time(s) in one forward (expected "
+                "exactly once, on an input with the batch first, unchanged in place)"
+            )
+    outputs = [records[module][0][2] for module in layers]
+    columns = factor.shape[-1]
+    grad_outputs = factor.permute(2, 0, 1).reshape(columns, *output.shape)
+    grads = torch.autograd.grad(
+        output,
+        outputs,
+        grad_outputs if columns > 1 else grad_outputs[0],
+        is_grads_batched=columns > 1,
+        allow_unused=True,
+    )
+    sums = []
+    for (module, entries), layer_out, grad in zip(layers.items(), outputs, grads, strict=True):
+        if grad is None:
+            grad = layer_out.new_zeros(columns, *layer_out.shape)
+        elif columns == 1:
+            grad = grad.unsqueeze(0)
+        rows_g = _output_grads(module, grad.detach())
+        rows_a = _input_rows(module, records[module][0][0])
+        sums.append(
+            KronSums(
+                entries.get("weight"),
+                entries.get("bias"),
+                rows_g.T @ rows_g,
+                _augmented_gram(rows_a, "weight" in entries, "bias" in entries),
+                rows_a.shape[0],
+            )
+        )
+    del records, output
+    covered = {name for entries in layers.values() for name in entries.values()}
+    rest = [name for name in treated.names if name not in covered]
+    diag: dict[str, Tensor] = {}
+    if rest:
+        shapes = dict(zip(treated.names, treated.shapes, strict=True))
+        sub = Treated(tuple(rest), tuple(shapes[name] for name in rest))
+        diag = diag_curvature(model, sub, x, target, likelihood, kind)
+    return sums, diag
+
+
+@dataclass
+class KronBlock:
+    r"""One layer's precision over :math:`\tilde W = [W, b]`, by its eigendecomposition.
+
+    :math:`\delta I + (Q_G\otimes Q_A)\mathrm{diag}(s\lambda_G\otimes\lambda_A)
+    (Q_G\otimes Q_A)^\top`.
+
+    Attributes:
+        weight: the weight's parameter name (None if the weight is not treated).
+        bias: the bias's parameter name (None if absent or not treated).
+        out_features: rows of :math:`\tilde W`.
+        in_features: columns of the weight part (0 without weight).
+        g_eigenvalues, g_eigenvectors: eigendecomposition of :math:`sG`.
+        a_eigenvalues, a_eigenvectors: eigendecomposition of A.
+        prior: δ, the prior precision.
+    """
+
+    weight: str | None
+    bias: str | None
+    out_features: int
+    in_features: int
+    g_eigenvalues: Tensor
+    g_eigenvectors: Tensor
+    a_eigenvalues: Tensor
+    a_eigenvectors: Tensor
+    prior: float
+
+    @property
+    def eigenvalues(self) -> Tensor:
+        """D: (out, in[+1]) eigenvalues of the block's precision."""
+        return self.prior + torch.outer(self.g_eigenvalues, self.a_eigenvalues)
+
+    def matrix(self, params: Mapping[str, Tensor], batch_dims: int) -> Tensor:
+        r""":math:`\tilde W` (..., out, in[+1]) from a dict of (optionally stacked) tensors."""
+        parts = []
+        if self.weight is not None:
+            weight = params[self.weight]
+            lead = weight.shape[:batch_dims]
+            parts.append(weight.reshape(*lead, self.out_features, self.in_features))
+        if self.bias is not None:
+            parts.append(params[self.bias].unsqueeze(-1))
+        return torch.cat(parts, dim=-1)
+
+    def split(self, matrix: Tensor, shapes: Mapping[str, torch.Size]) -> dict[str, Tensor]:
+        r"""The inverse of :meth:`matrix`: name -> ``(..., *shape)``."""
+        lead = matrix.shape[:-2]
+        out = {}
+        if self.weight is not None:
+            out[self.weight] = matrix[..., : self.in_features].reshape(*lead, *shapes[self.weight])
+        if self.bias is not None:
+            out[self.bias] = matrix[..., -1]
+        return out
+
+    def dense(self) -> Tensor:
+        """The block's precision as a dense matrix over row-major vec(W~)."""
+        q = torch.kron(self.g_eigenvectors, self.a_eigenvectors)
+        return (q * self.eigenvalues.reshape(-1)) @ q.T
+
+
+class KronPrecision:
+    r"""A KFAC posterior precision: Kronecker blocks per layer and a diagonal for the rest.
+
+    Returned by ``Laplace(..., structure="kron").precision``. It never forms the P x P
+    matrix unless :meth:`dense` is asked for.
+
+    Attributes:
+        blocks: one :class:`KronBlock` per Linear/Conv2d layer.
+        diagonal: name -> the precision diagonal of every treated parameter outside them.
+    """
+
+    def __init__(self, treated: Treated, blocks: list[KronBlock], diagonal: dict[str, Tensor]):
+        self.treated = treated
+        self.blocks = blocks
+        self.diagonal = diagonal
+        self._shapes = dict(zip(treated.names, treated.shapes, strict=True))
+
+    def quadratic(self, delta: Mapping[str, Tensor], batch_dims: int) -> Tensor:
+        r""":math:`\delta^\top\Lambda\delta` per sample for a dict of deviations."""
+        total: Tensor | float = 0.0
+        for block in self.blocks:
+            rotated = (
+                block.g_eigenvectors.T @ block.matrix(delta, batch_dims) @ block.a_eigenvectors
+            )
+            total = total + (rotated.square() * block.eigenvalues).sum((-2, -1))
+        for name, diag in self.diagonal.items():
+            value = delta[name]
+            total = total + (value.square() * diag).reshape(*value.shape[:batch_dims], -1).sum(-1)
+        assert isinstance(total, Tensor)
+        return total
+
+    def logdet(self) -> Tensor:
+        r""":math:`\log\det\Lambda`."""
+        parts = [block.eigenvalues.log().sum() for block in self.blocks]
+        parts += [diag.log().sum() for diag in self.diagonal.values()]
+        return torch.stack(parts).sum()
+
+    def inverse_sqrt(self, noise: dict[str, Tensor]) -> dict[str, Tensor]:
+        r""":math:`\Lambda^{-1/2}`-type transform of standard-normal draws (name -> (n, ...))."""
+        out: dict[str, Tensor] = {}
+        for block in self.blocks:
+            z = block.matrix(noise, 1) * block.eigenvalues.rsqrt()
+            out.update(block.split(block.g_eigenvectors @ z @ block.a_eigenvectors.T, self._shapes))
+        for name, diag in self.diagonal.items():
+            out[name] = noise[name] * diag.rsqrt()
+        return out
+
+    def variances(self) -> dict[str, Tensor]:
+        r"""The diagonal of :math:`\Lambda^{-1}`: name -> tensor of the parameter's shape."""
+        out: dict[str, Tensor] = {}
+        for block in self.blocks:
+            variance = (
+                block.g_eigenvectors.square()
+                @ block.eigenvalues.reciprocal()
+                @ block.a_eigenvectors.square().T
+            )
+            out.update(block.split(variance, self._shapes))
+        for name, diag in self.diagonal.items():
+            out[name] = diag.reciprocal()
+        return {name: out[name] for name in self.treated.names}
+
+    def dense(self) -> Tensor:
+        """The (P, P) precision in the flat order of the treated parameters (for tests)."""
+        size = self.treated.numel
+        reference = next(iter(self.blocks)).g_eigenvalues if self.blocks else None
+        if reference is None:
+            reference = next(iter(self.diagonal.values()))
+        matrix = torch.zeros(size, size, dtype=reference.dtype, device=reference.device)
+        offsets = dict(
+            zip(
+                self.treated.names,
+                torch.tensor((0, *self.treated.sizes)).cumsum(0).tolist(),
+                strict=False,
+            )
+        )
+        for block in self.blocks:
+            index = torch.arange(
+                block.out_features * (block.in_features + (block.bias is not None))
+            )
+            grid = index.reshape(block.out_features, -1)
+            positions = torch.empty_like(grid)
+            if block.weight is not None:
+                positions[:, : block.in_features] = offsets[block.weight] + torch.arange(
+                    block.out_features * block.in_features
+                ).reshape(block.out_features, block.in_features)
+            if block.bias is not None:
+                positions[:, -1] = offsets[block.bias] + torch.arange(block.out_features)
+            flat = positions.reshape(-1).to(matrix.device)
+            matrix[flat.unsqueeze(1), flat.unsqueeze(0)] = block.dense()
+        for name, diag in self.diagonal.items():
+            start = offsets[name]
+            span = torch.arange(start, start + diag.numel(), device=matrix.device)
+            matrix[span, span] = diag.reshape(-1)
+        return matrix
+
+
+def build_precision(
+    treated: Treated,
+    sums: list[KronSums],
+    diag: dict[str, Tensor],
+    scale: float,
+    prior: float,
+    shapes: Mapping[str, torch.Size],
+) -> KronPrecision:
+    """Eigendecompose the summed factors: G scaled by ``scale``, A the mean over rows."""
+    blocks = []
+    for item in sums:
+        g = 0.5 * (item.g + item.g.T) * scale
+        a = 0.5 * (item.a + item.a.T) / max(item.rows, 1)
+        g_values, g_vectors = torch.linalg.eigh(g)
+        a_values, a_vectors = torch.linalg.eigh(a)
+        out_features = g.shape[0]
+        in_features = (
+            math.prod(shapes[item.weight]) // out_features if item.weight is not None else 0
+        )
+        blocks.append(
+            KronBlock(
+                item.weight,
+                item.bias,
+                out_features,
+                in_features,
+                g_values.clamp(min=0.0),
+                g_vectors,
+                a_values.clamp(min=0.0),
+                a_vectors,
+                prior,
+            )
+        )
+    diagonal = {name: prior + scale * value for name, value in diag.items()}
+    return KronPrecision(treated, blocks, diagonal)

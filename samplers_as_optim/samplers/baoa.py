@@ -1,0 +1,420 @@
+r"""BAOA, the splitting integrator of underdamped Langevin dynamics (Leimkuhler & Matthews).
+
+Derivation. Target :math:`p_T(\theta) \propto \exp(-U(\theta)/T)` with :math:`U = N L`
+(DESIGN §1), extended by a momentum :math:`r \sim \mathcal N(0, T I)` (unit mass). The
+Langevin dynamics :math:`d\theta = r\,dt`, :math:`dr = -\nabla U\,dt - \gamma r\,dt +
+\sqrt{2\gamma T}\,dW` split into a kick B (:math:`r \leftarrow r - \epsilon \nabla U`), a
+drift A (:math:`\theta \leftarrow \theta + \epsilon r`) and the exact Ornstein--Uhlenbeck
+step O (:math:`r \leftarrow c\, r + \sqrt{(1-c^2)T}\,\xi`, :math:`c = e^{-\gamma\epsilon}`).
+One BAOA step is a full kick, half a drift, O, half a drift:
+
+.. math::
+
+    r \leftarrow r - \epsilon N g', \quad
+    \theta \leftarrow \theta + \tfrac{\epsilon}{2} r, \quad
+    r \leftarrow c\, r + \sqrt{(1-c^2)\,T}\;\xi, \quad
+    \theta \leftarrow \theta + \tfrac{\epsilon}{2} r.
+
+It is BAOAB (Leimkuhler & Matthews 2013; 2015, §7.3) with the closing half kick of one
+step merged with the opening half kick of the next: the positions are BAOAB's, one
+gradient per step. In the units of the other samplers (:mod:`.sghmc`): :math:`\epsilon =
+\sqrt{lr/N}`, :math:`r = -\sqrt{N\,lr}\; b` and :math:`\mu = c` (``momentum``, the
+fraction of the momentum the O step keeps), so
+
+.. math::
+
+    v &= b + g', \\
+    b &\leftarrow \mu\, v + \sqrt{(1-\mu^2)\, T / (N\, lr)}\;\xi, \\
+    \theta &\leftarrow \theta - lr\, (v + b)/2,
+
+with :math:`b` starting at 0. The friction is :math:`\gamma = -\ln\mu/\epsilon`.
+
+The exact law on a Gaussian. With :math:`U` quadratic of Hessian :math:`P`, each
+eigen-mode :math:`\lambda` of :math:`P` is a linear chain in :math:`(x, b)`; its
+stationary position variance is exactly :math:`T/\lambda` for every stable step
+(the transition has determinant :math:`\mu` and trace :math:`1 + \mu - h(1+\mu)/2`
+with :math:`h = lr\,\lambda/N`, stable exactly when :math:`h < 4`): BAOAB samples the
+positions of a Gaussian without step-size bias (Leimkuhler & Matthews 2013), and the
+bias lands on the momentum instead. ``tests/test_baoa.py`` computes the exact law of the
+chain (a Lyapunov equation) and checks the samples against it.
+
+The temperature-0 limit. At :math:`T = 0`, :math:`v_t = \mu v_{t-1} + g'_t` is
+``torch.optim.SGD``'s momentum buffer (the first :math:`v` is :math:`g'`, as SGD's) and the
+step is :math:`\theta \leftarrow \theta - lr\,\tfrac{1+\mu}{2}\, v`: BAOA at temperature 0
+is ``torch.optim.SGD(lr * (1 + momentum) / 2, momentum)``, the same iterates up to
+rounding (not bit for bit: the half drifts are two roundings).
+
+Changing the learning rate. As for SGHMC, the physical momentum
+:math:`r = -\sqrt{N\,lr}\; b` is kept: :math:`b \leftarrow \sqrt{lr_0/lr_1}\, b` when ``lr``
+moves from :math:`lr_0` to :math:`lr_1` at :math:`T > 0`
+(:func:`.sghmc.rescale_momentum`); at :math:`T = 0` nothing is rescaled.
+
+posteriors' ``sgmcmc.baoa`` parametrises the same integrator by the step
+:math:`\epsilon_p` on the log posterior, a friction :math:`\alpha_p` and a momentum
+scale :math:`\sigma`; with :math:`\sigma = 1` and its log posterior the sum over the data,
+:math:`\epsilon_p = \sqrt{lr/N}` and :math:`\mu = e^{-\alpha_p\epsilon_p}`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torchopt.base import GradientTransformation
+
+from .._validation import check_bool, check_finite, check_momentum
+from . import _docs, _transform
+from ._common import buckets, effective_grad, effective_grads
+from ._optimizer import SamplerOptimizer
+from ._transform import KernelInput, KernelOutput, ScalarOrSchedule, pick, sampler_transformation
+from .sghmc import rescale_momentum, rescale_momentum_state
+
+__all__ = ["BAOA", "BAOAState", "baoa", "baoa_direction", "baoa_noise_scale"]
+
+
+def baoa_noise_scale(lr: float, momentum: float, temperature: float, num_data: int) -> float:
+    r"""The O step's noise on the buffer, :math:`\sqrt{(1-\mu^2)T/(N\,lr)}` (standard deviation)."""
+    if temperature == 0:
+        return 0.0
+    return math.sqrt((1.0 - momentum * momentum) * temperature / (num_data * lr))
+
+
+def baoa_direction(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    noise: list[Tensor] | None,
+    *,
+    lr: float,
+    momentum: float,
+    temperature: float,
+    num_data: int,
+    weight_decay: float,
+    maximize: bool,
+    foreach: bool,
+    inplace: bool = True,
+) -> tuple[list[Tensor], list[Tensor]]:
+    r"""BAOA's pure kernel: the new buffers and the directions :math:`d = (v + b)/2`.
+
+    .. math::
+
+        v = b + g', \qquad b \leftarrow \mu\, v + \sqrt{(1-\mu^2)T/(N\,lr)}\;\xi, \qquad
+        d = (v + b) / 2,
+
+    the step being :math:`\theta \leftarrow \theta - lr\, d`.
+
+    Args:
+        params: the parameters (read only, for weight decay).
+        grads: their gradients (never modified).
+        momentum_buffers: one buffer :math:`b` per parameter (zeros at the start).
+        noise: standard-normal :math:`\xi` per parameter; None exactly when T is 0.
+        lr: learning rate, > 0 when ``temperature`` > 0.
+        momentum: :math:`\mu \in [0, 1)`, the O step's :math:`e^{-\gamma\epsilon}`.
+        temperature: T >= 0.
+        num_data: N.
+        weight_decay: as in ``torch.optim.SGD``.
+        maximize: as in ``torch.optim.SGD``.
+        foreach: multi-tensor path; the single-tensor loop is the reference.
+        inplace: update the given buffers in place (Optimizer) or return new ones.
+
+    Returns:
+        ``(directions, momentum_buffers)``.
+    """
+    if (noise is None) != (temperature == 0):
+        raise ValueError("noise must be given exactly when temperature > 0")
+    scale = baoa_noise_scale(lr, momentum, temperature, num_data)
+    if not foreach:
+        directions, buffers = [], []
+        for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
+            grad = effective_grad(grad, param, weight_decay=weight_decay, maximize=maximize)
+            velocity = momentum_buffers[i].add(grad)  # v = b + g' (kick)
+            buffer = velocity.mul(momentum)  # O: b = mu v + s xi
+            if noise is not None:
+                buffer.add_(noise[i], alpha=scale)
+            if inplace:
+                buffer = momentum_buffers[i].copy_(buffer)
+            directions.append(velocity.add_(buffer).mul_(0.5))  # two half drifts
+            buffers.append(buffer)
+        return directions, buffers
+    directions: list[Tensor] = list(grads)
+    buffers = list(momentum_buffers)
+    for index in buckets(params):
+        bucket_grads, _ = effective_grads(
+            [grads[i] for i in index],
+            [params[i] for i in index],
+            weight_decay=weight_decay,
+            maximize=maximize,
+        )
+        old = [momentum_buffers[i] for i in index]
+        velocity = list(torch._foreach_add(old, bucket_grads))
+        new = torch._foreach_mul(velocity, momentum)
+        if noise is not None:
+            torch._foreach_add_(new, [noise[i] for i in index], alpha=scale)
+        if inplace:
+            torch._foreach_copy_(old, new)
+            new = old
+        torch._foreach_add_(velocity, new)
+        torch._foreach_mul_(velocity, 0.5)
+        for position, i in enumerate(index):
+            buffers[i] = new[position]
+            directions[i] = velocity[position]
+    return directions, buffers
+
+
+class BAOA(SamplerOptimizer):
+    """BAOA Langevin integrator as a ``torch.optim`` optimizer (see ``BAOA.__doc__``)."""
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-3,
+        momentum: float = 0.9,
+        *,
+        num_data: int,
+        temperature: float = 1.0,
+        weight_decay: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        seed: int | None = None,
+        overlap_noise: bool = True,
+        nonfinite: str = "raise",
+    ) -> None:
+        super().__init__(locals())
+
+    @classmethod
+    def _check_group_combinations(
+        cls, group: dict[str, Any], temperature: float, where: str
+    ) -> None:
+        check_momentum(group["momentum"], where=where)
+        check_finite("dampening", group["dampening"], where=where)
+        check_bool("nesterov", group["nesterov"], where=where)
+        cls._reject_at_positive_temperature(
+            "nesterov", group["nesterov"], False, temperature, where
+        )
+        cls._reject_at_positive_temperature("dampening", group["dampening"], 0, temperature, where)
+        for name, neutral in (("dampening", 0), ("nesterov", False)):
+            if group[name] != neutral:
+                raise ValueError(
+                    f"{name}={group[name]!r}{where} is not supported by BAOA (accepted for "
+                    "torch.optim.SGD's signature; at temperature 0 BAOA is SGD with lr * (1 + "
+                    "momentum) / 2: use torch.optim.SGD for this setting)"
+                )
+
+    def _state_fields(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("momentum_buffer",)
+
+    def _init_state(self, group: dict[str, Any], param: Tensor, state: dict[str, Any]) -> None:
+        state.setdefault(
+            "momentum_buffer", torch.zeros_like(param, memory_format=torch.preserve_format)
+        )
+
+    def _reexpress_state(
+        self,
+        group: dict[str, Any],
+        states: list[dict[str, Any]],
+        *,
+        lr: float,
+        temperature: float,
+        foreach: bool,
+    ) -> None:
+        rescale_momentum_state(states, lr=lr, temperature=temperature, foreach=foreach)
+
+    def _kernel(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        buffers: list[list[Tensor | None]],
+        noise: list[Tensor] | None,
+        *,
+        lr: float,
+        temperature: float,
+        foreach: bool,
+    ) -> tuple[list[Tensor], list[list[Tensor | None]]]:
+        momentum_buffers = [buffer for buffer in buffers[0] if buffer is not None]
+        directions, new = baoa_direction(
+            params,
+            grads,
+            momentum_buffers,
+            noise,
+            **pick(group, "momentum", "num_data", "weight_decay", "maximize"),
+            lr=lr,
+            temperature=temperature,
+            foreach=foreach,
+        )
+        return directions, [list(new)]
+
+
+BAOA.__doc__ = rf"""The BAOA splitting integrator of Langevin dynamics (Leimkuhler & Matthews).
+
+    Each step is one transition of the Markov chain
+
+    .. math::
+
+        g' = \pm g + \lambda\,\theta, \qquad v = b + g', \qquad
+        b \leftarrow \mu\, v + \sqrt{{(1-\mu^2)\, T / (N\, lr)}}\;\xi, \qquad
+        \theta \leftarrow \theta - lr\, (v + b) / 2,
+
+    with :math:`g` = ``p.grad`` (the gradient of the mean minibatch loss), :math:`\mu` =
+    ``momentum``, :math:`\lambda` = ``weight_decay``, :math:`T` = ``temperature``,
+    :math:`N` = ``num_data``, :math:`\xi \sim \mathcal N(0, I)`, the sign negative when
+    ``maximize``; the buffer :math:`b` starts at 0. This is a full kick (B), half a drift
+    (A), an exact Ornstein--Uhlenbeck step keeping the fraction :math:`\mu` of the
+    momentum (O) and half a drift (A), with step :math:`\epsilon = \sqrt{{lr/N}}` and
+    momentum :math:`r = -\sqrt{{N\,lr}}\, b`. On a Gaussian target its positions have
+    the exact stationary law at any stable step (no step-size bias). When ``lr`` changes at
+    :math:`T > 0` the buffer is rescaled by :math:`\sqrt{{lr_{{\text{{old}}}}/lr}}`,
+    keeping :math:`r`, as :class:`SGHMC` does. At ``temperature=0`` it is
+    ``torch.optim.SGD(lr * (1 + momentum) / 2, momentum)`` up to rounding (module
+    docstring of :mod:`samplers_as_optim.samplers.baoa`).
+
+    Args:
+        {_docs.params_doc}
+        {_docs.lr_doc}
+        momentum: :math:`\mu = e^{{-\gamma\epsilon}}`, the fraction of the momentum the O
+            step keeps (default: 0.9; in [0, 1)). 0 refreshes the momentum every step.
+        {_docs.num_data_doc}
+        {_docs.temperature_doc}
+        {_docs.weight_decay_doc}
+        dampening: must be 0 (accepted for ``torch.optim.SGD``'s signature).
+        nesterov: must be False (accepted for ``torch.optim.SGD``'s signature).
+        {_docs.maximize_doc}
+        {_docs.foreach_doc}
+        {_docs.differentiable_doc}
+        {_docs.fused_doc}
+        {_docs.seed_doc}
+        {_docs.overlap_noise_doc}
+        {_docs.nonfinite_doc}
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import BAOA
+        >>> model = torch.nn.Linear(3, 1)
+        >>> opt = BAOA(model.parameters(), lr=1e-3, momentum=0.9, num_data=1000, seed=0)
+        >>> loss = model(torch.randn(8, 3)).pow(2).mean()
+        >>> loss.backward()
+        >>> opt.step()
+
+    Note:
+        posteriors' ``baoa`` has step :math:`\epsilon_p`, friction :math:`\alpha_p` and
+        momentum scale :math:`\sigma`; with :math:`\sigma = 1` and a summed log
+        posterior, :math:`\epsilon_p = \sqrt{{lr/N}}` and :math:`\mu = e^{{-\alpha_p
+        \epsilon_p}}`. The noise variance is multiplied by ``temperature``.
+
+    References:
+        Leimkuhler, B. & Matthews, C. (2013). Rational construction of stochastic
+        numerical methods for molecular sampling. AMRX, Eq. (17) (BAOAB). Leimkuhler, B.
+        & Matthews, C. (2015). Molecular Dynamics, §7.3, p. 271.
+    """
+
+
+class BAOAState(NamedTuple):
+    """The state of :func:`baoa`: the momentum buffers and the chain's random state.
+
+    Attributes:
+        momentum_buffer: one buffer :math:`b` per leaf of the params tree, starting at 0.
+        momentum_lr: per leaf, the learning rate at which its buffer was last written,
+            None before its first update at temperature > 0 (see :func:`.sghmc.sghmc`).
+        seed: the seed of the chain's noise.
+        count: the number of updates taken, the step of the next noise draw and of the
+            schedules.
+    """
+
+    momentum_buffer: tuple[Tensor | None, ...]
+    momentum_lr: tuple[float | None, ...]
+    seed: int
+    count: int
+
+
+def baoa(
+    lr: ScalarOrSchedule,
+    momentum: float = 0.9,
+    *,
+    num_data: int,
+    temperature: ScalarOrSchedule = 1.0,
+    weight_decay: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    maximize: bool = False,
+    foreach: bool | None = None,
+    seed: int | None = None,
+) -> GradientTransformation:
+    """BAOA as a torchopt gradient transformation (see ``baoa.__doc__``)."""
+    return sampler_transformation(
+        locals(),
+        name="transforms.baoa",
+        state_type=BAOAState,
+        optimizer_class=BAOA,
+        init_buffers=_baoa_buffers,
+        kernel=_baoa_kernel,
+    )
+
+
+def _baoa_buffers(leaves: list[Tensor | None]) -> tuple[tuple[Any, ...], ...]:
+    buffers = tuple(None if leaf is None else torch.zeros_like(leaf) for leaf in leaves)
+    return buffers, (None,) * len(leaves)
+
+
+def _baoa_kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
+    buffers, buffer_lrs = inputs.buffers
+    buffers, buffer_lrs = rescale_momentum(
+        buffers, buffer_lrs, **pick(group, "lr", "temperature", "foreach", "inplace")
+    )
+    keys = ("lr", "momentum", "temperature", "num_data", "weight_decay", "maximize")
+    directions, buffers = baoa_direction(
+        inputs.params,
+        inputs.grads,
+        buffers,
+        inputs.noise,
+        **pick(group, *keys, "foreach", "inplace"),
+    )
+    return directions, (buffers, buffer_lrs)
+
+
+baoa.__doc__ = rf"""The BAOA Langevin integrator as a torchopt transformation.
+
+    The same chain as :class:`BAOA`, computed by the same kernel: each update is
+
+    .. math::
+
+        v = b + g', \qquad b \leftarrow \mu\, v + \sqrt{{(1-\mu^2)\, T / (N\, lr)}}\;\xi,
+        \qquad u = -lr\, (v + b) / 2,
+
+    to be added to the parameters (``torchopt.apply_updates``), with :math:`g'` the
+    incoming updates (plus weight decay, negated when ``maximize``). When a schedule
+    changes ``lr`` at temperature > 0 the buffer is first rescaled as :class:`BAOA` does.
+
+    Args:
+        {_transform.lr_doc}
+        momentum: :math:`\mu` (default: 0.9; in [0, 1)).
+        {_docs.num_data_doc}
+        {_transform.temperature_doc}
+        {_docs.weight_decay_doc}
+        dampening: must be 0 (accepted for ``torchopt.sgd``'s signature).
+        nesterov: must be False (accepted for ``torchopt.sgd``'s signature).
+        {_docs.maximize_doc}
+        {_transform.foreach_doc}
+        {_transform.seed_doc}
+
+    Returns:
+        {_transform.returns_doc}
+
+    Example:
+        >>> import torch, torchopt
+        >>> from samplers_as_optim import transforms
+        >>> params = {{"w": torch.zeros(2)}}
+        >>> tx = transforms.baoa(0.1, momentum=0.5, num_data=100, temperature=0.0)
+        >>> state = tx.init(params)
+        >>> updates, state = tx.update({{"w": torch.ones(2)}}, state, params=params)
+        >>> updates["w"]  # SGD's first step with lr 0.1 * (1 + 0.5) / 2
+        tensor([-0.0750, -0.0750])
+
+    References:
+        Leimkuhler, B. & Matthews, C. (2015). Molecular Dynamics, §7.3, p. 271.
+    """

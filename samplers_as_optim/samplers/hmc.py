@@ -1,0 +1,853 @@
+r"""Hamiltonian Monte Carlo with a Metropolis correction, as a ``torch.optim`` optimizer.
+
+The target. With the full-batch mean loss :math:`L` (DESIGN §1) and weight decay
+:math:`\lambda_g` per param group, the potential is
+
+.. math::
+
+    U(\theta) = N \Big(L(\theta) + \sum_g \tfrac{\lambda_g}{2} \lVert\theta_g\rVert^2\Big),
+    \qquad p_T(\theta) \propto \exp(-U(\theta) / T),
+
+the posterior under the prior :math:`\mathcal N(0, 1/(N\lambda))` at temperature T.
+
+One transition (Neal 2011, Sections 5.2--5.3; Betancourt 2017). Draw a momentum
+:math:`r \sim \mathcal N(0, T M)` (``M`` diagonal, the ``mass``), take ``num_steps``
+leapfrog steps of size :math:`\epsilon`,
+
+.. math::
+
+    r \leftarrow r - \tfrac{\epsilon}{2} \nabla U(\theta), \qquad
+    \theta \leftarrow \theta + \epsilon M^{-1} r, \qquad
+    r \leftarrow r - \tfrac{\epsilon}{2} \nabla U(\theta),
+
+and accept the end point :math:`(\theta', r')` with probability
+:math:`\min\big(1, \exp(-(H(\theta', r') - H(\theta, r)) / T)\big)`,
+:math:`H = U + \tfrac12 r^\top M^{-1} r`. The joint density
+:math:`\exp(-H/T)` has :math:`p_T` as its marginal and the leapfrog map is reversible
+(under a flip of :math:`r`) and volume preserving, so the test makes :math:`p_T` exactly
+invariant, whatever :math:`\epsilon`: there is no step-size bias (unlike SGLD/SGHMC).
+A rejected proposal leaves the parameters and their gradients exactly as they were.
+
+Units: ``lr`` is the samplers' step. SGHMC in SGD units (DESIGN §1) is
+:math:`b \leftarrow \mu b + g + \dots,\ \theta \leftarrow \theta - lr\, b`. Its physical
+momentum is :math:`r = -\sqrt{N\,lr}\, b`; substituting,
+:math:`\theta \leftarrow \theta + \sqrt{lr/N}\; r` and
+:math:`r \leftarrow \mu r - \sqrt{lr/N}\; N g = \mu r - \sqrt{lr/N}\; \nabla U`: the
+Hamiltonian dynamics of :math:`U` with time step :math:`\sqrt{lr/N}`. HMC uses the same
+time step,
+
+.. math::
+
+    \epsilon = s \sqrt{lr / N},
+
+(:math:`s = 1` unless adapted, see below), so moving between SGHMC and HMC needs no
+rescaling. Check: one leapfrog step from :math:`r = 0` moves
+:math:`\theta \leftarrow \theta - \tfrac{\epsilon^2}{2} N g = \theta - \tfrac{lr}{2} g`,
+half an SGD step. A param group with its own ``lr`` has its own :math:`\epsilon_g`; a
+per-coordinate step is a change of the mass matrix (:math:`M_g \propto
+\epsilon^2/\epsilon_g^2`), so the test stays exact.
+
+Adaptation (warm-up). With ``target_accept`` the step multiplier :math:`s` follows
+dual averaging (Hoffman & Gelman 2014, Algorithm 5; see ``_dual_averaging``) until
+:meth:`HMC.end_warmup`, which freezes the averaged iterate :math:`\bar s`. With
+``mass="adapt"`` the diagonal mass is estimated from the warm-up draws
+(:math:`M^{-1} \propto` their variance, regularised as Stan does and normalised to mean 1
+per chain so that ``lr`` keeps its meaning); :meth:`HMC.warmup` runs Stan's windowed
+schedule (mass updated at the end of doubling windows, step size re-adapted after each).
+Adaptation breaks the Markov property, so samples are drawn after the warm-up.
+
+Jitter. With ``jitter`` j each transition uses :math:`s (1 + j (2u - 1))`,
+:math:`u \sim U(0, 1)`: the trajectory length :math:`L\epsilon` varies, which avoids the
+periodic orbits a fixed length can fall into (Neal 2011, Section 5.4.2.2).
+
+Parallel chains. When the closure returns one loss per member (shape ``[K]``, the
+members' mean losses, for parameters stacked with the member dimension first, as in a
+:class:`~samplers_as_optim.ParallelEnsemble`), the K chains share every vmapped forward
+and backward but each has its own energy, Metropolis test, step size and diagnostics:
+K independent chains.
+
+Randomness is counter based (``samplers_as_optim._random``): the momentum of a parameter
+is ``NoiseStream(seed).draw`` at ``(step, parameter key)``, scaled by
+:math:`\sqrt{T M}`; the uniforms of the test and of the jitter come from generators
+seeded by ``(seed, step, key)`` with keys of their own. The chain's random state is
+``group["seed"]`` and ``group["step"]``, as for the other samplers.
+
+References:
+    R. M. Neal. MCMC using Hamiltonian dynamics. Handbook of MCMC, 2011 (Eq. 5.18--5.20,
+    Section 5.3.2.1).
+    M. D. Hoffman and A. Gelman. The No-U-Turn Sampler. JMLR 15, 2014 (Algorithm 5).
+    P. Izmailov, S. Vikram, M. D. Hoffman, A. G. Wilson. What are Bayesian neural network
+    posteriors really like? ICML 2021.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .._random import NoiseStream, derive_seed, parameter_key, seed_from_global_rng
+from .._validation import (
+    check_nonnegative,
+    check_num_data,
+    check_open_unit_interval,
+    check_positive,
+    check_positive_int,
+    check_seed,
+    check_temperature,
+)
+from ..names import parameter_name
+from ._dual_averaging import (
+    DualAveragingState,
+    dual_averaging_init,
+    dual_averaging_update,
+)
+
+__all__ = ["HMC", "kinetic_energy", "leapfrog_", "metropolis_log_accept"]
+
+#: an energy error (in units of T) above this counts as a divergence (Stan's threshold)
+DIVERGENCE_THRESHOLD = 1000.0
+#: keys of the uniforms of the accept test and of the jitter (apart from parameter keys)
+_ACCEPT_KEY = derive_seed(0x484D43, 1)
+_JITTER_KEY = derive_seed(0x484D43, 2)
+#: the optimizer-level entry of ``self.state``: adaptation and diagnostics
+_STATE_KEY = "hmc"
+POOLED_ADAPTATION = True
+#: hyperparameters that one Metropolis test needs to be the same in every group
+_SHARED = ("num_data", "temperature", "num_steps", "jitter", "target_accept")
+
+StepSize = Tensor | float
+
+
+def leapfrog_(
+    positions: Sequence[Tensor],
+    momenta: Sequence[Tensor],
+    gradients: Sequence[Tensor],
+    potential_gradient: Callable[[], tuple[Any, list[Tensor]]],
+    *,
+    step_sizes: Sequence[StepSize],
+    inverse_mass: Sequence[Tensor | None],
+    num_steps: int,
+) -> tuple[Any, list[Tensor]]:
+    r"""``num_steps`` leapfrog steps of :math:`H = U + \tfrac12 r^\top M^{-1} r`, in place.
+
+    Each step is :math:`r \leftarrow r - \tfrac{\epsilon}{2}\nabla U`,
+    :math:`\theta \leftarrow \theta + \epsilon M^{-1} r`,
+    :math:`r \leftarrow r - \tfrac{\epsilon}{2}\nabla U` (Neal 2011, Eq. 5.18--5.20).
+
+    Args:
+        positions: the tensors :math:`\theta`, updated in place.
+        momenta: the tensors :math:`r`, updated in place.
+        gradients: :math:`\nabla U` at ``positions`` on entry.
+        potential_gradient: evaluates :math:`(U, \nabla U)` at the current ``positions``.
+        step_sizes: :math:`\epsilon` per tensor (a float, or a tensor broadcasting to it).
+        inverse_mass: :math:`M^{-1}` per tensor (None: the identity).
+        num_steps: the number of leapfrog steps (>= 1).
+
+    Returns:
+        :math:`(U, \nabla U)` at the end point (from the last ``potential_gradient``).
+    """
+    potential: Any = None
+    gradients = list(gradients)
+
+    def kick(grads: Sequence[Tensor]) -> None:  # r <- r - (eps / 2) grad U
+        for r, g, eps in zip(momenta, grads, step_sizes, strict=True):
+            if isinstance(eps, Tensor):
+                r.sub_(g * (eps / 2))
+            else:
+                r.add_(g, alpha=-eps / 2)
+
+    for _ in range(num_steps):
+        kick(gradients)
+        for theta, r, eps, inv in zip(positions, momenta, step_sizes, inverse_mass, strict=True):
+            if inv is None and not isinstance(eps, Tensor):
+                theta.add_(r, alpha=eps)
+            else:
+                theta.add_(r * (eps if inv is None else eps * inv))
+        potential, gradients = potential_gradient()
+        kick(gradients)
+    return potential, gradients
+
+
+def _member_sum(tensor: Tensor, members: int | None) -> Tensor:
+    """Sum in float64: over everything (one chain), or per member (leading dimension K)."""
+    tensor = tensor.to(torch.float64)
+    return tensor.sum() if members is None else tensor.reshape(members, -1).sum(1)
+
+
+def kinetic_energy(
+    momenta: Sequence[Tensor], inverse_mass: Sequence[Tensor | None], members: int | None
+) -> Tensor:
+    r""":math:`\tfrac12 r^\top M^{-1} r` in float64, per member when ``members`` is K."""
+    total = None
+    for r, inv in zip(momenta, inverse_mass, strict=True):
+        term = r * r if inv is None else r * r * inv
+        part = _member_sum(term, members)
+        total = part if total is None else total + part
+    assert total is not None
+    return total / 2
+
+
+def metropolis_log_accept(energy_change: Tensor, temperature: float) -> Tensor:
+    r"""Log acceptance probability :math:`\min(0, -\Delta H / T)`; NaN counts as -inf."""
+    log_accept = torch.clamp(-energy_change / temperature, max=0.0)
+    return torch.nan_to_num(log_accept, nan=-math.inf)
+
+
+def _member_view(value: Tensor, like: Tensor, members: int | None) -> Tensor:
+    """``value`` ([] or [K]) shaped to broadcast against ``like`` (member dimension first)."""
+    if members is None or value.dim() == 0:
+        return value
+    return value.reshape((members,) + (1,) * (like.dim() - 1))
+
+
+class HMC(Optimizer):
+    r"""Full-batch Hamiltonian Monte Carlo with a Metropolis test, as an optimizer.
+
+    One ``step(closure)`` is one Markov transition: a fresh momentum
+    :math:`r \sim \mathcal N(0, T M)`, ``num_steps`` leapfrog steps of size
+    :math:`\epsilon = s\sqrt{lr/N}`, and a Metropolis accept/reject at temperature T (see
+    the module docstring for the derivation of the units and of exactness). The closure
+    zeroes the gradients, computes the full-batch mean loss, calls ``backward()`` and
+    returns the loss, as for ``torch.optim.LBFGS``; it is called ``num_steps`` times per
+    step (plus once when the parameters were changed from outside since the last step).
+    After a step each parameter holds the chain's new state and ``.grad`` the gradient of
+    the mean loss there (exactly the values before the step when it was rejected).
+
+    With parameters stacked along a leading member dimension K (a
+    :class:`~samplers_as_optim.ParallelEnsemble`) the closure may return the K members'
+    losses (shape ``[K]``, call ``backward()`` on their sum): every member is then a chain
+    of its own with its own accept/reject, step size and diagnostics.
+
+    Args:
+        params: iterable of parameters or of dicts defining param groups. ``lr`` and
+            ``weight_decay`` may differ between groups; the other hyperparameters must be
+            the same in every group (one Metropolis test covers all parameters).
+            Parameters whose ``.grad`` is None after the closure are left out.
+        lr: the samplers' step (required, a finite number > 0): the leapfrog step is
+            :math:`\sqrt{lr / N}` (times the adapted multiplier, see ``target_accept``),
+            the time step of SGHMC with the same ``lr``.
+        num_steps: leapfrog steps per transition (required, an integer >= 1).
+        num_data: the number of training examples N (required, a positive integer). The
+            potential is ``N * (loss + weight decay term)``.
+        temperature: T, the target is ``p(theta | D) ** (1 / T)`` (default: 1.0; a finite
+            number > 0: the Metropolis test divides by T).
+        weight_decay: L2 penalty as in ``torch.optim.SGD`` (default: 0; a finite number
+            >= 0); a prior N(0, s**2) on every weight is ``1 / (num_data * s**2)``.
+        seed: seed of the chain's randomness (default: None: drawn once from torch's
+            global RNG at construction; an integer in [0, 2**64)).
+        jitter: each transition's step size is multiplied by a uniform number in
+            ``[1 - jitter, 1 + jitter]`` (default: 0.0; a number in [0, 1)).
+        target_accept: adapt the step size during warm-up by dual averaging towards this
+            mean acceptance probability (default: None: no adaptation; a number in
+            (0, 1), 0.65-0.8 is usual). Warm-up lasts until :meth:`end_warmup` (or use
+            :meth:`warmup`).
+        mass: the diagonal mass matrix: None (the identity), a sequence of positive
+            tensors, one per parameter in the optimizer's order, each broadcastable to
+            its parameter's shape, or ``"adapt"`` (estimated during warm-up).
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import HMC
+        >>> _ = torch.manual_seed(0)
+        >>> x, y = torch.randn(50, 3), torch.randint(0, 2, (50,)).float()
+        >>> model = torch.nn.Linear(3, 1)
+        >>> opt = HMC(model.parameters(), lr=0.05, num_steps=10, num_data=50, seed=0)
+        >>> def closure():
+        ...     opt.zero_grad()
+        ...     loss = torch.nn.functional.binary_cross_entropy_with_logits(
+        ...         model(x).squeeze(-1), y)
+        ...     loss.backward()
+        ...     return loss
+        >>> for _ in range(20):
+        ...     loss = opt.step(closure)
+        >>> sorted(opt.diagnostics)[:4]
+        ['accept_prob', 'accepted', 'divergences', 'divergent']
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float,
+        num_steps: int,
+        *,
+        num_data: int,
+        temperature: float = 1.0,
+        weight_decay: float = 0.0,
+        seed: int | None = None,
+        jitter: float = 0.0,
+        target_accept: float | None = None,
+        mass: Sequence[Tensor] | str | None = None,
+    ) -> None:
+        seed = check_seed(seed)
+        defaults = {
+            "lr": lr,
+            "num_steps": num_steps,
+            "num_data": num_data,
+            "temperature": temperature,
+            "weight_decay": weight_decay,
+            "jitter": jitter,
+            "target_accept": target_accept,
+        }
+        self._check_group(defaults, where="")
+        if not (mass is None or isinstance(mass, (str, Sequence))):
+            raise TypeError(
+                f"Invalid mass: {mass!r} (expected None, 'adapt' or a sequence of tensors, "
+                "one per parameter)"
+            )
+        if isinstance(mass, str) and mass != "adapt":
+            raise ValueError(
+                f"Invalid mass: {mass!r} (expected None, 'adapt' or a sequence of tensors, "
+                "one per parameter)"
+            )
+        defaults["seed"] = seed_from_global_rng() if seed is None else seed
+        defaults["step"] = 0
+        super().__init__(params, defaults)
+        self._reset_runtime()
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        if isinstance(mass, Sequence) and not isinstance(mass, str):
+            self._set_mass(all_params, list(mass))
+        adapt_mass = mass == "adapt"
+        self.state[_STATE_KEY] = {
+            "warmup": target_accept is not None or adapt_mass,
+            "adapt_mass": adapt_mass,
+            "collect_mass": adapt_mass,
+            "mass_count": 0,
+            "log_step": None,  # log s per chain, created at the first step
+            "dual_averaging": None,
+            "diagnostics": None,
+        }
+
+    # ------------------------------------------------------------------ validation
+    @staticmethod
+    def _check_group(group: dict[str, Any], *, where: str) -> None:
+        check_positive("lr", group["lr"], where=where)
+        check_positive_int("num_steps", group["num_steps"], where=where)
+        check_num_data(group["num_data"], where=where)
+        check_temperature(
+            group["temperature"],
+            where=where,
+            positive=True,
+            reason="the Metropolis test divides by T",
+        )
+        check_nonnegative("weight_decay", group["weight_decay"], where=where)
+        jitter = group["jitter"]
+        if isinstance(jitter, bool) or not isinstance(jitter, (int, float)):
+            raise TypeError(f"Invalid jitter{where}: {jitter!r} (expected a number in [0, 1))")
+        if not 0.0 <= jitter < 1.0:
+            raise ValueError(f"Invalid jitter{where}: {jitter!r} (expected a number in [0, 1))")
+        if group["target_accept"] is not None:
+            check_open_unit_interval("target_accept", group["target_accept"], where=where)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Validate a param group (shared hyperparameters must match), then add it."""
+        if isinstance(param_group, dict) and hasattr(self, "param_groups"):
+            where = f" in param group {len(self.param_groups)}"
+            if self.param_groups:
+                param_group.setdefault("seed", self.param_groups[0]["seed"])
+                param_group.setdefault("step", self.param_groups[0]["step"])
+            candidate = {**self.defaults, **param_group}
+            self._check_group(candidate, where=where)
+            check_seed(candidate["seed"], where=where)
+        super().add_param_group(param_group)
+        self._keys = None
+
+    def _check_groups(self) -> None:
+        first = self.param_groups[0]
+        for index, group in enumerate(self.param_groups):
+            where = f" in param group {index}"
+            self._check_group(group, where=where)
+            for name in _SHARED:
+                if group[name] != first[name]:
+                    raise ValueError(
+                        f"Invalid {name}{where}: {group[name]!r} (expected the value of param "
+                        f"group 0, {first[name]!r}: one Metropolis test covers every group)"
+                    )
+
+    def _set_mass(self, params: list[Tensor], masses: list[Any]) -> None:
+        if len(masses) != len(params):
+            raise ValueError(
+                f"Invalid mass: {len(masses)} tensors (expected one per parameter, {len(params)})"
+            )
+        for index, (param, m) in enumerate(zip(params, masses, strict=True)):
+            if not isinstance(m, Tensor):
+                raise TypeError(
+                    f"Invalid mass[{index}]: {m!r} (expected a tensor of positive numbers)"
+                )
+            try:
+                shape = torch.broadcast_shapes(m.shape, param.shape)
+            except RuntimeError:
+                shape = None
+            if shape != param.shape:
+                raise ValueError(
+                    f"Invalid mass[{index}]: shape {tuple(m.shape)} (expected a shape that "
+                    f"broadcasts to its parameter's, {tuple(param.shape)})"
+                )
+            if not bool(torch.isfinite(m).all()) or not bool((m > 0).all()):
+                raise ValueError(f"Invalid mass[{index}]: {m!r} (expected finite numbers > 0)")
+            self.state[param]["mass"] = m.detach().to(param.device, param.dtype).clone()
+
+    # ------------------------------------------------------------------ runtime
+    def _reset_runtime(self) -> None:
+        """What is not the chain's state: noise streams, keys, the gradient cache."""
+        self._streams: dict[int, NoiseStream] = {}
+        self._keys: dict[int, int] | None = None
+        self._cache: tuple[list[int], list[int], Tensor, list[Tensor]] | None = None
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a pickled or deep-copied optimizer: the same chain continues."""
+        super().__setstate__(state)
+        self._reset_runtime()
+
+    def _stream(self, seed: int) -> NoiseStream:
+        stream = self._streams.get(seed)
+        if stream is None:
+            stream = self._streams[seed] = NoiseStream(seed)
+        return stream
+
+    def _noise_key(self, param: Tensor) -> int:
+        """The key of a parameter's momentum: its name if known, else its index."""
+        if self._keys is None:
+            self._keys = {}
+            index = 0
+            for group in self.param_groups:
+                names = group.get("param_names")
+                for position, p in enumerate(group["params"]):
+                    identity = names[position] if names else parameter_name(p)
+                    self._keys[id(p)] = parameter_key(index if identity is None else identity)
+                    index += 1
+        return self._keys[id(param)]
+
+    # ------------------------------------------------------------------ state
+    @property
+    def seed(self) -> int:
+        """The seed of the chain (param group 0's ``seed``)."""
+        return int(self.param_groups[0]["seed"])
+
+    @property
+    def steps_taken(self) -> int:
+        """How many transitions this optimizer has made (restored by ``load_state_dict``)."""
+        return int(self.param_groups[0]["step"])
+
+    @property
+    def warming_up(self) -> bool:
+        """Whether the step size (or the mass) is still being adapted."""
+        return bool(self.state[_STATE_KEY]["warmup"])
+
+    @property
+    def diagnostics(self) -> dict[str, Tensor]:
+        r"""The last transition's diagnostics (one entry per chain, float64/int64/bool).
+
+        ``accept_prob`` (the Metropolis probability), ``accepted``, ``energy_error``
+        (:math:`\Delta H / T`), ``divergent`` (energy error above
+        ``DIVERGENCE_THRESHOLD`` or not finite), ``step_size`` (the leapfrog step of
+        param group 0, jitter included), and the running counts ``num_accepted`` and
+        ``divergences`` (since the end of the warm-up, when there is one). Empty before the
+        first step.
+        """
+        found = self.state[_STATE_KEY]["diagnostics"]
+        return {} if found is None else dict(found)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim``'s state dict; the adaptation and diagnostics travel as ``"hmc"``."""
+        state_dict = super().state_dict()
+        state = dict(state_dict["state"])
+        state[_STATE_KEY] = copy.deepcopy(state[_STATE_KEY])
+        state_dict["state"] = state
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by :meth:`state_dict`: the chain continues bit for bit."""
+        saved = state_dict.get("state", {}).get(_STATE_KEY)
+        if not isinstance(saved, dict):
+            raise ValueError(
+                "Invalid state_dict: no 'hmc' entry in its state (expected the state_dict() "
+                "of an HMC optimizer)"
+            )
+        for group in state_dict.get("param_groups", []):
+            if "seed" not in group or "step" not in group:
+                raise ValueError(
+                    "Invalid state_dict: its param groups lack the chain's random state "
+                    "('seed' and 'step') (expected the state_dict() of an HMC optimizer)"
+                )
+        super().load_state_dict(state_dict)
+        self.state[_STATE_KEY] = copy.deepcopy(saved)
+        self._reset_runtime()
+
+    # ------------------------------------------------------------------ evaluation
+    def _evaluate(
+        self, closure: Callable[[], Any], chain: list[Tensor] | None, members: int | None
+    ) -> tuple[list[Tensor], Tensor, list[Tensor], int | None]:
+        """Call the closure; return the chain's parameters, the loss, the raw gradients."""
+        with torch.enable_grad():
+            loss = closure()
+        if not isinstance(loss, Tensor):
+            loss = torch.as_tensor(loss, dtype=torch.float64)
+        loss = loss.detach()
+        if loss.dim() > 1 or (members is not None and loss.shape != (members,)):
+            raise ValueError(
+                f"Invalid loss returned by the closure: shape {tuple(loss.shape)} (expected a "
+                "scalar, or one loss per ensemble member, shape [K]"
+                + (f" with K = {members})" if members is not None else ")")
+            )
+        if chain is None:
+            chain = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+            if not chain:
+                raise ValueError(
+                    "HMC.step: no parameter has a gradient after the closure (expected the "
+                    "closure to call backward())"
+                )
+            if loss.dim() == 1:
+                members = int(loss.shape[0])
+                for p in chain:
+                    if p.dim() == 0 or p.shape[0] != members:
+                        raise ValueError(
+                            f"Invalid loss returned by the closure: shape {tuple(loss.shape)} "
+                            f"(one loss per member) but a parameter has shape "
+                            f"{tuple(p.shape)} (expected every parameter stacked with the "
+                            f"{members} members first)"
+                        )
+        grads = []
+        for p in chain:
+            if p.grad is None:
+                raise ValueError(
+                    f"HMC.step: a parameter of shape {tuple(p.shape)} had a gradient at the "
+                    "start of the transition but has none now (expected the same closure, "
+                    "differentiating the same parameters, at every evaluation)"
+                )
+            if p.grad.is_sparse:
+                raise TypeError(f"HMC does not support sparse gradients (shape {tuple(p.shape)})")
+            grads.append(p.grad)
+        return chain, loss, grads, members
+
+    def _potential(
+        self,
+        chain: list[Tensor],
+        loss: Tensor,
+        grads: list[Tensor],
+        members: int | None,
+        decay: dict[int, float],
+        num_data: int,
+        *,
+        gradients: bool = True,
+    ) -> tuple[Tensor, list[Tensor]]:
+        r""":math:`U = N(L + \sum \lambda/2 \lVert\theta\rVert^2)` (float64), :math:`\nabla U`."""
+        potential = loss.to(torch.float64)
+        for p in chain:
+            wd = decay[id(p)]
+            if wd != 0.0:
+                potential = potential + (wd / 2) * _member_sum(p * p, members)
+        grad = self._gradient(chain, grads, decay, num_data) if gradients else []
+        return potential * num_data, grad
+
+    @staticmethod
+    def _gradient(
+        chain: list[Tensor], grads: list[Tensor], decay: dict[int, float], num_data: int
+    ) -> list[Tensor]:
+        r""":math:`\nabla U = N (g + \lambda \theta)` per parameter."""
+        out = []
+        for p, g in zip(chain, grads, strict=True):
+            wd = decay[id(p)]
+            out.append((g + wd * p) * num_data if wd != 0.0 else g * num_data)
+        return out
+
+    # ------------------------------------------------------------------ the transition
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Tensor:  # type: ignore[override]
+        """Make one HMC transition (momentum, leapfrog trajectory, Metropolis test).
+
+        Args:
+            closure: zeroes the gradients, computes the full-batch mean loss (a scalar, or
+                one per ensemble member), calls ``backward()`` and returns the loss.
+
+        Returns:
+            The mean loss at the chain's new state (per member for an ensemble).
+
+        Raises:
+            ValueError: no closure, an invalid hyperparameter, or a loss of the wrong shape.
+        """
+        if closure is None:
+            raise ValueError(
+                "HMC.step needs a closure (expected a callable that zeroes the gradients, "
+                "computes the full-batch loss, calls backward() and returns the loss)"
+            )
+        self._check_groups()
+        hmc = self.state[_STATE_KEY]
+        first = self.param_groups[0]
+        num_data = int(first["num_data"])
+        temperature = float(first["temperature"])
+        num_steps = int(first["num_steps"])
+        jitter = float(first["jitter"])
+        decay: dict[int, float] = {}
+        root_lr: dict[int, float] = {}
+        group_of: dict[int, dict[str, Any]] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                decay[id(p)] = float(group["weight_decay"])
+                root_lr[id(p)] = math.sqrt(float(group["lr"]) / num_data)
+                group_of[id(p)] = group
+
+        # the start: (U, grad U) at the current parameters, cached from the last step
+        cache = self._cache
+        if cache is not None and self._versions_of(cache[0]) == cache[1]:
+            chain = [p for p in self._params_by_id(cache[0])]
+            loss0, raw0 = cache[2], cache[3]
+            members = None if loss0.dim() == 0 else int(loss0.shape[0])
+        else:
+            chain, loss0, raw, members = self._evaluate(closure, None, None)
+            raw0 = [g.clone() for g in raw]
+        potential0, gradients0 = self._potential(chain, loss0, raw0, members, decay, num_data)
+        device = chain[0].device
+
+        # the step size: s (per chain), jittered, times sqrt(lr / N) per group
+        if hmc["log_step"] is None:
+            shape = () if members is None else (members,)
+            hmc["log_step"] = torch.zeros(shape, dtype=torch.float64, device=device)
+            if first["target_accept"] is not None and hmc["warmup"]:
+                hmc["dual_averaging"] = dual_averaging_init(hmc["log_step"])._asdict()
+        log_step = hmc["log_step"]
+        multiplier = torch.exp(log_step)
+        step0 = int(first["step"])
+        stream0 = self._stream(int(first["seed"]))
+        if jitter > 0:
+            generator = stream0.generator(device, step=step0, key=_JITTER_KEY, block=0)
+            u = torch.rand(log_step.shape, generator=generator, dtype=torch.float64, device=device)
+            multiplier = multiplier * (1 + jitter * (2 * u - 1))
+        step_sizes: list[StepSize]
+        if members is None:  # one chain: Python floats, for in-place updates with alpha
+            scale = float(multiplier)
+            step_sizes = [scale * root_lr[id(p)] for p in chain]
+        else:
+            step_sizes = [
+                _member_view((multiplier * root_lr[id(p)]).to(p.dtype), p, members) for p in chain
+            ]
+        inverse_mass = [self._inverse_mass(p) for p in chain]
+
+        # the momentum r ~ N(0, T M), from the counter-based stream
+        momenta = []
+        for p, inv in zip(chain, inverse_mass, strict=True):
+            group = group_of[id(p)]
+            xi = self._stream(int(group["seed"])).draw(
+                p, step=int(group["step"]), key=self._noise_key(p)
+            )
+            scale = math.sqrt(temperature)
+            momenta.append(xi * scale if inv is None else xi * (scale / inv.sqrt()))
+        energy0 = potential0 + kinetic_energy(momenta, inverse_mass, members)
+
+        # the trajectory
+        start = [p.clone() for p in chain]
+        last: dict[str, Any] = {}
+
+        def potential_gradient() -> tuple[None, list[Tensor]]:
+            _, loss, raw, _ = self._evaluate(closure, chain, members)
+            last["loss"], last["raw"] = loss, raw
+            return None, self._gradient(chain, raw, decay, num_data)
+
+        leapfrog_(
+            chain,
+            momenta,
+            gradients0,
+            potential_gradient,
+            step_sizes=step_sizes,
+            inverse_mass=inverse_mass,
+            num_steps=num_steps,
+        )
+        potential1, _ = self._potential(
+            chain, last["loss"], [], members, decay, num_data, gradients=False
+        )
+        energy1 = potential1 + kinetic_energy(momenta, inverse_mass, members)
+
+        # the Metropolis test at temperature T
+        energy_error = energy1 - energy0
+        log_accept = metropolis_log_accept(energy_error, temperature)
+        generator = stream0.generator(device, step=step0, key=_ACCEPT_KEY, block=0)
+        uniform = torch.rand(
+            log_accept.shape, generator=generator, dtype=torch.float64, device=device
+        )
+        accepted = torch.log(uniform) < log_accept
+        loss1, raw1 = last["loss"], last["raw"]
+        if members is None:
+            if bool(accepted):
+                loss, raw = loss1, [g.clone() for g in raw1]
+            else:
+                for p, p0, g in zip(chain, start, raw0, strict=True):
+                    p.copy_(p0)
+                    p.grad = g.clone()
+                loss, raw = loss0, raw0
+        else:
+            raw = []
+            for p, p0, g0, g1 in zip(chain, start, raw0, raw1, strict=True):
+                keep = _member_view(accepted, p, members)
+                p.copy_(torch.where(keep, p, p0))
+                raw.append(torch.where(keep, g1, g0))
+                p.grad = raw[-1].clone()
+            loss = torch.where(accepted.to(loss1.device), loss1, loss0)
+
+        # diagnostics, adaptation, counters
+        accept_prob = torch.exp(log_accept)
+        divergent = ~(energy_error / temperature <= DIVERGENCE_THRESHOLD)
+        previous = hmc["diagnostics"]
+        hmc["diagnostics"] = {
+            "accept_prob": accept_prob,
+            "accepted": accepted,
+            "energy_error": energy_error / temperature,
+            "divergent": divergent,
+            "step_size": multiplier * root_lr[id(self.param_groups[0]["params"][0])]
+            if self.param_groups[0]["params"]
+            else multiplier,
+            "num_accepted": accepted.long() + (0 if previous is None else previous["num_accepted"]),
+            "divergences": divergent.long() + (0 if previous is None else previous["divergences"]),
+        }
+        if hmc["warmup"]:
+            self._adapt(hmc, chain, accept_prob, members)
+        for group in self.param_groups:
+            group["step"] += 1
+        self._cache = (
+            [id(p) for p in chain],
+            self._versions_of([id(p) for p in chain]),
+            loss,
+            raw,
+        )
+        return loss
+
+    def _params_by_id(self, ids: list[int]) -> list[Tensor]:
+        by_id = {id(p): p for g in self.param_groups for p in g["params"]}
+        return [by_id[i] for i in ids]
+
+    def _versions_of(self, ids: list[int]) -> list[int]:
+        by_id = {id(p): p for g in self.param_groups for p in g["params"]}
+        if not all(i in by_id for i in ids):
+            return []
+        return [hash((by_id[i]._version, by_id[i].data_ptr())) for i in ids]
+
+    def _inverse_mass(self, param: Tensor) -> Tensor | None:
+        mass = self.state[param].get("mass") if param in self.state else None
+        return None if mass is None else 1.0 / mass
+
+    # ------------------------------------------------------------------ warm-up
+    def _adapt(
+        self, hmc: dict[str, Any], chain: list[Tensor], accept_prob: Tensor, members: int | None
+    ) -> None:
+        target = self.param_groups[0]["target_accept"]
+        if target is not None and hmc["dual_averaging"] is not None:
+            state = DualAveragingState(**hmc["dual_averaging"])
+            if members is not None and POOLED_ADAPTATION:
+                accept_prob = accept_prob.mean().expand_as(accept_prob)
+            state = dual_averaging_update(state, accept_prob, float(target))
+            hmc["dual_averaging"] = state._asdict()
+            hmc["log_step"] = state.log_step
+        if hmc["adapt_mass"] and hmc["collect_mass"]:
+            hmc["mass_count"] += 1
+            n = hmc["mass_count"]
+            for p in chain:
+                state = self.state[p]
+                if "mass_mean" not in state or n == 1:
+                    state["mass_mean"] = p.detach().clone()
+                    state["mass_m2"] = torch.zeros_like(p)
+                    continue
+                delta = p - state["mass_mean"]
+                state["mass_mean"] = state["mass_mean"] + delta / n
+                state["mass_m2"] = state["mass_m2"] + delta * (p - state["mass_mean"])
+
+    def update_mass(self) -> bool:
+        r"""Set the mass from the draws collected since the last update (``mass="adapt"``).
+
+        :math:`M^{-1}` becomes the regularised variance of the draws (Stan's
+        :math:`\frac{n}{n+5}\hat\sigma^2 + 10^{-3}\frac{5}{n+5}`), normalised to mean 1
+        per chain; the estimator restarts, and so does dual averaging (from the current
+        step size). Returns whether the mass was updated (it needs 3 draws or more).
+        """
+        hmc = self.state[_STATE_KEY]
+        n = hmc["mass_count"]
+        chain = [p for g in self.param_groups for p in g["params"] if "mass_m2" in self.state[p]]
+        if not hmc["adapt_mass"] or n < 3 or not chain:
+            return False
+        members = (
+            None
+            if hmc["log_step"] is None or hmc["log_step"].dim() == 0
+            else int(hmc["log_step"].shape[0])
+        )
+        variances = []
+        for p in chain:
+            var = self.state[p]["mass_m2"] / (n - 1)
+            variances.append((n / (n + 5.0)) * var + 1e-3 * (5.0 / (n + 5.0)))
+        total = sum(_member_sum(v, members) for v in variances)
+        count = sum(v.numel() for v in variances) // (1 if members is None else members)
+        mean = total / count
+        for p, var in zip(chain, variances, strict=True):
+            scale = _member_view(mean.to(var.dtype), var, members)
+            self.state[p]["mass"] = scale / var
+            del self.state[p]["mass_mean"], self.state[p]["mass_m2"]
+        hmc["mass_count"] = 0
+        if self.param_groups[0]["target_accept"] is not None and hmc["log_step"] is not None:
+            hmc["dual_averaging"] = dual_averaging_init(hmc["log_step"])._asdict()
+        return True
+
+    def end_warmup(self) -> None:
+        """Freeze the adaptation: the step size becomes dual averaging's averaged iterate.
+
+        With ``mass="adapt"`` the mass is first set from the draws collected (see
+        :meth:`update_mass`; :meth:`warmup` re-adapts the step size after each update,
+        which this does not). Later steps are ordinary, exactly invariant transitions.
+        """
+        hmc = self.state[_STATE_KEY]
+        if not hmc["warmup"]:
+            return
+        if hmc["adapt_mass"] and hmc["collect_mass"]:
+            self.update_mass()
+        averaged = hmc["dual_averaging"]
+        if averaged is not None and averaged["count"] > 0:
+            hmc["log_step"] = averaged["log_step_avg"]
+        for p in [p for g in self.param_groups for p in g["params"]]:
+            for key in ("mass_mean", "mass_m2"):
+                self.state[p].pop(key, None) if p in self.state else None
+        hmc.update(warmup=False, collect_mass=False, dual_averaging=None)
+        if hmc["diagnostics"] is not None:  # the counts start again with the sampling
+            hmc["diagnostics"]["num_accepted"] = torch.zeros_like(
+                hmc["diagnostics"]["num_accepted"]
+            )
+            hmc["diagnostics"]["divergences"] = torch.zeros_like(hmc["diagnostics"]["divergences"])
+
+    def warmup(self, closure: Callable[[], Any], num_steps: int) -> None:
+        """Run ``num_steps`` warm-up transitions with Stan's schedule, then :meth:`end_warmup`.
+
+        Step size only: dual averaging throughout. With ``mass="adapt"``: a first 15% for
+        the step size alone, then windows of doubling length (the last one stretched to
+        the end of the middle 75%) after each of which the mass is set from the window's
+        draws and dual averaging restarts, then a last 10% for the step size alone
+        (Stan's reference manual, "HMC algorithm parameters": the 15% / 75% / 10% split
+        Stan falls back to for short warm-ups, with a first window of about 1/35 of the
+        middle part, as Stan's 25 steps of 875).
+        """
+        num_steps = check_positive_int("num_steps", num_steps)
+        hmc = self.state[_STATE_KEY]
+        if not hmc["warmup"]:
+            raise ValueError(
+                "HMC.warmup: the warm-up is over (expected target_accept or mass='adapt', "
+                "before end_warmup())"
+            )
+        ends: set[int] = set()
+        init = term = 0
+        if hmc["adapt_mass"] and num_steps >= 20:
+            init, term = int(0.15 * num_steps), int(0.1 * num_steps)
+            slow = num_steps - init - term
+            window, position = max(5, round(slow / 35)), init
+            while position + window < init + slow:
+                nxt = position + window
+                if nxt + 2 * window > init + slow:
+                    nxt = init + slow
+                ends.add(nxt)
+                position, window = nxt, 2 * window
+            ends.add(init + slow)
+        for t in range(num_steps):
+            hmc["collect_mass"] = hmc["adapt_mass"] and init <= t < num_steps - term
+            self.step(closure)
+            if t + 1 in ends:
+                self.update_mass()
+        hmc["collect_mass"] = False
+        self.end_warmup()

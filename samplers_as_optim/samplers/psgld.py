@@ -1,0 +1,710 @@
+r"""Preconditioned SGLD (Li et al., 2016): SGLD with RMSprop's diagonal preconditioner.
+
+Derivation. Target :math:`p_T(\theta) \propto \exp(-U(\theta)/T)` with :math:`U = N L`
+(DESIGN §1). Langevin dynamics with a constant positive diagonal preconditioner
+:math:`G`, :math:`d\theta = -G\nabla U\,dt + \sqrt{2TG}\,dW`, leave :math:`p_T` invariant;
+Euler with step :math:`h = lr/N` gives
+
+.. math::
+
+    \theta \leftarrow \theta - lr\, G\, g' + \sqrt{2\, lr\, T\, G / N}\;\xi,
+
+SGLD's step (:mod:`.sgld`) with the drift and the noise variance both multiplied by
+:math:`G`. Li et al. take :math:`G = \mathrm{diag}(1 / (\epsilon + \sqrt{V}))` with
+RMSprop's running average :math:`V \leftarrow \alpha V + (1-\alpha)\, g' \odot g'`, which
+is ``torch.optim.RMSprop``'s step at :math:`T = 0`:
+
+.. math::
+
+    V &\leftarrow \alpha V + (1-\alpha)\, g'^2, \qquad a = \sqrt{V} + \epsilon, \\
+    \theta &\leftarrow \theta - lr\, \Big(g' / a
+        + \sqrt{2T/(N\, lr)}\;\xi / \sqrt{a}\Big)
+        \;\big[{}+ lr\,(T/N)\,\Gamma \text{ with the correction}\big].
+
+At ``temperature=0`` the step is ``torch.optim.RMSprop(lr, alpha, eps, weight_decay,
+momentum, centered, maximize)``, bit for bit: the same operations in the same order (the
+last one ``param.addcdiv_(g', a, value=-lr)``, or RMSprop's momentum buffer). ``momentum``
+and ``centered`` have no sampling meaning (RMSprop's momentum is not a Hamiltonian
+momentum, and the centred second moment can vanish and blow the noise up) and require
+``temperature=0``.
+
+The correction. :math:`G` depends on :math:`\theta` through the newest :math:`g'`, so
+the exact drift of a position-dependent diffusion has the extra term :math:`T\,\Gamma`,
+:math:`\Gamma_i = \partial G_{ii} / \partial\theta_i` (Li et al., Eq. 4 and Algorithm 1):
+
+.. math::
+
+    \Gamma_i = -(1-\alpha)\, G_{ii}^2\; g'_i\, H_{ii} / \sqrt{V_i},
+
+with :math:`H_{ii}` the diagonal of the Hessian of :math:`L`, which an optimizer fed
+gradients does not have. With ``correction=True`` it is estimated by the secant of the
+last step, :math:`H_{ii} \approx (g'_i - g'^{\,\text{prev}}_i) / (\theta_i -
+\theta^{\text{prev}}_i)` (0 where the coordinate did not move), which is exact on a
+separable quadratic with full-batch gradients and noisy otherwise. Li et al. drop
+:math:`\Gamma` (its effect is :math:`O(1-\alpha)`), as most implementations do, and so
+does the default ``correction=False``. Measured (``tests/test_psgld.py``) on
+:math:`\mathcal N(0, 1)` with full-batch gradients, ``lr=0.01``, 10,000 chains, as the
+interquartile range over 1.349 (the chains' law has heavy tails: a coordinate whose
+:math:`V` is small gets a large preconditioner), relative to the target's sd 1: at
+``alpha=0.5``, 1.73 without the correction and 1.40 with it; at ``alpha=0.99``, 1.21
+both; at ``alpha=0.999``, 1.02-1.03 both, the correction fattening the tails (the mean
+of :math:`|\theta|` is 5-13% too large with it, 2-3% without). So the correction removes
+part of the bias of a fast-adapting preconditioner and nothing of a slow one's, where it
+divides by a small :math:`\sqrt{V}`: it stays off by default, and the bias that matters
+is the adaptation's own, which shrinks as ``alpha`` approaches 1. For sampling, use
+``alpha`` of 0.999 or more (with minibatch gradients :math:`V` is dominated by the
+gradient noise and adapts less to the position).
+
+Changing the learning rate needs no re-expression: :math:`V` is in the units of the
+squared gradient, not of ``lr``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torchopt.base import GradientTransformation
+
+from .._validation import _fail, check_bool, check_nonnegative
+from . import _docs, _transform
+from ._common import buckets, default_foreach, effective_grad, effective_grads
+from ._optimizer import SamplerOptimizer
+from ._transform import KernelInput, KernelOutput, ScalarOrSchedule, pick, sampler_transformation
+
+__all__ = ["PSGLD", "PSGLDState", "psgld", "psgld_direction", "psgld_noise_scale"]
+
+
+def psgld_noise_scale(lr: float, temperature: float, num_data: int) -> float:
+    r"""The noise scale :math:`\sqrt{2T/(N\,lr)}` before the preconditioner's :math:`1/\sqrt{a}`."""
+    if temperature == 0:
+        return 0.0
+    return math.sqrt(2.0 * temperature / (num_data * lr))
+
+
+def _check_alpha(value: Any, where: str) -> float:
+    number = check_nonnegative("alpha", value, where=where)
+    if not number < 1.0:
+        _fail("alpha", value, "a number in [0, 1)", where)
+    return number
+
+
+def _check_eps(value: Any, where: str) -> float:
+    expected = "a finite number > 0"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        _fail("eps", value, expected, where, TypeError)
+    if not (math.isfinite(value) and value > 0):
+        _fail("eps", value, expected, where)
+    return float(value)
+
+
+def _preconditioner(
+    grads: list[Tensor],
+    square_avgs: list[Tensor],
+    grad_avgs: list[Tensor | None],
+    *,
+    alpha: float,
+    eps: float,
+    centered: bool,
+    foreach: bool,
+    inplace: bool,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor | None]]:
+    """RMSprop's ``avg`` (new tensors) and new second moments, in RMSprop's operations."""
+    if not foreach:
+        avgs, new_squares, new_grad_avgs = [], [], []
+        for i, grad in enumerate(grads):
+            square = square_avgs[i] if inplace else square_avgs[i].clone()
+            square.mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
+            grad_avg = grad_avgs[i]
+            if centered:
+                assert grad_avg is not None
+                grad_avg = grad_avg if inplace else grad_avg.clone()
+                grad_avg.lerp_(grad, 1 - alpha)
+                avg = square.addcmul(grad_avg, grad_avg, value=-1)
+                avg = avg.sqrt_() if inplace else avg.sqrt()
+            else:
+                avg = square.sqrt()
+            # in place where no graph is kept (the sqrt's backward needs its output)
+            avgs.append(avg.add_(eps) if inplace else avg.add(eps))
+            new_squares.append(square)
+            new_grad_avgs.append(grad_avg)
+        return avgs, new_squares, new_grad_avgs
+    squares = square_avgs if inplace else [square.clone() for square in square_avgs]
+    torch._foreach_mul_(squares, alpha)
+    torch._foreach_addcmul_(squares, grads, grads, value=1 - alpha)
+    if centered:
+        means = [avg for avg in grad_avgs if avg is not None]
+        means = means if inplace else [avg.clone() for avg in means]
+        torch._foreach_lerp_(means, grads, 1 - alpha)
+        avgs = list(torch._foreach_addcmul(squares, means, means, value=-1))
+        if inplace:
+            torch._foreach_sqrt_(avgs)
+        else:
+            avgs = list(torch._foreach_sqrt(avgs))
+        new_grad_avgs: list[Tensor | None] = list(means)
+    else:
+        avgs = list(torch._foreach_sqrt(squares))
+        new_grad_avgs = list(grad_avgs)
+    # in place where no graph is kept (the sqrt's backward needs its output)
+    if inplace:
+        torch._foreach_add_(avgs, eps)
+    else:
+        avgs = list(torch._foreach_add(avgs, eps))
+    return avgs, list(squares), new_grad_avgs
+
+
+def psgld_direction(
+    params: list[Tensor],
+    grads: list[Tensor],
+    square_avgs: list[Tensor],
+    noise: list[Tensor] | None,
+    *,
+    lr: float,
+    alpha: float,
+    eps: float,
+    temperature: float,
+    num_data: int,
+    weight_decay: float,
+    maximize: bool,
+    foreach: bool,
+    momentum: float = 0.0,
+    centered: bool = False,
+    momentum_buffers: list[Tensor] | None = None,
+    grad_avgs: list[Tensor | None] | None = None,
+    previous: tuple[list[Tensor], list[Tensor]] | None = None,
+    inplace: bool = True,
+    split: bool = False,
+) -> tuple[list[Tensor], dict[str, list[Any]]]:
+    r"""The pure kernel of PSGLD: the directions :math:`d` and the new state.
+
+    .. math::
+
+        V \leftarrow \alpha V + (1-\alpha)\, g'^2, \quad a = \sqrt{V} + \epsilon, \quad
+        d = g'/a + \sqrt{2T/(N\,lr)}\;\xi/\sqrt{a} - (T/N)\,\Gamma,
+
+    the step being :math:`\theta \leftarrow \theta - lr\, d` (see the module docstring
+    for :math:`\Gamma`, used when ``previous`` is given). At :math:`T = 0` with
+    ``momentum`` the direction is RMSprop's buffer :math:`b \leftarrow \mu b + g'/a`;
+    with ``centered`` :math:`a` uses the centred second moment, as in RMSprop.
+
+    Args:
+        params: the parameters (read only, for weight decay and the correction).
+        grads: their gradients (never modified).
+        square_avgs: :math:`V`, one per parameter.
+        noise: standard-normal :math:`\xi` per parameter; None exactly when T is 0.
+        lr: learning rate, > 0 when ``temperature`` > 0.
+        alpha: :math:`\alpha \in [0, 1)`.
+        eps: :math:`\epsilon > 0`.
+        temperature: T >= 0.
+        num_data: N.
+        weight_decay: as in ``torch.optim.RMSprop``.
+        maximize: as in ``torch.optim.RMSprop``.
+        foreach: multi-tensor path; the single-tensor loop is the reference.
+        momentum: RMSprop's momentum (temperature 0 only).
+        centered: RMSprop's centred variant (temperature 0 only).
+        momentum_buffers: one per parameter when ``momentum`` > 0.
+        grad_avgs: one per parameter when ``centered``.
+        previous: ``(previous_params, previous_grads)`` for the correction :math:`\Gamma`
+            (temperature > 0), or None for no correction.
+        inplace: update the given state in place (Optimizer) or return new tensors.
+        split: at temperature 0 without momentum, return ``g'`` and :math:`a` as the
+            state entries ``"numerator"`` and ``"denominator"`` instead of dividing, so
+            that the Optimizer takes RMSprop's last step ``addcdiv_`` bit for bit.
+
+    Returns:
+        ``(directions, state)`` with state entries ``"square_avg"``, ``"grad_avg"``,
+        ``"momentum_buffer"``, ``"previous_param"``, ``"previous_grad"`` (lists, or
+        None where unused).
+    """
+    if (noise is None) != (temperature == 0):
+        raise ValueError("noise must be given exactly when temperature > 0")
+    grad_avgs = [None] * len(grads) if grad_avgs is None else grad_avgs
+    scale = psgld_noise_scale(lr, temperature, num_data)
+    directions: list[Tensor] = list(grads)
+    state: dict[str, list[Any]] = {
+        "square_avg": list(square_avgs),
+        "grad_avg": list(grad_avgs),
+        "momentum_buffer": list(momentum_buffers) if momentum_buffers is not None else [],
+        "previous_param": [],
+        "previous_grad": [],
+        "numerator": [None] * len(grads),
+        "denominator": [None] * len(grads),
+    }
+    if previous is not None:
+        state["previous_param"], state["previous_grad"] = list(previous[0]), list(previous[1])
+    for index in buckets(params) if foreach else [[i] for i in range(len(params))]:
+        if foreach:
+            gs, _ = effective_grads(
+                [grads[i] for i in index],
+                [params[i] for i in index],
+                weight_decay=weight_decay,
+                maximize=maximize,
+            )
+            gs = list(gs)
+        else:
+            gs = [
+                effective_grad(grads[i], params[i], weight_decay=weight_decay, maximize=maximize)
+                for i in index
+            ]
+        avgs, squares, means = _preconditioner(
+            gs,
+            [square_avgs[i] for i in index],
+            [grad_avgs[i] for i in index],
+            alpha=alpha,
+            eps=eps,
+            centered=centered,
+            foreach=foreach,
+            inplace=inplace,
+        )
+        for position, i in enumerate(index):
+            state["square_avg"][i] = squares[position]
+            state["grad_avg"][i] = means[position]
+        if temperature == 0 and momentum > 0:
+            assert momentum_buffers is not None
+            bufs = [momentum_buffers[i] for i in index]
+            bufs = bufs if inplace else [buf.clone() for buf in bufs]
+            if foreach:
+                torch._foreach_mul_(bufs, momentum)
+                torch._foreach_addcdiv_(bufs, gs, avgs)
+            else:
+                for buf, grad, avg in zip(bufs, gs, avgs, strict=True):
+                    buf.mul_(momentum).addcdiv_(grad, avg)
+            for position, i in enumerate(index):
+                state["momentum_buffer"][i] = bufs[position]
+                directions[i] = bufs[position]
+            continue
+        if temperature == 0 and split:
+            for position, i in enumerate(index):
+                state["numerator"][i] = gs[position]
+                state["denominator"][i] = avgs[position]
+            continue
+        if foreach:
+            ds = list(torch._foreach_div(gs, avgs))
+        else:
+            ds = [grad.div(avg) for grad, avg in zip(gs, avgs, strict=True)]
+        if noise is not None:
+            # the noise variance follows the preconditioner: xi * scale / sqrt(a)
+            if foreach:
+                roots = torch._foreach_sqrt(avgs)
+                scaled = torch._foreach_div([noise[i] for i in index], roots)
+                torch._foreach_add_(ds, scaled, alpha=scale)
+            else:
+                for d, avg, i in zip(ds, avgs, index, strict=True):
+                    d.add_(noise[i].div(avg.sqrt()), alpha=scale)
+        if previous is not None and temperature > 0:
+            squares_now = [state["square_avg"][i] for i in index]
+            ds = _correct(
+                ds,
+                gs,
+                avgs,
+                squares_now,
+                params,
+                previous,
+                index,
+                alpha=alpha,
+                temperature=temperature,
+                num_data=num_data,
+            )
+            for position, i in enumerate(index):
+                if inplace:
+                    state["previous_param"][i].copy_(params[i])
+                    state["previous_grad"][i].copy_(gs[position])
+                else:
+                    state["previous_param"][i] = params[i].detach().clone()
+                    state["previous_grad"][i] = gs[position].detach().clone()
+        for position, i in enumerate(index):
+            directions[i] = ds[position]
+    return directions, state
+
+
+def _correct(
+    ds: list[Tensor],
+    gs: list[Tensor],
+    avgs: list[Tensor],
+    squares: list[Tensor],
+    params: list[Tensor],
+    previous: tuple[list[Tensor], list[Tensor]],
+    index: list[int],
+    *,
+    alpha: float,
+    temperature: float,
+    num_data: int,
+) -> list[Tensor]:
+    r"""``d - (T/N) Gamma`` with the secant estimate of the Hessian's diagonal."""
+    out = []
+    for position, i in enumerate(index):
+        grad, avg = gs[position], avgs[position]
+        moved = params[i] - previous[0][i]
+        curvature = torch.where(
+            moved != 0, (grad - previous[1][i]) / torch.where(moved != 0, moved, 1.0), 0.0
+        )
+        root = squares[position].sqrt()
+        safe_root = torch.where(root > 0, root, 1.0)
+        gamma = torch.where(
+            root > 0, -(1 - alpha) * grad * curvature / (avg * avg * safe_root), 0.0
+        )
+        out.append(ds[position].sub(gamma, alpha=temperature / num_data))
+    return out
+
+
+_FIELDS = ("square_avg", "momentum_buffer", "grad_avg", "previous_param", "previous_grad")
+
+
+def _fields_of(group: dict[str, Any]) -> tuple[str, ...]:
+    used = {
+        "square_avg": True,
+        "momentum_buffer": group["momentum"] > 0,
+        "grad_avg": bool(group["centered"]),
+        "previous_param": bool(group["correction"]),
+        "previous_grad": bool(group["correction"]),
+    }
+    return tuple(name for name in _FIELDS if used[name])
+
+
+class PSGLD(SamplerOptimizer):
+    """Preconditioned SGLD, a drop-in for ``torch.optim.RMSprop`` (see ``PSGLD.__doc__``)."""
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-2,
+        alpha: float = 0.99,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        momentum: float = 0.0,
+        centered: bool = False,
+        capturable: bool = False,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        differentiable: bool = False,
+        *,
+        num_data: int,
+        temperature: float = 1.0,
+        correction: bool = False,
+        seed: int | None = None,
+        overlap_noise: bool = True,
+        nonfinite: str = "raise",
+    ) -> None:
+        super().__init__({**locals(), "fused": None})
+
+    @classmethod
+    def _check_group_combinations(
+        cls, group: dict[str, Any], temperature: float, where: str
+    ) -> None:
+        _check_alpha(group["alpha"], where)
+        _check_eps(group["eps"], where)
+        check_nonnegative("momentum", group["momentum"], where=where)
+        check_bool("centered", group["centered"], where=where)
+        check_bool("correction", group["correction"], where=where)
+        if check_bool("capturable", group["capturable"], where=where):
+            raise ValueError(
+                f"Invalid capturable{where}: True (expected False: there is no capturable "
+                "sampler kernel)"
+            )
+        cls._reject_at_positive_temperature("momentum", group["momentum"], 0, temperature, where)
+        cls._reject_at_positive_temperature(
+            "centered", group["centered"], False, temperature, where
+        )
+
+    def _state_fields(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return _fields_of(group)
+
+    def _init_state(self, group: dict[str, Any], param: Tensor, state: dict[str, Any]) -> None:
+        for name in _fields_of(group):
+            if name == "previous_param":
+                state.setdefault(name, param.detach().clone(memory_format=torch.preserve_format))
+            else:
+                state.setdefault(name, torch.zeros_like(param, memory_format=torch.preserve_format))
+
+    def _update_group(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        *,
+        lr: float,
+        temperature: float,
+        **kwargs: Any,
+    ) -> None:
+        if temperature > 0 or group["momentum"] > 0 or kwargs.get("keep") is not None:
+            super()._update_group(group, params, grads, lr=lr, temperature=temperature, **kwargs)
+            return
+        # temperature 0 without momentum: RMSprop's last operation, addcdiv_, bit for bit
+        foreach = group["foreach"]
+        if foreach is None:
+            foreach = default_foreach(params)
+        states = [self.state[p] for p in params]
+        for param, state in zip(params, states, strict=True):
+            if not all(name in state for name in _fields_of(group)):
+                self._init_state(group, param, state)
+        _, new = self._run_kernel(group, params, grads, states, None, lr, 0.0, foreach, split=True)
+        numerators, denominators = new["numerator"], new["denominator"]
+        if not foreach:
+            for param, numerator, denominator in zip(params, numerators, denominators, strict=True):
+                param.addcdiv_(numerator, denominator, value=-lr)
+            return
+        for index in buckets(params):
+            torch._foreach_addcdiv_(
+                [params[i] for i in index],
+                [numerators[i] for i in index],
+                [denominators[i] for i in index],
+                value=-lr,
+            )
+
+    def _run_kernel(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        states: list[dict[str, Any]],
+        noise: list[Tensor] | None,
+        lr: float,
+        temperature: float,
+        foreach: bool,
+        *,
+        split: bool = False,
+    ) -> tuple[list[Tensor], dict[str, list[Any]]]:
+        def field(name: str) -> list[Any] | None:
+            if name not in _fields_of(group):
+                return None
+            return [state[name] for state in states]
+
+        previous = None
+        if group["correction"]:
+            previous = (field("previous_param") or [], field("previous_grad") or [])
+        return psgld_direction(
+            params,
+            grads,
+            field("square_avg") or [],
+            noise,
+            **pick(group, "alpha", "eps", "num_data", "weight_decay", "maximize"),
+            **pick(group, "momentum", "centered"),
+            lr=lr,
+            temperature=temperature,
+            foreach=foreach,
+            momentum_buffers=field("momentum_buffer"),
+            grad_avgs=field("grad_avg"),
+            previous=previous,
+            split=split,
+        )
+
+    def _kernel(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        buffers: list[list[Tensor | None]],
+        noise: list[Tensor] | None,
+        *,
+        lr: float,
+        temperature: float,
+        foreach: bool,
+    ) -> tuple[list[Tensor], list[list[Tensor | None]]]:
+        names = _fields_of(group)
+        states = [{name: buffers[k][i] for k, name in enumerate(names)} for i in range(len(params))]
+        directions, new = self._run_kernel(
+            group, params, grads, states, noise, lr, temperature, foreach
+        )
+        return directions, [new[name] for name in names]
+
+
+PSGLD.__doc__ = rf"""Preconditioned SGLD (Li et al., 2016), a drop-in for ``torch.optim.RMSprop``.
+
+    Each step is one transition of the Markov chain
+
+    .. math::
+
+        g' &= \pm g + \lambda\,\theta, \qquad
+        V \leftarrow \alpha V + (1-\alpha)\, g'^2, \qquad a = \sqrt{{V}} + \epsilon, \\
+        \theta &\leftarrow \theta - lr\, g' / a + \sqrt{{2\, lr\, T / N}}\; \xi / \sqrt{{a}},
+        \qquad \xi \sim \mathcal N(0, I),
+
+    SGLD with the diagonal preconditioner :math:`G = 1/a` applied to the drift and to the
+    noise variance, with :math:`g` = ``p.grad`` (the gradient of the mean minibatch loss),
+    :math:`\alpha` = ``alpha``, :math:`\epsilon` = ``eps``, :math:`\lambda` =
+    ``weight_decay``, :math:`T` = ``temperature``, :math:`N` = ``num_data``, the sign
+    negative when ``maximize``; :math:`V` starts at 0 (``state["square_avg"]``). At
+    ``temperature=0`` it is ``torch.optim.RMSprop`` with the same arguments, bit for bit
+    (``momentum`` and ``centered`` included). With ``correction=True`` the step gains Li
+    et al.'s :math:`+lr\,(T/N)\,\Gamma` (module docstring of
+    :mod:`samplers_as_optim.samplers.psgld`, with its measured effect).
+
+    Args:
+        {_docs.params_doc}
+        lr: learning rate, in the units of ``torch.optim.RMSprop`` (default: 1e-2; a
+            finite number >= 0, or a one-element tensor). At temperature > 0 it is also
+            the sampler's step size; a group whose ``lr`` is 0 at temperature > 0 is left
+            unchanged by a step (no time passes).
+        alpha: :math:`\alpha`, the decay of the running average of squared gradients
+            (default: 0.99; in [0, 1)). Closer to 1: a preconditioner that adapts more
+            slowly and a smaller bias from its adaptation.
+        eps: :math:`\epsilon`, added to :math:`\sqrt{{V}}` (default: 1e-8; a finite number
+            > 0). It bounds the preconditioner by :math:`1/\epsilon`.
+        {_docs.weight_decay_doc}
+        momentum: RMSprop's momentum (default: 0). Has no sampling meaning: a value
+            other than 0 requires temperature 0.
+        centered: RMSprop's centred variant (default: False). Has no sampling meaning:
+            True requires temperature 0.
+        capturable: accepted for compatibility with ``torch.optim.RMSprop``; only False
+            is supported.
+        {_docs.foreach_doc}
+        {_docs.maximize_doc}
+        {_docs.differentiable_doc}
+        {_docs.num_data_doc}
+        {_docs.temperature_doc}
+        correction: add Li et al.'s correction term :math:`\Gamma`, with the Hessian's
+            diagonal estimated by the secant of the last step (default: False, as Li et
+            al. and most implementations; it keeps two more buffers per parameter).
+        {_docs.seed_doc}
+        {_docs.overlap_noise_doc}
+        {_docs.nonfinite_doc}
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import PSGLD
+        >>> model = torch.nn.Linear(3, 1)
+        >>> opt = PSGLD(model.parameters(), lr=1e-3, num_data=1000, seed=0)
+        >>> loss = model(torch.randn(8, 3)).pow(2).mean()
+        >>> loss.backward()
+        >>> opt.step()
+
+    Note:
+        Li et al. write the step on the summed log posterior with step :math:`\epsilon_t`
+        and :math:`\lambda` for ``eps``; here :math:`\epsilon_t = lr/N`, the gradient is
+        that of the mean loss (so :math:`V` is RMSprop's), and the noise variance is
+        multiplied by ``temperature``.
+
+    References:
+        Li, C., Chen, C., Carlson, D. & Carin, L. (2016). Preconditioned stochastic
+        gradient Langevin dynamics for deep neural networks. AAAI. Algorithm 1, Eq. (4).
+    """
+
+
+class PSGLDState(NamedTuple):
+    """The state of :func:`psgld`: RMSprop's buffers and the chain's random state.
+
+    Attributes:
+        square_avg: :math:`V` per leaf of the params tree, starting at zero.
+        momentum_buffer: RMSprop's momentum buffer per leaf (empty unless ``momentum``).
+        grad_avg: the running mean of the gradients per leaf (empty unless ``centered``).
+        previous_param: the parameters at the last update (empty unless ``correction``).
+        previous_grad: the gradients at the last update (empty unless ``correction``).
+        seed: the seed of the chain's noise.
+        count: the number of updates taken, the step of the next noise draw and of the
+            schedules.
+    """
+
+    square_avg: tuple[Tensor | None, ...]
+    momentum_buffer: tuple[Tensor | None, ...]
+    grad_avg: tuple[Tensor | None, ...]
+    previous_param: tuple[Tensor | None, ...]
+    previous_grad: tuple[Tensor | None, ...]
+    seed: int
+    count: int
+
+
+def psgld(
+    lr: ScalarOrSchedule,
+    alpha: float = 0.99,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    momentum: float = 0.0,
+    centered: bool = False,
+    *,
+    num_data: int,
+    temperature: ScalarOrSchedule = 1.0,
+    correction: bool = False,
+    maximize: bool = False,
+    foreach: bool | None = None,
+    seed: int | None = None,
+) -> GradientTransformation:
+    """Preconditioned SGLD as a torchopt gradient transformation (see ``psgld.__doc__``)."""
+    arguments = {**locals(), "capturable": False}
+    used = _fields_of(arguments)
+
+    def init_buffers(leaves: list[Tensor | None]) -> tuple[tuple[Any, ...], ...]:
+        def make(name: str) -> tuple[Any, ...]:
+            if name not in used:
+                return ()
+            if name == "previous_param":
+                return tuple(None if leaf is None else leaf.detach().clone() for leaf in leaves)
+            return tuple(None if leaf is None else torch.zeros_like(leaf) for leaf in leaves)
+
+        return tuple(make(name) for name in _FIELDS)
+
+    def kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
+        fields = dict(zip(_FIELDS, inputs.buffers, strict=True))
+        previous = None
+        if "previous_param" in used:
+            previous = (fields["previous_param"], fields["previous_grad"])
+        directions, new = psgld_direction(
+            inputs.params,
+            inputs.grads,
+            fields["square_avg"],
+            inputs.noise,
+            **pick(group, "lr", "alpha", "eps", "temperature", "num_data", "weight_decay"),
+            **pick(group, "maximize", "foreach", "momentum", "centered", "inplace"),
+            momentum_buffers=fields["momentum_buffer"] if "momentum_buffer" in used else None,
+            grad_avgs=fields["grad_avg"] if "grad_avg" in used else None,
+            previous=previous,
+        )
+        return directions, tuple(new[name] if name in used else [] for name in _FIELDS)
+
+    return sampler_transformation(
+        arguments,
+        name="transforms.psgld",
+        state_type=PSGLDState,
+        optimizer_class=PSGLD,
+        init_buffers=init_buffers,
+        kernel=kernel,
+    )
+
+
+psgld.__doc__ = rf"""Preconditioned SGLD (Li et al., 2016) as a torchopt transformation.
+
+    The same chain as :class:`PSGLD`, computed by the same kernel: each update is
+
+    .. math::
+
+        V \leftarrow \alpha V + (1-\alpha)\, g'^2, \qquad a = \sqrt{{V}} + \epsilon, \qquad
+        u = -lr\,\big(g'/a + \sqrt{{2T/(N\,lr)}}\;\xi/\sqrt{{a}}\big),
+
+    to be added to the parameters (``torchopt.apply_updates``), with :math:`g'` the
+    incoming updates (plus weight decay, negated when ``maximize``). At temperature 0 it
+    is RMSprop's update up to the rounding of ``-lr * (g'/a)`` (``torch.optim.RMSprop``
+    fuses it into ``addcdiv_``).
+
+    Args:
+        {_transform.lr_doc}
+        alpha: :math:`\alpha` (default: 0.99; in [0, 1)).
+        eps: :math:`\epsilon` (default: 1e-8; a finite number > 0).
+        {_docs.weight_decay_doc}
+        momentum: RMSprop's momentum (default: 0; temperature 0 only).
+        centered: RMSprop's centred variant (default: False; temperature 0 only).
+        {_docs.num_data_doc}
+        {_transform.temperature_doc}
+        correction: add Li et al.'s :math:`\Gamma` (default: False; see :class:`PSGLD`).
+        {_docs.maximize_doc}
+        {_transform.foreach_doc}
+        {_transform.seed_doc}
+
+    Returns:
+        {_transform.returns_doc}
+
+    Example:
+        >>> import torch, torchopt
+        >>> from samplers_as_optim import transforms
+        >>> params = {{"w": torch.zeros(3)}}
+        >>> tx = transforms.psgld(1e-3, num_data=1000, seed=0)
+        >>> state = tx.init(params)
+        >>> updates, state = tx.update({{"w": torch.ones(3)}}, state, params=params)
+        >>> params = torchopt.apply_updates(params, updates)
+        >>> state.count
+        1
+
+    References:
+        Li, C., Chen, C., Carlson, D. & Carin, L. (2016). Preconditioned stochastic
+        gradient Langevin dynamics for deep neural networks. AAAI. Algorithm 1.
+    """

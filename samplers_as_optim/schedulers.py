@@ -1,0 +1,200 @@
+r"""Schedules that drive a sampler: cyclical SG-MCMC (Zhang et al., 2020).
+
+:class:`CyclicalSGMCMC` is a ``torch.optim.lr_scheduler`` scheduler. Over cycles of
+``cycle_length`` steps it sets each param group's ``lr`` to the cosine of Zhang et al.'s
+Eq. (1) and its ``temperature`` to 0 in the first ``exploration`` fraction of each cycle
+(the chain optimises towards a new mode with the large steps) and to the group's target
+temperature in the rest (the chain samples around that mode with the small steps). Its
+:attr:`~CyclicalSGMCMC.is_sampling` says whether the coming step samples, for a
+:class:`~samplers_as_optim.SampleCollector` (``collector.step(sampling=...)``).
+
+Restarts. A cycle ends with a tiny ``lr`` at the target temperature and the next begins
+with the largest ``lr`` at temperature 0. A momentum buffer in SGD units is
+:math:`b = -r/\sqrt{N\,lr}`: written at the end of a cycle it is enormous in the units of
+the restart, where the samplers, at temperature 0, treat it as SGD's and do not rescale
+it (DESIGN §1): the first exploration step would then kick the chain by
+:math:`\sqrt{lr_{\text{restart}}/lr_{\text{end}}}` times its thermal momentum (a factor
+of ~640 for cycles of 1000 steps). So at each step that leaves the sampling part for
+exploration the scheduler re-expresses every recorded momentum buffer at the new ``lr``,
+keeping the physical momentum :math:`r` (:func:`~samplers_as_optim.samplers.sghmc.
+rescale_momentum_state`, the map the samplers apply themselves at temperature > 0):
+``tests/test_cyclical.py`` checks that a restart does not heat the chain. Within a cycle
+``lr`` changes smoothly and the samplers rescale at temperature > 0 themselves.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from ._validation import _fail, check_nonnegative, check_positive_int
+from .samplers.sghmc import rescale_momentum_state
+
+__all__ = ["CyclicalSGMCMC"]
+
+
+class CyclicalSGMCMC(LRScheduler):
+    r"""Cyclical SG-MCMC: cosine cyclical ``lr``, exploration at temperature 0, then sampling.
+
+    At step :math:`k` (from 0), with :math:`L` = ``cycle_length``, the position in the
+    cycle :math:`\rho = (k \bmod L)/L` sets
+
+    .. math::
+
+        lr_k = \frac{lr_0}{2}\left(\cos(\pi \rho) + 1\right), \qquad
+        T_k = \begin{cases} T_{\text{explore}} & \rho < \beta \\ T & \rho \ge \beta
+        \end{cases}
+
+    per param group, with :math:`lr_0` the group's ``lr`` and :math:`T` its
+    ``temperature`` when the scheduler is built, :math:`\beta` = ``exploration`` and
+    :math:`T_{\text{explore}}` = ``exploration_temperature``. This is Zhang et al.'s Eq.
+    (1) with :math:`\lceil K/M \rceil = L` and their exploration stage
+    :math:`r(k) < \beta`, where the chain runs as an optimiser. Works with any sampler of
+    this package (:class:`~samplers_as_optim.SGLD`, :class:`~samplers_as_optim.SGHMC`,
+    :class:`~samplers_as_optim.SGNHT`, :class:`~samplers_as_optim.PSGLD`,
+    :class:`~samplers_as_optim.BAOA`); SGNHT needs temperature > 0, so give it
+    ``exploration_temperature`` > 0 or ``exploration=0``. At the step that leaves a
+    sampling stage for exploration the momentum buffers are re-expressed at the new ``lr``
+    (module docstring), so that a restart does not heat the chain.
+
+    Call ``step()`` after ``optimizer.step()``, as for any scheduler:
+
+    .. code-block:: python
+
+        scheduler = CyclicalSGMCMC(optimizer, cycle_length=1000, num_cycles=4)
+        for _ in range(scheduler.total_steps):
+            ...                                  # forward, backward
+            optimizer.step()
+            collector.step(sampling=scheduler.is_sampling)  # the step just taken
+            scheduler.step()
+
+    Args:
+        optimizer: a sampler (every param group has a ``temperature``).
+        cycle_length: :math:`L`, steps per cycle (a positive integer).
+        num_cycles: :math:`M`, the number of cycles (a positive integer): the schedule
+            has ``total_steps = cycle_length * num_cycles`` steps; stepping past them
+            raises ``ValueError``.
+        exploration: :math:`\beta`, the fraction of each cycle spent exploring (default:
+            0.8; in [0, 1)). 0 samples all along, with the cyclical ``lr`` only.
+        exploration_temperature: the temperature while exploring (default: None: 0, an
+            optimiser, as Zhang et al.; a finite number >= 0).
+        last_epoch: as for any ``torch.optim.lr_scheduler`` scheduler (default: -1).
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import SGHMC, CyclicalSGMCMC
+        >>> model = torch.nn.Linear(3, 1)
+        >>> opt = SGHMC(model.parameters(), lr=0.1, num_data=100, seed=0)
+        >>> scheduler = CyclicalSGMCMC(opt, cycle_length=10, num_cycles=2, exploration=0.5)
+        >>> opt.param_groups[0]["lr"], opt.param_groups[0]["temperature"]
+        (0.1, 0.0)
+        >>> for _ in range(5):
+        ...     opt.step()
+        ...     scheduler.step()
+        >>> round(opt.param_groups[0]["lr"], 4), scheduler.is_sampling
+        (0.05, True)
+
+    References:
+        Zhang, R., Li, C., Zhang, J., Chen, C. & Wilson, A. G. (2020). Cyclical stochastic
+        gradient MCMC for Bayesian deep learning. ICLR. Eq. (1) and Algorithm 1.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        cycle_length: int,
+        num_cycles: int,
+        exploration: float = 0.8,
+        *,
+        exploration_temperature: float | None = None,
+        last_epoch: int = -1,
+    ) -> None:
+        self.cycle_length = check_positive_int("cycle_length", cycle_length)
+        self.num_cycles = check_positive_int("num_cycles", num_cycles)
+        beta = check_nonnegative("exploration", exploration)
+        if not beta < 1.0:
+            _fail("exploration", exploration, "a number in [0, 1)", "")
+        self.exploration = beta
+        explore = 0.0 if exploration_temperature is None else exploration_temperature
+        self.exploration_temperature = check_nonnegative("exploration_temperature", explore)
+        for index, group in enumerate(optimizer.param_groups):
+            if "temperature" not in group:
+                raise TypeError(
+                    f"Invalid optimizer: {type(optimizer).__name__} (expected a sampler: param "
+                    f"group {index} has no temperature)"
+                )
+        if (
+            getattr(optimizer, "requires_positive_temperature", False)
+            and self.exploration > 0
+            and self.exploration_temperature == 0
+        ):
+            raise ValueError(
+                f"Invalid exploration_temperature: {exploration_temperature!r} (expected a "
+                f"finite number > 0 for {type(optimizer).__name__}, which needs temperature "
+                "> 0; or exploration=0)"
+            )
+        if last_epoch == -1:
+            for group in optimizer.param_groups:
+                group.setdefault("initial_temperature", float(group["temperature"]))
+        self.base_temperatures = [
+            float(group["initial_temperature"]) for group in optimizer.param_groups
+        ]
+        self._sampling = False
+        super().__init__(optimizer, last_epoch)
+
+    @property
+    def total_steps(self) -> int:
+        """``cycle_length * num_cycles``: the steps of the whole schedule."""
+        return self.cycle_length * self.num_cycles
+
+    def _position(self, step: int) -> float:
+        return (step % self.cycle_length) / self.cycle_length
+
+    def sampling_at(self, step: int) -> bool:
+        """Whether step ``step`` (from 0) of the schedule is a sampling step."""
+        return self._position(step) >= self.exploration
+
+    @property
+    def is_sampling(self) -> bool:
+        """Whether the optimizer's coming step (at the current settings) samples."""
+        return self._sampling
+
+    @property
+    def cycle(self) -> int:
+        """The cycle (from 0) of the coming step."""
+        return self.last_epoch // self.cycle_length
+
+    def get_lr(self) -> list[float]:  # type: ignore[override]
+        """The cosine cyclical learning rates of the coming step (Zhang et al., Eq. 1)."""
+        factor = 0.5 * (math.cos(math.pi * self._position(self.last_epoch)) + 1.0)
+        return [base * factor for base in self.base_lrs]
+
+    def step(self, epoch: int | None = None) -> None:  # type: ignore[override]
+        """Advance one step: set every group's ``lr`` and ``temperature`` for the next one.
+
+        Raises:
+            ValueError: the schedule's ``total_steps`` are exhausted.
+        """
+        if epoch is not None:
+            raise TypeError("CyclicalSGMCMC.step() takes no epoch (it counts steps itself)")
+        if self.last_epoch + 1 > self.total_steps:
+            raise ValueError(
+                f"CyclicalSGMCMC stepped {self.last_epoch + 1} times, past its total_steps="
+                f"{self.total_steps} (cycle_length={self.cycle_length} x num_cycles="
+                f"{self.num_cycles}); build it with more cycles"
+            )
+        super().step()
+        self._sampling = self.sampling_at(self.last_epoch)
+        for group, target in zip(self.optimizer.param_groups, self.base_temperatures, strict=True):
+            new = target if self._sampling else self.exploration_temperature
+            if float(group["temperature"]) > 0 and new == 0 and float(group["lr"]) > 0:
+                # leaving a sampling stage for exploration (a restart): keep the physical
+                # momentum across the jump of lr, which the sampler at T = 0 would not do
+                states = [self.optimizer.state[p] for p in group["params"]]
+                states = [s for s in states if s.get("momentum_lr") is not None]
+                rescale_momentum_state(
+                    states, lr=float(group["lr"]), temperature=1.0, foreach=False
+                )
+            group["temperature"] = new

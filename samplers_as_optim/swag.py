@@ -1,0 +1,278 @@
+r"""SWAG: a Gaussian from the weights an optimizer or sampler visits (Maddox et al. 2019).
+
+After each step of any optimizer (SGD with a high constant or cyclical learning rate, as
+in the paper, or a sampler), :meth:`SWAG.record` reads the model's treated parameters
+:math:`\theta_t` and updates, in O(P) time and O((2 + K) P) memory, without storing the
+stream:
+
+* the running mean :math:`\bar\theta = \frac1n\sum_t\theta_t` (SWA) and the diagonal
+  variance :math:`\Sigma_\text{diag} = \frac1n\sum_t\theta_t^2 - \bar\theta^2`, accumulated
+  by Welford's update (no cancellation between two large second moments);
+* the last K deviations :math:`\hat D = [\theta_t - \bar\theta_t]` from the running mean
+  at the time (Maddox et al. 2019, §3.2-3.3), a ring buffer of ``rank`` = K columns.
+
+The SWAG Gaussian is :math:`\mathcal N(\bar\theta, \Sigma)` with
+:math:`\Sigma = \tfrac12\big(\Sigma_\text{diag} + \hat D\hat D^\top/(K-1)\big)`, drawn as
+
+.. math::
+
+    \theta = \bar\theta + \sqrt T\Big(\tfrac{1}{\sqrt2}\Sigma_\text{diag}^{1/2} z_1
+    + \tfrac{1}{\sqrt{2(K-1)}}\hat D z_2\Big), \qquad z_1\sim\mathcal N(0, I_P),\;
+    z_2\sim\mathcal N(0, I_K)
+
+(the paper's eq. 1 and the sampling rule after it), with K the number of stored
+deviations. ``rank=0`` gives SWAG-diagonal, :math:`\mathcal N(\bar\theta,
+\Sigma_\text{diag})`. ``temperature`` T multiplies the covariance, as everywhere in the
+package. Draws come in the stacked layout, so
+:func:`~samplers_as_optim.stacked.call_stacked`, :meth:`SWAG.predict` (sampled or
+linearised at :math:`\bar\theta`) and :mod:`~samplers_as_optim.predictive` apply.
+
+Reference:
+    Maddox, Izmailov, Garipov, Vetrov & Wilson (2019), A simple baseline for Bayesian
+    uncertainty in deep learning. NeurIPS.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ._validation import check_nonnegative_integer, check_positive_int, check_temperature
+from .laplace import predict_samples, select_subset
+
+__all__ = ["SWAG"]
+
+
+class SWAG:
+    r"""Diagonal plus low-rank Gaussian from a stream of weights (SWAG, Maddox et al. 2019).
+
+    .. math::
+
+        \mathcal N\Big(\bar\theta,\; \tfrac T2\big(\Sigma_\text{diag} +
+        \hat D\hat D^\top/(K-1)\big)\Big)
+
+    Args:
+        model: the network being trained; :meth:`record` reads its treated parameters.
+        rank: K, the number of recent deviations kept (default 20, as in the paper; an
+            integer >= 0; 0: the diagonal Gaussian :math:`\mathcal N(\bar\theta,
+            T\Sigma_\text{diag})`).
+        temperature: T, multiplies the covariance (default 1.0; a finite number >= 0).
+        subset: the weights covered (default None: every parameter with
+            ``requires_grad=True``), ``"last_layer"`` or a list of names, as for
+            :class:`~samplers_as_optim.Laplace`; the others keep the model's values.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import SWAG
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Linear(3, 2)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> swag = SWAG(model, rank=5)
+        >>> x, y = torch.randn(64, 3), torch.randn(64, 2)
+        >>> for step in range(40):
+        ...     optimizer.zero_grad()
+        ...     batch = slice(step % 8 * 8, step % 8 * 8 + 8)
+        ...     torch.nn.functional.mse_loss(model(x[batch]), y[batch]).backward()
+        ...     optimizer.step()
+        ...     if step >= 20:  # after a burn-in
+        ...         swag.record()
+        >>> draws = swag.sample(10, generator=torch.Generator().manual_seed(1))
+        >>> draws["weight"].shape, swag.predict(x[:4], num_samples=10).shape
+        (torch.Size([10, 2, 3]), torch.Size([10, 4, 2]))
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        rank: int = 20,
+        *,
+        temperature: float = 1.0,
+        subset: str | Sequence[str] | None = None,
+    ) -> None:
+        self.treated = select_subset(model, subset)
+        self.model = model
+        self.rank = check_nonnegative_integer("rank", rank)
+        self.temperature = temperature
+        params = dict(model.named_parameters())
+        reference = params[self.treated.names[0]]
+        size = self.treated.numel
+        #: Number of recorded parameter vectors n.
+        self.count = 0
+        self._mean = torch.zeros(size, dtype=reference.dtype, device=reference.device)
+        self._m2 = torch.zeros_like(self._mean)
+        self._deviations = torch.zeros(
+            self.rank, size, dtype=reference.dtype, device=reference.device
+        )
+        self._stored = 0
+        self._next = 0
+
+    @property
+    def temperature(self) -> float:
+        """T, which multiplies the covariance; settable (validated)."""
+        return self._temperature
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        self._temperature = check_temperature(value)
+
+    def record(self, params: Mapping[str, Tensor] | None = None) -> None:
+        r"""Add the model's current treated parameters (or ``params``) to the statistics.
+
+        Welford: :math:`\bar\theta_n = \bar\theta_{n-1} + (\theta - \bar\theta_{n-1})/n`,
+        :math:`M_n = M_{n-1} + (\theta-\bar\theta_{n-1})\circ(\theta-\bar\theta_n)`; the
+        deviation :math:`\theta - \bar\theta_n` replaces the oldest of the K stored.
+
+        Args:
+            params: name -> tensor for every treated parameter (default None: read the
+                model), e.g. a sample that a sampler or ``SampleCollector`` produced.
+        """
+        if params is None:
+            params = dict(self.model.named_parameters())
+        missing = [name for name in self.treated.names if name not in params]
+        if missing:
+            raise KeyError(f"Invalid params: missing {missing} (expected every treated name)")
+        with torch.no_grad():
+            theta = self.treated.flatten({n: params[n].detach() for n in self.treated.names})
+            theta = theta.to(self._mean)
+            if not bool(theta.isfinite().all()):
+                raise ValueError(
+                    f"Invalid params: non-finite values at record {self.count + 1} (expected "
+                    "finite weights; the optimizer diverged?)"
+                )
+            self.count += 1
+            delta = theta - self._mean
+            self._mean += delta / self.count
+            self._m2 += delta * (theta - self._mean)
+            if self.rank:
+                self._deviations[self._next] = theta - self._mean
+                self._next = (self._next + 1) % self.rank
+                self._stored = min(self._stored + 1, self.rank)
+
+    def _check_recorded(self, needed: int = 1) -> None:
+        if self.count < needed:
+            raise RuntimeError(
+                f"SWAG has {self.count} record(s): call record() after optimizer steps "
+                f"(at least {needed} needed)"
+            )
+
+    @property
+    def mean(self) -> dict[str, Tensor]:
+        r""":math:`\bar\theta` (the SWA solution): name -> tensor of the parameter's shape."""
+        self._check_recorded()
+        return {n: t.clone() for n, t in self.treated.unflatten(self._mean).items()}
+
+    @property
+    def variance(self) -> dict[str, Tensor]:
+        r""":math:`\Sigma_\text{diag} = \frac1n\sum_t(\theta_t - \bar\theta)^2` per weight."""
+        self._check_recorded()
+        return self.treated.unflatten(self._m2 / self.count)
+
+    @property
+    def deviations(self) -> Tensor:
+        r""":math:`\hat D^\top`: the K stored deviations, (K, P) in the flat order."""
+        return self._deviations[: self._stored].clone()
+
+    def covariance(self) -> Tensor:
+        r"""The dense (P, P) SWAG covariance :math:`T\Sigma` (for small models and tests)."""
+        self._check_recorded(2 if self.rank else 1)
+        diag = torch.diag(self._m2 / self.count)
+        if not self.rank:
+            return self.temperature * diag
+        dev = self._deviations[: self._stored]
+        low = dev.T @ dev / max(self._stored - 1, 1)
+        return 0.5 * self.temperature * (diag + low)
+
+    def sample(self, n: int, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
+        r"""Draw n weights by the SWAG rule (z_1 first, then z_2, from ``generator``).
+
+        :math:`\theta = \bar\theta + \sqrt T(\Sigma_\text{diag}^{1/2}z_1/\sqrt2 +
+        \hat D z_2/\sqrt{2(K-1)})`; with ``rank=0``, :math:`\bar\theta +
+        \sqrt T\,\Sigma_\text{diag}^{1/2}z_1`.
+
+        Args:
+            n: number of draws (an integer >= 1).
+            generator: a ``torch.Generator`` on the parameters' device (default: None,
+                torch's global RNG).
+
+        Returns:
+            The stacked layout: name -> tensor ``(n, *shape)`` for every treated parameter.
+        """
+        n = check_positive_int("n", n)
+        self._check_recorded(2 if self.rank else 1)
+        mean = self._mean
+        std = (self._m2 / self.count).sqrt()
+        z1 = torch.randn(n, mean.numel(), generator=generator, dtype=mean.dtype, device=mean.device)
+        scale = math.sqrt(self.temperature)
+        if not self.rank:
+            return self.treated.unflatten(mean + scale * std * z1)
+        z2 = torch.randn(n, self._stored, generator=generator, dtype=mean.dtype, device=mean.device)
+        low = z2 @ self._deviations[: self._stored] / math.sqrt(2.0 * max(self._stored - 1, 1))
+        return self.treated.unflatten(mean + scale * (std * z1 / math.sqrt(2.0) + low))
+
+    def predict(
+        self,
+        x: Tensor,
+        num_samples: int = 100,
+        *,
+        linear: bool = False,
+        generator: torch.Generator | None = None,
+        chunk_size: int | None = None,
+    ) -> Tensor:
+        r"""Model outputs under ``num_samples`` SWAG draws, stacked along dim 0.
+
+        ``linear=False``: :math:`f(x;\theta_s)`; ``linear=True``: the linearisation at the
+        SWA mean, :math:`f(x;\bar\theta) + J_{\bar\theta}(x)(\theta_s - \bar\theta)`. As
+        :meth:`Laplace.predict <samplers_as_optim.Laplace.predict>`; the model runs in its
+        current mode with the non-treated parameters (and buffers) at its current values
+        (update BatchNorm statistics at the SWA mean first, as the paper does).
+
+        Args:
+            x: a batch of inputs on the parameters' device.
+            num_samples: S, the number of draws (default 100; an integer >= 1).
+            linear: linearise around the SWA mean (default False).
+            generator: ``torch.Generator`` for the draws (default None, global RNG).
+            chunk_size: evaluate at most this many draws at once (default None, all).
+
+        Returns:
+            Outputs of shape ``(S, *model(x).shape)``.
+        """
+        if not isinstance(linear, bool):
+            raise TypeError(f"Invalid linear: {linear!r} (expected True or False)")
+        num_samples = check_positive_int("num_samples", num_samples)
+        samples = self.sample(num_samples, generator=generator)
+        return predict_samples(
+            self.model, self.mean, samples, x, linear=linear, chunk_size=chunk_size
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running statistics, for checkpoints (tensors are cloned)."""
+        return {
+            "count": self.count,
+            "mean": self._mean.clone(),
+            "m2": self._m2.clone(),
+            "deviations": self._deviations.clone(),
+            "stored": self._stored,
+            "next": self._next,
+            "names": self.treated.names,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s statistics (same model names and rank)."""
+        if tuple(state["names"]) != self.treated.names or state["deviations"].shape != (
+            self._deviations.shape
+        ):
+            raise ValueError(
+                f"Invalid state: for names {tuple(state['names'])} and "
+                f"{state['deviations'].shape[0]} deviations (expected {self.treated.names} "
+                f"and rank {self.rank})"
+            )
+        self.count = int(state["count"])
+        self._mean = state["mean"].to(self._mean).clone()
+        self._m2 = state["m2"].to(self._m2).clone()
+        self._deviations = state["deviations"].to(self._deviations).clone()
+        self._stored = int(state["stored"])
+        self._next = int(state["next"])

@@ -1,0 +1,657 @@
+"""HMC: leapfrog exactness, invariance at T in {0.5, 1, 2}, adaptation, ensembles, resume.
+
+Statistical checks run many independent chains at once (parameters of shape [K, d], one
+loss per chain, as a ParallelEnsemble's closure returns them) started from exact draws of
+the target. A kernel that leaves the target invariant keeps the K final states exact,
+independent draws, so the Monte Carlo error of every moment is that of K i.i.d. samples:
+no autocorrelation to estimate and no step-size bias to allow for. Each moment becomes a
+z-score (its error over its standard error, the standard error estimated from the K
+products themselves); the test asserts max |z| < Z_MAX. With Z_MAX = 4.5 a correct kernel
+fails one statistic with probability 7e-6, so < 1e-3 over all of them; the same check
+must fail with a deliberately wrong acceptance formula (monkeypatched).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import pickle
+
+import pytest
+import torch
+from torch import Tensor
+
+import samplers_as_optim.samplers.hmc as hmc_module
+from samplers_as_optim import HMC, ParallelEnsemble
+from samplers_as_optim.samplers.hmc import kinetic_energy, leapfrog_
+
+Z_MAX = 4.5
+DIM = 10
+
+
+def correlated_covariance() -> Tensor:
+    """A 10-D covariance with correlations up to ~0.9 and variances from 0.1 to 2.4."""
+    generator = torch.Generator().manual_seed(3)
+    a = torch.randn(DIM, DIM, generator=generator, dtype=torch.float64)
+    q, _ = torch.linalg.qr(a)
+    eigenvalues = torch.logspace(-1.0, math.log10(3.0), DIM, dtype=torch.float64)
+    return q @ torch.diag(eigenvalues) @ q.T
+
+
+# ---------------------------------------------------------------- targets (N = 1)
+class Gaussian:
+    """U(x) = x^T P x / 2 with P = inverse covariance; at temperature T: N(0, T Sigma)."""
+
+    def __init__(self) -> None:
+        self.cov = correlated_covariance()
+        self.precision = torch.linalg.inv(self.cov)
+
+    def loss(self, x: Tensor) -> Tensor:
+        return 0.5 * ((x @ self.precision) * x).sum(-1)
+
+    def exact(self, k: int, temperature: float, generator: torch.Generator) -> Tensor:
+        chol = torch.linalg.cholesky(self.cov * temperature)
+        return torch.randn(k, DIM, generator=generator, dtype=torch.float64) @ chol.T
+
+    def moments(self, temperature: float) -> tuple[Tensor, Tensor]:
+        return torch.zeros(DIM, dtype=torch.float64), self.cov * temperature
+
+
+class Banana:
+    """U = x1^2 / (2 a^2) + (x2 - b (x1^2 - a^2))^2 / 2: x1 ~ N(0, T a^2), x2 | x1 ~ N(., T)."""
+
+    a, b = 1.0, 1.0
+
+    def loss(self, x: Tensor) -> Tensor:
+        x1, x2 = x[..., 0], x[..., 1]
+        return x1**2 / (2 * self.a**2) + (x2 - self.b * (x1**2 - self.a**2)) ** 2 / 2
+
+    def exact(self, k: int, temperature: float, generator: torch.Generator) -> Tensor:
+        z = torch.randn(k, 2, generator=generator, dtype=torch.float64) * math.sqrt(temperature)
+        x1 = self.a * z[:, 0]
+        return torch.stack([x1, self.b * (x1**2 - self.a**2) + z[:, 1]], dim=1)
+
+    def moments(self, temperature: float) -> tuple[Tensor, Tensor]:
+        a, b, t = self.a, self.b, temperature
+        mean = torch.tensor([0.0, b * a**2 * (t - 1)], dtype=torch.float64)
+        cov = torch.diag(torch.tensor([t * a**2, t + 2 * b**2 * t**2 * a**4]))
+        return mean, cov.to(torch.float64)
+
+
+def z_scores(samples: Tensor, mean: Tensor, cov: Tensor) -> Tensor:
+    """z of each sample mean and of each centred second moment (about the true mean)."""
+    k = samples.shape[0]
+    centred = samples - mean
+    z_mean = centred.mean(0) / (centred.std(0) / math.sqrt(k))
+    rows, cols = torch.triu_indices(cov.shape[0], cov.shape[0])
+    products = centred[:, rows] * centred[:, cols]
+    z_cov = (products.mean(0) - cov[rows, cols]) / (products.std(0) / math.sqrt(k))
+    return torch.cat([z_mean, z_cov])
+
+
+def run_chains(
+    target, temperature: float, *, k: int, steps: int, lr: float, num_steps: int, **options
+) -> Tensor:
+    """K chains from exact draws, ``steps`` transitions; the K final states."""
+    generator = torch.Generator().manual_seed(1234)
+    x = torch.nn.Parameter(target.exact(k, temperature, generator))
+    opt = HMC(
+        [x], lr=lr, num_steps=num_steps, num_data=1, temperature=temperature, seed=7, **options
+    )
+
+    def closure() -> Tensor:
+        opt.zero_grad()
+        losses = target.loss(x)
+        losses.sum().backward()
+        return losses
+
+    for _ in range(steps):
+        opt.step(closure)
+    return x.detach().clone()
+
+
+# Step sizes large enough that a kernel without a correct test is visibly biased: on the
+# Gaussian the stiffest direction has eps * omega = 1.7 (leapfrog is stable below 2).
+GAUSSIAN_RUN = {"k": 10_000, "steps": 8, "lr": 0.1 * 1.7**2, "num_steps": 4}
+BANANA_RUN = {"k": 10_000, "steps": 8, "lr": 0.5, "num_steps": 4}
+
+
+def passes(samples: Tensor, target, temperature: float) -> bool:
+    """The check: finite draws whose moments are all within Z_MAX standard errors."""
+    z = z_scores(samples, *target.moments(temperature))
+    return bool(torch.isfinite(samples).all()) and float(z.abs().max()) < Z_MAX
+
+
+TARGETS = {"gaussian": (Gaussian, GAUSSIAN_RUN), "banana": (Banana, BANANA_RUN)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+@pytest.mark.parametrize("name", ["gaussian", "banana"])
+def test_invariance(name: str, temperature: float) -> None:
+    """Exact draws stay exact draws: mean and covariance within Monte Carlo error."""
+    make, run = TARGETS[name]
+    target = make()
+    samples = run_chains(target, temperature, **run, jitter=0.2)
+    assert passes(samples, target, temperature), z_scores(samples, *target.moments(temperature))
+
+
+def _always_accept(energy_change: Tensor, temperature: float) -> Tensor:
+    return torch.zeros_like(energy_change)
+
+
+def _forgets_temperature(energy_change: Tensor, temperature: float) -> Tensor:
+    return torch.nan_to_num(torch.clamp(-energy_change, max=0.0), nan=-math.inf)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "wrong", "temperature"),
+    [
+        *[(name, _always_accept, t) for name in ("gaussian", "banana") for t in (0.5, 1.0, 2.0)],
+        ("gaussian", _forgets_temperature, 0.5),
+        ("gaussian", _forgets_temperature, 2.0),
+        ("banana", _forgets_temperature, 0.5),
+    ],
+)
+def test_wrong_acceptance_fails_the_same_check(monkeypatch, name, wrong, temperature) -> None:
+    """The invariance check has power: a wrong Metropolis formula fails it.
+
+    Always accepting (no test: the leapfrog's step-size bias, or divergent banana chains)
+    fails for every T; forgetting T in the test (min(1, exp(-dH)), right only at T = 1)
+    fails where its bias exceeds the check's resolution (measured max |z|: Gaussian 7.5 at
+    T = 0.5 and 10 at T = 2, banana 5.7 at T = 0.5; at T = 2 on the banana it is ~1,
+    below what 10^4 chains resolve, so that case is not claimed).
+    """
+    monkeypatch.setattr(hmc_module, "metropolis_log_accept", wrong)
+    make, run = TARGETS[name]
+    target = make()
+    samples = run_chains(target, temperature, **run, jitter=0.2)
+    assert not passes(samples, target, temperature)
+
+
+# ---------------------------------------------------------------- the leapfrog itself
+def _banana_gradient(positions: list[Tensor]):
+    banana = Banana()
+
+    def potential_gradient():
+        x = positions[0].clone()  # the leapfrog then updates positions[0] in place
+        x1, x2 = x[0], x[1]
+        d = x2 - banana.b * (x1**2 - banana.a**2)
+        grad = torch.stack([x1 / banana.a**2 - 2 * banana.b * x1 * d, d])
+        return banana.loss(x), [grad]
+
+    return potential_gradient
+
+
+def _flow(z: Tensor, eps: float, num_steps: int, inverse_mass: Tensor) -> Tensor:
+    theta, r = z[:2].clone(), z[2:].clone()
+    gradient = _banana_gradient([theta])
+    _, grads = gradient()
+    leapfrog_(
+        [theta],
+        [r],
+        grads,
+        gradient,
+        step_sizes=[eps],
+        inverse_mass=[inverse_mass],
+        num_steps=num_steps,
+    )
+    return torch.cat([theta, r])
+
+
+def test_leapfrog_reversible_and_volume_preserving() -> None:
+    """Forward, flip the momentum, forward: back to the start; Jacobian determinant 1."""
+    z0 = torch.tensor([0.7, -0.3, 0.4, 1.1], dtype=torch.float64)
+    inverse_mass = torch.tensor([0.8, 1.3], dtype=torch.float64)
+    z1 = _flow(z0, 0.1, 25, inverse_mass)
+    flipped = torch.cat([z1[:2], -z1[2:]])
+    back = _flow(flipped, 0.1, 25, inverse_mass)
+    assert not torch.allclose(z1, z0, atol=1e-2)
+    torch.testing.assert_close(back[:2], z0[:2], atol=1e-12, rtol=0)
+    torch.testing.assert_close(-back[2:], z0[2:], atol=1e-12, rtol=0)
+    jacobian = torch.autograd.functional.jacobian(lambda z: _flow(z, 0.1, 25, inverse_mass), z0)
+    assert abs(float(torch.linalg.det(jacobian)) - 1.0) < 1e-10
+
+
+def test_energy_error_is_second_order() -> None:
+    """Over a fixed trajectory length, halving eps divides the energy error by ~4."""
+    target = Gaussian()
+    errors = []
+    for eps, num_steps in [(0.04, 25), (0.02, 50), (0.01, 100)]:
+        theta = torch.linspace(-1, 1, DIM, dtype=torch.float64)
+        r = torch.linspace(1, -0.5, DIM, dtype=torch.float64)
+
+        def potential_gradient(theta=theta):
+            return target.loss(theta), [target.precision @ theta]
+
+        h0 = target.loss(theta) + kinetic_energy([r], [None], None)
+        _, grads = potential_gradient()
+        potential, _ = leapfrog_(
+            [theta],
+            [r],
+            grads,
+            potential_gradient,
+            step_sizes=[eps],
+            inverse_mass=[None],
+            num_steps=num_steps,
+        )
+        errors.append(abs(float(potential + kinetic_energy([r], [None], None) - h0)))
+    for coarse, fine in itertools.pairwise(errors):
+        assert 3.6 < coarse / fine < 4.4, errors
+
+
+# ---------------------------------------------------------------- the optimizer
+def _linear_problem(dtype=torch.float64, k: int | None = None):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 3, generator=generator, dtype=dtype)
+    y = (torch.rand(40, generator=generator) < 0.5).to(dtype)
+    shape = (3,) if k is None else (k, 3)
+    w = torch.nn.Parameter(torch.randn(shape, generator=generator, dtype=dtype) * 0.1)
+    b = torch.nn.Parameter(torch.zeros(() if k is None else (k,), dtype=dtype))
+
+    def make_closure(opt):
+        def closure():
+            opt.zero_grad()
+            logits = w @ x.T + (b if k is None else b[:, None])
+            losses = torch.nn.functional.binary_cross_entropy_with_logits(
+                logits, y.expand_as(logits), reduction="none"
+            ).mean(-1)
+            losses.sum().backward()
+            return losses
+
+        return closure
+
+    return [w, b], make_closure
+
+
+def test_rejected_step_restores_everything_bit_for_bit() -> None:
+    params, make_closure = _linear_problem()
+    opt = HMC(params, lr=1e-3, num_steps=5, num_data=40, seed=1)
+    closure = make_closure(opt)
+    for _ in range(3):
+        opt.step(closure)
+    before = [p.detach().clone() for p in params]
+    grads = [p.grad.clone() for p in params]
+    loss_before = closure()
+    for group in opt.param_groups:
+        group["lr"] = 1e4  # the trajectory explodes: certainly rejected
+    loss = opt.step(closure)
+    assert not bool(opt.diagnostics["accepted"])
+    assert bool(opt.diagnostics["divergent"])
+    for p, p0, g0 in zip(params, before, grads, strict=True):
+        assert torch.equal(p, p0)
+        assert torch.equal(p.grad, g0)
+    assert torch.equal(loss, loss_before)
+
+
+def test_ensemble_members_accept_independently() -> None:
+    """One member's divergence changes nothing for the others, bit for bit."""
+    k = 6
+    runs = []
+    for blow_up in (False, True):
+        params, make_closure = _linear_problem(k=k)
+        with torch.no_grad():
+            if blow_up:
+                params[0][2] += 20.0  # member 2 starts elsewhere
+        opt = HMC(params, lr=10.0, num_steps=5, num_data=40, seed=3)
+        closure = make_closure(opt)
+        decisions = []
+        for _ in range(15):
+            opt.step(closure)
+            decisions.append(opt.diagnostics["accepted"].clone())
+        runs.append((torch.stack(decisions), [p.detach().clone() for p in params]))
+    (acc_a, params_a), (acc_b, params_b) = runs
+    others = [0, 1, 3, 4, 5]
+    assert torch.equal(acc_a[:, others], acc_b[:, others])
+    for pa, pb in zip(params_a, params_b, strict=True):
+        assert torch.equal(pa[others], pb[others])
+    assert not torch.equal(acc_a[:, 2], acc_b[:, 2])  # member 2 went its own way
+    assert bool((acc_a.any(1) & ~acc_a.all(1)).any())  # some steps split the members
+
+
+def test_ensemble_decisions_are_uncorrelated() -> None:
+    """Across members, accept indicators agree as often as independent coins would."""
+    k, steps = 200, 30
+    params, make_closure = _linear_problem(k=k)
+    opt = HMC(params, lr=10.0, num_steps=3, num_data=40, seed=5)
+    closure = make_closure(opt)
+    decisions = []
+    for _ in range(steps):
+        opt.step(closure)
+        decisions.append(opt.diagnostics["accepted"].double())
+    d = torch.stack(decisions)  # [steps, K]
+    p = d.mean()
+    assert 0.2 < float(p) < 0.95
+    # per step, the fraction of accepting members is Binomial(K, p) / K if independent
+    # (and identically distributed after the first steps): its variance is p (1 - p) / K;
+    # the observed variance over 30 steps has a relative sd ~ sqrt(2 / 29) = 0.26, so a
+    # factor 2.5 is > 5 sd away; fully shared decisions would give p (1 - p).
+    observed = d.mean(1).var()
+    assert observed < 2.5 * p * (1 - p) / k
+
+
+def test_parallel_ensemble_closure() -> None:
+    """With a ParallelEnsemble the closure returns [K] losses; one vmapped call per step."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    ensemble = ParallelEnsemble(net, num_members=4, seed=0)
+    x, y = torch.randn(30, 4), torch.randint(0, 3, (30,))
+    opt = HMC(ensemble.parameters(), lr=0.02, num_steps=3, num_data=30, seed=0, weight_decay=1 / 30)
+    calls = []
+
+    def closure():
+        opt.zero_grad()
+        out = ensemble(x)
+        calls.append(1)
+        losses = torch.func.vmap(torch.nn.functional.cross_entropy, in_dims=(0, None))(out, y)
+        losses.sum().backward()
+        return losses
+
+    losses = opt.step(closure)
+    assert losses.shape == (4,)
+    assert len(calls) == 4  # the start, then one per leapfrog step
+    opt.step(closure)
+    assert len(calls) == 7  # the start comes from the cache
+    assert opt.diagnostics["accept_prob"].shape == (4,)
+
+
+@pytest.mark.slow
+def test_dual_averaging_reaches_target() -> None:
+    """After warm-up, the mean acceptance at the frozen step size is target +- 0.05.
+
+    A 100-D Gaussian (variances 0.5 to 2), 32 chains adapting one step size from their
+    mean acceptance, 300 warm-up transitions; then 100 transitions: the standard error of
+    the mean acceptance over 3200 chain-steps is below 0.01.
+    """
+    d, k = 100, 32
+    variances = torch.linspace(0.5, 2.0, d, dtype=torch.float64)
+    for goal in (0.65, 0.85):
+        generator = torch.Generator().manual_seed(0)
+        x = torch.nn.Parameter(torch.randn(k, d, generator=generator, dtype=torch.float64))
+        with torch.no_grad():
+            x.mul_(variances.sqrt())
+        opt = HMC([x], lr=0.01, num_steps=5, num_data=1, seed=2, target_accept=goal)
+
+        def closure(opt=opt, x=x):
+            opt.zero_grad()
+            losses = 0.5 * (x * x / variances).sum(-1)
+            losses.sum().backward()
+            return losses
+
+        opt.warmup(closure, 300)
+        assert not opt.warming_up
+        total = 0.0
+        for _ in range(100):
+            opt.step(closure)
+            total += float(opt.diagnostics["accept_prob"].mean())
+        assert abs(total / 100 - goal) < 0.05, (goal, total / 100)
+
+
+def test_mass_adaptation_learns_the_scales() -> None:
+    """mass='adapt': the inverse mass follows the posterior variances (normalised)."""
+    k = 32
+    scales = torch.tensor([0.1, 1.0, 10.0], dtype=torch.float64)
+    x = torch.nn.Parameter(
+        torch.randn(k, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * scales
+    )
+    opt = HMC([x], lr=1e-3, num_steps=8, num_data=1, seed=0, target_accept=0.8, mass="adapt")
+
+    def closure():
+        opt.zero_grad()
+        losses = 0.5 * ((x / scales) ** 2).sum(-1)
+        losses.sum().backward()
+        return losses
+
+    opt.warmup(closure, 200)
+    inverse = 1 / opt.state[x]["mass"]
+    ratio = (inverse / scales**2).log().mean(0)
+    # relative variances 1e-2 : 1 : 1e2 recovered within a factor ~2 (~70 draws per window)
+    assert (ratio - ratio.mean()).abs().max() < math.log(2.5), ratio
+    total = 0.0
+    for _ in range(50):
+        opt.step(closure)
+        total += float(opt.diagnostics["accept_prob"].mean())
+    assert total / 50 > 0.6
+
+
+def _run(opt, closure, steps):
+    return [opt.step(closure).clone() for _ in range(steps)]
+
+
+def _closure_on(opt, params):
+    """The logistic-regression closure of ``_linear_problem`` on given (stacked) params."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 3, generator=generator, dtype=torch.float64)
+    y = (torch.rand(40, generator=generator) < 0.5).to(torch.float64)
+    w, b = params
+
+    def closure():
+        opt.zero_grad()
+        logits = w @ x.T + b[:, None]
+        losses = torch.nn.functional.binary_cross_entropy_with_logits(
+            logits, y.expand_as(logits), reduction="none"
+        ).mean(-1)
+        losses.sum().backward()
+        return losses
+
+    return closure
+
+
+@pytest.mark.parametrize("how", ["state_dict", "deepcopy", "pickle"])
+def test_exact_resume(how) -> None:
+    """A saved chain (warm-up, jitter, mass adaptation under way) continues bit for bit."""
+    options = {
+        "lr": 0.05,
+        "num_steps": 4,
+        "num_data": 40,
+        "jitter": 0.3,
+        "target_accept": 0.75,
+        "mass": "adapt",
+    }
+    params, _ = _linear_problem(k=3)
+    opt = HMC(params, seed=11, **options)
+    _run(opt, _closure_on(opt, params), 6)
+    if how == "state_dict":
+        saved_state = copy.deepcopy(opt.state_dict())
+        saved_params = [p.detach().clone() for p in params]
+    elif how == "deepcopy":
+        saved = copy.deepcopy((params, opt))
+    else:
+        saved = pickle.dumps((params, opt))
+
+    def finish(o, ps):
+        closure = _closure_on(o, ps)
+        out = _run(o, closure, 8)
+        o.end_warmup()
+        return out + _run(o, closure, 4)
+
+    reference = finish(opt, params)
+    if how == "state_dict":
+        other_params, _ = _linear_problem(k=3)
+        with torch.no_grad():
+            for p, value in zip(other_params, saved_params, strict=True):
+                p.copy_(value)
+        other = HMC(other_params, seed=0, **options)
+        other.load_state_dict(saved_state)
+    else:
+        other_params, other = saved if how == "deepcopy" else pickle.loads(saved)
+    resumed = finish(other, other_params)
+    assert len(reference) == len(resumed) == 12
+    for a, b in zip(reference, resumed, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(params, other_params, strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_state_dict_holds_diagnostics_and_adaptation() -> None:
+    params, make_closure = _linear_problem()
+    opt = HMC(params, lr=0.05, num_steps=3, num_data=40, seed=0, target_accept=0.8)
+    opt.step(make_closure(opt))
+    state = opt.state_dict()["state"]["hmc"]
+    assert set(state["diagnostics"]) == {
+        "accept_prob",
+        "accepted",
+        "energy_error",
+        "divergent",
+        "step_size",
+        "num_accepted",
+        "divergences",
+    }
+    assert state["warmup"] and state["dual_averaging"]["count"] == 1
+    assert opt.state_dict()["param_groups"][0]["step"] == 1
+
+
+def test_seed_none_draws_once_from_global_rng() -> None:
+    params, _ = _linear_problem()
+    torch.manual_seed(5)
+    a = HMC(params, lr=0.1, num_steps=2, num_data=40)
+    torch.manual_seed(5)
+    b = HMC(params, lr=0.1, num_steps=2, num_data=40)
+    assert a.seed == b.seed == a.param_groups[0]["seed"]
+    torch.manual_seed(5)
+    torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
+    after_one = torch.rand(())
+    torch.manual_seed(5)
+    HMC(params, lr=0.1, num_steps=2, num_data=40)
+    assert torch.equal(torch.rand(()), after_one)
+
+
+def test_lr_units_one_leapfrog_step_is_half_an_sgd_step(monkeypatch) -> None:
+    """From r = 0, one leapfrog step moves theta by -(lr / 2) grad, whatever N."""
+    params, make_closure = _linear_problem()
+    monkeypatch.setattr(
+        hmc_module.NoiseStream, "draw", lambda self, like, **kw: torch.zeros_like(like)
+    )
+    monkeypatch.setattr(hmc_module, "metropolis_log_accept", lambda e, t: torch.zeros_like(e))
+    opt = HMC(params, lr=0.3, num_steps=1, num_data=40, seed=0)
+    closure = make_closure(opt)
+    closure()
+    expected = [(p - 0.15 * p.grad).detach() for p in params]
+    opt.step(closure)
+    for p, e in zip(params, expected, strict=True):
+        torch.testing.assert_close(p.detach(), e, rtol=0, atol=1e-15)
+
+
+def test_mass_tensor_per_parameter() -> None:
+    params, make_closure = _linear_problem()
+    opt = HMC(
+        params,
+        lr=0.05,
+        num_steps=3,
+        num_data=40,
+        seed=0,
+        mass=[torch.full((3,), 2.0, dtype=torch.float64), torch.tensor(0.5)],
+    )
+    opt.step(make_closure(opt))
+    assert torch.equal(opt.state[params[0]]["mass"], torch.full((3,), 2.0, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"lr": 0.0}, ValueError, r"Invalid lr: 0.0 \(expected a finite number > 0\)"),
+        ({"lr": float("nan")}, ValueError, "Invalid lr: nan"),
+        ({"num_steps": 0}, ValueError, r"Invalid num_steps: 0 \(expected an integer >= 1\)"),
+        ({"num_steps": 2.5}, TypeError, "Invalid num_steps: 2.5"),
+        ({"num_data": 0}, ValueError, "Invalid num_data: 0"),
+        (
+            {"temperature": 0.0},
+            ValueError,
+            r"Invalid temperature: 0.0 \(expected a finite number > 0: the Metropolis test",
+        ),
+        ({"weight_decay": -1.0}, ValueError, "Invalid weight_decay: -1.0"),
+        ({"seed": -1}, ValueError, "Invalid seed: -1"),
+        ({"jitter": 1.0}, ValueError, r"Invalid jitter: 1.0 \(expected a number in \[0, 1\)\)"),
+        ({"jitter": "a"}, TypeError, "Invalid jitter: 'a'"),
+        (
+            {"target_accept": 1.0},
+            ValueError,
+            r"Invalid target_accept: 1.0 \(expected a number in \(0, 1\)\)",
+        ),
+        ({"mass": "diag"}, ValueError, "Invalid mass: 'diag'"),
+        ({"mass": 3.0}, TypeError, "Invalid mass: 3.0"),
+        (
+            {"mass": [torch.ones(3)]},
+            ValueError,
+            r"Invalid mass: 1 tensors \(expected one per parameter, 2\)",
+        ),
+        ({"mass": [torch.ones(4), torch.ones(())]}, ValueError, r"Invalid mass\[0\]: shape \(4,\)"),
+        (
+            {"mass": [torch.ones(3), torch.zeros(())]},
+            ValueError,
+            r"Invalid mass\[1\].*expected finite numbers > 0",
+        ),
+        ({"mass": [1.0, torch.ones(())]}, TypeError, r"Invalid mass\[0\]: 1.0"),
+    ],
+)
+def test_invalid_arguments(kwargs, error, match) -> None:
+    params, _ = _linear_problem()
+    arguments = {"lr": 0.1, "num_steps": 3, "num_data": 40, **kwargs}
+    with pytest.raises(error, match=match):
+        HMC(params, **arguments)
+
+
+def test_step_errors() -> None:
+    params, make_closure = _linear_problem()
+    opt = HMC(params, lr=0.1, num_steps=2, num_data=40)
+    with pytest.raises(ValueError, match=r"HMC\.step needs a closure"):
+        opt.step()
+    with pytest.raises(ValueError, match=r"Invalid loss returned by the closure: shape \(2, 2\)"):
+        opt.step(lambda: torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="no parameter has a gradient after the closure"):
+        opt.zero_grad()
+        opt.step(lambda: torch.zeros(()))
+
+    def per_member():
+        opt.zero_grad()
+        losses = make_closure(opt)()
+        return losses.expand(5)
+
+    with pytest.raises(ValueError, match=r"one loss per member\) but a parameter has shape \(3,\)"):
+        opt.step(per_member)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "temperature": 2.0})
+    with pytest.raises(
+        ValueError,
+        match=r"Invalid temperature in param group 1: 2.0 \(expected the value of param group 0",
+    ):
+        opt.step(make_closure(opt))
+    with pytest.raises(ValueError, match=r"Invalid jitter in param group 2: -0\.5"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "jitter": -0.5})
+
+
+def test_warmup_and_load_errors() -> None:
+    params, make_closure = _linear_problem()
+    opt = HMC(params, lr=0.1, num_steps=2, num_data=40, seed=0)
+    with pytest.raises(ValueError, match=r"HMC\.warmup: the warm-up is over"):
+        opt.warmup(make_closure(opt), 5)
+    with pytest.raises(ValueError, match="Invalid state_dict: no 'hmc' entry"):
+        opt.load_state_dict(torch.optim.SGD(params, lr=0.1).state_dict())
+
+
+def test_start_is_cached_unless_parameters_change() -> None:
+    """The start's gradient is reused from the last step (zero_grad in between or not),
+    and evaluated again when the parameters were changed from outside."""
+    w = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    calls = []
+    opt = HMC([w], lr=0.1, num_steps=3, num_data=10, seed=0)
+
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = ((w - 1) ** 2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    opt.zero_grad()
+    opt.step(closure)
+    assert len(calls) == 1 + 3 + 3
+    with torch.no_grad():
+        w.add_(5.0)
+    loss = opt.step(closure)
+    assert len(calls) == 7 + 1 + 3
+    torch.testing.assert_close(loss, ((w.detach() - 1) ** 2).sum())

@@ -1,0 +1,401 @@
+"""PSGLD: RMSprop at temperature 0 bit for bit, noise that follows the preconditioner,
+the generic sampler properties (resume, seeds, groups, transforms, errors) and the
+measured bias of Li et al.'s correction term.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+
+import numpy as np
+import pytest
+import test_chain_state as chain_tests
+import test_optimizer_api as api_tests
+import test_overlap_noise as overlap_tests
+import test_transforms as transform_tests
+import torch
+import torchopt
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from samplers_under_test import OTHER_SIGNATURES
+
+from samplers_as_optim import PSGLD, transforms
+from samplers_as_optim.samplers.psgld import psgld_direction, psgld_noise_scale
+
+CASE = OTHER_SIGNATURES[0]
+assert CASE.name == "psgld"
+SHAPES = st.lists(
+    st.lists(st.integers(1, 4), min_size=0, max_size=3).map(tuple), min_size=1, max_size=3
+)
+
+
+# ---------------------------------------------------------------- temperature 0: RMSprop
+@st.composite
+def rmsprop_setups(draw):
+    return {
+        "shapes": draw(SHAPES),
+        "dtype": draw(st.sampled_from([torch.float32, torch.float64])),
+        "lr": draw(st.floats(1e-4, 0.5)),
+        "alpha": draw(st.floats(0.0, 0.999)),
+        "eps": draw(st.sampled_from([1e-8, 1e-6, 1e-3])),
+        "weight_decay": draw(st.one_of(st.just(0.0), st.floats(0.0, 0.1))),
+        "momentum": draw(st.one_of(st.just(0.0), st.floats(0.0, 0.95))),
+        "centered": draw(st.booleans()),
+        "maximize": draw(st.booleans()),
+        "foreach": draw(st.booleans()),
+        "two_groups": draw(st.booleans()),
+        "steps": draw(st.integers(1, 6)),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@settings(max_examples=25, deadline=None)
+@given(rmsprop_setups())
+def test_temperature_zero_is_torch_optim_rmsprop_bit_for_bit(setup):
+    """Every RMSprop argument, groups, dtypes, both paths: ``torch.equal`` at every step."""
+    generator = torch.Generator().manual_seed(setup["seed"])
+    init = [torch.randn(s, generator=generator, dtype=setup["dtype"]) for s in setup["shapes"]]
+    hyper = {k: setup[k] for k in ("lr", "alpha", "eps", "weight_decay", "momentum")}
+    hyper |= {k: setup[k] for k in ("centered", "maximize", "foreach")}
+
+    def build(cls, params, **extra):
+        if setup["two_groups"] and len(params) > 1:
+            groups = [{"params": params[:1]}, {"params": params[1:], "lr": hyper["lr"] / 2}]
+            return cls(groups, **hyper, **extra)
+        return cls(params, **hyper, **extra)
+
+    ours = [torch.nn.Parameter(p.clone()) for p in init]
+    theirs = [torch.nn.Parameter(p.clone()) for p in init]
+    sampler = build(PSGLD, ours, num_data=10, temperature=0.0, seed=0)
+    rmsprop = build(torch.optim.RMSprop, theirs)
+    for step in range(setup["steps"]):
+        for a, b in zip(ours, theirs, strict=True):
+            g = torch.randn(a.shape, generator=generator, dtype=a.dtype)
+            a.grad, b.grad = g.clone(), g.clone()
+        sampler.step()
+        rmsprop.step()
+        for a, b in zip(ours, theirs, strict=True):
+            # equal, NaN in the same places (centered with alpha 0: sqrt of a rounding < 0)
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_mixed_dtypes_and_groups_are_rmsprop_bit_for_bit(foreach):
+    """Several foreach buckets (dtypes) in one group: each tensor keeps its own step."""
+    generator = torch.Generator().manual_seed(4)
+    init = [
+        torch.randn(3, generator=generator, dtype=torch.float64),
+        torch.randn(2, 2, generator=generator),
+        torch.randn(4, generator=generator, dtype=torch.float64),
+    ]
+    ours = [torch.nn.Parameter(p.clone()) for p in init]
+    theirs = [torch.nn.Parameter(p.clone()) for p in init]
+    sampler = PSGLD(ours, lr=0.03, num_data=10, temperature=0.0, foreach=foreach)
+    rmsprop = torch.optim.RMSprop(theirs, lr=0.03, foreach=foreach)
+    for _ in range(3):
+        for a, b in zip(ours, theirs, strict=True):
+            g = torch.randn(a.shape, generator=generator, dtype=a.dtype)
+            a.grad, b.grad = g.clone(), g.clone()
+        sampler.step()
+        rmsprop.step()
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_nonfinite_skip_changes_nothing_and_counts_the_step(foreach):
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = PSGLD([param], lr=0.1, num_data=10, foreach=foreach, seed=0, nonfinite="skip")
+    param.grad = torch.ones(3)
+    opt.step()
+    before = (param.detach().clone(), opt.state[param]["square_avg"].clone())
+    param.grad = torch.tensor([1.0, math.inf, 0.0])
+    opt.step()
+    assert torch.equal(param.detach(), before[0])
+    assert torch.equal(opt.state[param]["square_avg"], before[1])
+    assert opt.steps_taken == 2
+
+
+def test_an_rmsprop_checkpoint_loads_and_continues_as_rmsprop_at_temperature_zero():
+    model = api_tests.make_model()
+    rmsprop = torch.optim.RMSprop(model.parameters(), lr=0.01, alpha=0.9)
+    api_tests.train(model, rmsprop, api_tests.batches(4))
+    twin = copy.deepcopy(model)
+    sampler = PSGLD(twin.parameters(), lr=0.01, alpha=0.9, num_data=10, temperature=0.0)
+    sampler.load_state_dict(copy.deepcopy(rmsprop.state_dict()))
+    api_tests.train(model, rmsprop, api_tests.batches(3, seed=8))
+    api_tests.train(twin, sampler, api_tests.batches(3, seed=8))
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_transform_at_temperature_zero_is_rmsprop_up_to_rounding():
+    generator = torch.Generator().manual_seed(0)
+    init = [torch.randn(5, 3, generator=generator, dtype=torch.float64)]
+    grads = [[torch.randn(5, 3, generator=generator, dtype=torch.float64)] for _ in range(5)]
+    tx = transforms.psgld(0.05, alpha=0.9, num_data=10, temperature=0.0, seed=0)
+    ours, _ = transform_tests.run_transform(tx, init, grads, inplace=False)
+    theirs = transform_tests.run_optimizer(
+        torch.optim.RMSprop, {"lr": 0.05, "alpha": 0.9}, init, grads
+    )
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a[0], b[0], rtol=1e-14, atol=1e-15)
+
+
+# ---------------------------------------------------------------- the kernel
+@settings(max_examples=30, deadline=None)
+@given(
+    shapes=SHAPES,
+    lr=st.floats(1e-3, 1.0),
+    temperature=st.floats(0.1, 3.0),
+    alpha=st.floats(0.0, 0.99),
+    foreach=st.booleans(),
+)
+def test_the_noise_variance_follows_the_preconditioner(shapes, lr, temperature, alpha, foreach):
+    """update(xi) - update(0) = sqrt(2 T / (N lr)) xi / sqrt(a): variance 2 lr T G / N."""
+    generator = torch.Generator().manual_seed(1)
+    params = [torch.randn(s, generator=generator, dtype=torch.float64) for s in shapes]
+    grads = [torch.randn(s, generator=generator, dtype=torch.float64) for s in shapes]
+    squares = [torch.rand(s, generator=generator, dtype=torch.float64) for s in shapes]
+    noise = [torch.randn(s, generator=generator, dtype=torch.float64) for s in shapes]
+    zeros = [torch.zeros_like(n) for n in noise]
+    hyper = {"lr": lr, "alpha": alpha, "eps": 1e-8, "num_data": 7, "weight_decay": 0.0}
+    hyper |= {"maximize": False, "foreach": foreach, "inplace": False}
+    noisy, state = psgld_direction(params, grads, squares, noise, temperature=temperature, **hyper)
+    quiet, _ = psgld_direction(params, grads, squares, zeros, temperature=temperature, **hyper)
+    scale = psgld_noise_scale(lr, temperature, 7)
+    assert scale == math.sqrt(2 * temperature / (7 * lr))
+    for i in range(len(shapes)):
+        new_square = alpha * squares[i] + (1 - alpha) * grads[i] ** 2
+        torch.testing.assert_close(state["square_avg"][i], new_square)
+        a = new_square.sqrt() + 1e-8
+        torch.testing.assert_close(quiet[i], grads[i] / a)
+        torch.testing.assert_close(noisy[i] - quiet[i], scale * noise[i] / a.sqrt())
+        assert not torch.equal(state["square_avg"][i], squares[i]) or alpha == 1.0
+
+
+@pytest.mark.parametrize("correction", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_foreach_equals_the_single_tensor_reference_at_positive_temperature(correction, dtype):
+    runs = []
+    for foreach in (False, True):
+        model = api_tests.make_model().to(dtype)
+        opt = PSGLD(
+            model.parameters(), lr=0.01, num_data=100, foreach=foreach, seed=3,
+            correction=correction, weight_decay=1e-3,
+        )  # fmt: skip
+        for x, y in api_tests.batches(4):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x.to(dtype)), y).backward()
+            opt.step()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("correction", [False, True])
+def test_transform_and_optimizer_with_one_seed_take_identical_steps(correction):
+    generator = torch.Generator().manual_seed(2)
+    shapes = [(3, 2), (4,)]
+    init = [torch.randn(s, generator=generator) for s in shapes]
+    grads = [[torch.randn(s, generator=generator) for s in shapes] for _ in range(5)]
+    hyper = {"alpha": 0.9, "weight_decay": 0.01, "num_data": 50, "seed": 9}
+    hyper |= {"correction": correction}
+    tx = transforms.psgld(0.02, **hyper)
+    ours, state = transform_tests.run_transform(tx, init, grads, inplace=True)
+    theirs = transform_tests.run_optimizer(PSGLD, {"lr": 0.02, **hyper}, init, grads)
+    transform_tests.assert_trajectories_equal(ours, theirs)
+    assert state.count == 5 and len(state.previous_param) == (2 if correction else 0)
+
+
+# ---------------------------------------------------------------- generic properties
+@pytest.mark.parametrize("seed", [7, None])
+@pytest.mark.parametrize("foreach", [False, True])
+def test_100_steps_equal_50_plus_save_load_plus_50(seed, foreach, device):
+    api_tests.test_100_steps_equal_50_plus_save_load_into_fresh_objects_plus_50(
+        CASE, seed, foreach, device
+    )
+
+
+@pytest.mark.parametrize("copier", [copy.deepcopy, chain_tests.through_pickle])
+def test_a_copied_model_and_optimizer_continue_the_same_chain(copier):
+    chain_tests.test_a_copied_model_and_optimizer_continue_the_same_chain(CASE, copier)
+
+
+GENERIC = [
+    api_tests.test_same_seed_same_chain_different_seed_different_chain,
+    api_tests.test_parameters_without_gradient_are_skipped,
+    api_tests.test_zero_learning_rate_at_positive_temperature_changes_nothing,
+    api_tests.test_closure_is_evaluated_with_grad_enabled_and_its_loss_returned,
+    api_tests.test_lr_schedulers_move_the_step_size_and_the_noise_with_it,
+    api_tests.test_every_argument_is_documented_and_the_example_names_the_class,
+    chain_tests.test_an_invalid_param_group_is_not_added,
+    chain_tests.test_a_group_added_later_starts_at_the_current_step_with_the_same_seed,
+    overlap_tests.test_overlap_noise_must_be_a_bool,
+    transform_tests.test_in_meta_optimizer_at_positive_temperature_the_chain_is_the_optimizers,
+    transform_tests.test_update_is_a_pure_function_of_updates_state_and_params,
+    transform_tests.test_two_inits_with_one_seed_give_one_chain_and_no_state_is_hidden,
+    transform_tests.test_a_saved_and_loaded_state_continues_the_chain_exactly,
+    transform_tests.test_lr_zero_at_positive_temperature_changes_nothing_but_the_counter,
+]
+
+
+@pytest.mark.parametrize("generic", GENERIC, ids=lambda f: f.__name__)
+def test_generic_property(generic):
+    generic(CASE)
+
+
+@pytest.mark.parametrize("generic_with_device", [
+    transform_tests.test_in_torchopt_optimizer_over_a_module_equals_the_sampler_optimizer,
+    transform_tests.test_functional_loop_with_torch_func_grad_in_place_and_not,
+], ids=lambda f: f.__name__)  # fmt: skip
+def test_generic_property_on_the_device(generic_with_device, device):
+    generic_with_device(device, CASE)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_overlapped_noise_gives_the_same_chain(foreach):
+    overlap_tests.test_overlapped_noise_gives_the_same_chain(CASE, foreach, False)
+
+
+# ---------------------------------------------------------------- errors
+SHARED = [
+    pytest.param(kwargs, error, message, id=str(kwargs))
+    for name, kwargs, error, message in transform_tests.SHARED_ERRORS
+    if name == "all" and "dampening" not in kwargs
+]
+OWN = [
+    ({"alpha": 1.0}, ValueError, "Invalid alpha: 1.0 (expected a number in [0, 1))"),
+    ({"alpha": math.nan}, ValueError, "Invalid alpha: nan (expected a finite number >= 0)"),
+    ({"alpha": -0.1}, ValueError, "Invalid alpha: -0.1 (expected a finite number >= 0)"),
+    ({"eps": 0.0}, ValueError, "Invalid eps: 0.0 (expected a finite number > 0)"),
+    ({"eps": math.inf}, ValueError, "Invalid eps: inf (expected a finite number > 0)"),
+    ({"eps": "1"}, TypeError, "Invalid eps: '1' (expected a finite number > 0)"),
+    ({"momentum": -1.0}, ValueError, "Invalid momentum: -1.0 (expected a finite number >= 0)"),
+    (
+        {"momentum": 0.5},
+        ValueError,
+        "momentum=0.5 requires temperature=0 (it has no sampling meaning)",
+    ),
+    (
+        {"centered": True},
+        ValueError,
+        "centered=True requires temperature=0 (it has no sampling meaning)",
+    ),
+    ({"centered": 1}, TypeError, "Invalid centered: 1 (expected True or False)"),
+    ({"correction": "yes"}, TypeError, "Invalid correction: 'yes' (expected True or False)"),
+    (
+        {"temperature": -1.0},
+        ValueError,
+        "Invalid temperature: -1.0 (expected a finite number >= 0)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [*SHARED, *OWN])
+def test_same_validation_and_message_as_the_optimizer(kwargs, error, message):
+    pattern = "^" + re.escape(message) + "$"
+    with pytest.raises(error, match=pattern):
+        transforms.psgld(**{"lr": 0.1, "num_data": 10, **kwargs})
+    with pytest.raises(error, match=pattern):
+        PSGLD([torch.nn.Parameter(torch.zeros(2))], **{"lr": 0.1, "num_data": 10, **kwargs})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"capturable": True}, "Invalid capturable: True (expected False: there is no capturable "
+         "sampler kernel)"),
+        ({"differentiable": True}, "Invalid differentiable: True (expected False: "
+         "differentiating through a sampler step is not supported)"),
+    ],
+)  # fmt: skip
+def test_optimizer_only_flags(kwargs, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        PSGLD([torch.nn.Parameter(torch.zeros(2))], lr=0.1, num_data=10, **kwargs)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_a_non_finite_gradient_is_refused_and_nothing_changes(foreach):
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = PSGLD([param], lr=0.1, num_data=10, foreach=foreach, seed=0)
+    param.grad = torch.ones(3)
+    opt.step()
+    before = (param.detach().clone(), opt.state[param]["square_avg"].clone())
+    param.grad = torch.tensor([1.0, math.nan, 0.0])
+    message = "PSGLD refused step 2: non-finite gradient in param group 0, parameter 0 of shape"
+    with pytest.raises(FloatingPointError, match="^" + re.escape(message)):
+        opt.step()
+    assert torch.equal(param.detach(), before[0])
+    assert torch.equal(opt.state[param]["square_avg"], before[1])
+    tx = transforms.psgld(0.1, num_data=10, seed=0)
+    with pytest.raises(FloatingPointError, match="non-finite gradient in updates"):
+        tx.update([param.grad.clone()], tx.init([param.detach()]))
+
+
+def test_kernel_refuses_noise_that_does_not_match_the_temperature():
+    with pytest.raises(ValueError, match=r"^noise must be given exactly when temperature > 0$"):
+        psgld_direction(
+            [torch.zeros(2)], [torch.zeros(2)], [torch.zeros(2)], None, lr=0.1, alpha=0.9,
+            eps=1e-8, temperature=1.0, num_data=1, weight_decay=0.0, maximize=False,
+            foreach=False,
+        )  # fmt: skip
+
+
+def test_docstring_examples_run():
+    transform_tests.test_docstring_examples_run(transforms.psgld)
+
+
+def test_the_transforms_arguments_are_documented():
+    transform_tests.test_every_argument_is_documented(transforms.psgld)
+
+
+# ---------------------------------------------------------------- sampling and its bias
+K = 5_000
+
+
+def robust_sd(alpha, correction, *, steps, seed):
+    """K chains of PSGLD on N(0, 1) (N = 1, T = 1, lr 0.01, full-batch gradients), float64.
+
+    Returns the interquartile range / 1.349 of the final states, the sd for a Gaussian:
+    the chains' law has heavy tails (a coordinate whose running average V is small gets
+    a large preconditioner), so the sample variance is dominated by a few chains.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    theta = torch.nn.Parameter(torch.randn(K, generator=generator, dtype=torch.float64))
+    opt = PSGLD([theta], lr=0.01, alpha=alpha, num_data=1, correction=correction, seed=seed)
+    for _ in range(steps):
+        theta.grad = theta.detach().clone()
+        opt.step()
+    quartiles = np.quantile(theta.detach().numpy(), [0.25, 0.75])
+    return (quartiles[1] - quartiles[0]) / 1.349
+
+
+@pytest.mark.slow
+def test_the_bias_of_the_adaptive_preconditioner_and_of_li_et_als_correction_is_measured():
+    """Li et al.'s Gamma term, measured rather than guessed (module docstring).
+
+    Robust sd of the chains relative to the target's 1 (measured for the docstring with
+    10,000 chains, 1500 steps, two seeds: 1.72/1.74 without the correction and 1.39/1.41
+    with it at alpha 0.5; 1.20/1.22 without it at alpha 0.99; at alpha 0.999 and 6000
+    steps 1.02/1.03 with and without; with 5,000 chains and 800 steps, as here: 1.73/1.75,
+    1.40/1.39 and 1.19/1.19). The correction is exact here (a separable quadratic with full-batch
+    gradients makes the secant the true Hessian diagonal), yet removes only part of the
+    bias of a fast-adapting preconditioner and none of a slow one's. The bands are 4.5
+    standard errors of a quartile-based sd of K draws (~1.6% of it: 0.12 at 1.73).
+    """
+    plain = robust_sd(0.5, False, steps=800, seed=2)
+    corrected = robust_sd(0.5, True, steps=800, seed=3)
+    slow = robust_sd(0.99, False, steps=800, seed=4)
+    assert abs(plain - 1.73) < 0.12, plain
+    assert abs(corrected - 1.40) < 0.10, corrected
+    assert abs(slow - 1.20) < 0.085, slow
+
+
+def test_torchopt_chain_with_clipping_runs():
+    tx = torchopt.chain(torchopt.clip.clip_grad_norm(1.0), transforms.psgld(0.1, num_data=10))
+    params = [torch.zeros(3)]
+    updates, _ = tx.update([torch.ones(3)], tx.init(params), params=params)
+    assert torch.isfinite(updates[0]).all()

@@ -1,0 +1,192 @@
+"""SWAG: running statistics against the stored stream, the sampling rule, a sampler's stream.
+
+The statistics are checked against the same stream kept in memory (float64, 1e-12); the
+draws against the stated transform of the generator's normals; the covariance of the
+draws is linear in (z1, z2), so its closed form is checked exactly; on SGLD over a
+Gaussian the SWAG variance is checked against the chain's exact stationary variance.
+"""
+
+import math
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from samplers_as_optim import SGLD, SWAG, predictive
+from samplers_as_optim.stacked import call_stacked
+
+pytestmark = pytest.mark.usefixtures("float64_default")
+
+
+def assert_close(a, b, rtol=1e-12):
+    scale = max(float(b.abs().max()), 1e-300)
+    assert float((a - b).abs().max()) <= rtol * scale, float((a - b).abs().max()) / scale
+
+
+def stream(count=12, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        {"weight": 3.0 + torch.randn(2, 3, generator=gen), "bias": torch.randn(2, generator=gen)}
+        for _ in range(count)
+    ]
+
+
+def flat(params):
+    return torch.cat([params["weight"].reshape(-1), params["bias"].reshape(-1)])
+
+
+def test_running_statistics_equal_the_stored_stream():
+    swag = SWAG(nn.Linear(3, 2), rank=5)
+    thetas = stream()
+    for theta in thetas:
+        swag.record(theta)
+    stacked = torch.stack([flat(t) for t in thetas])
+    assert swag.count == 12
+    assert_close(flat(swag.mean), stacked.mean(0))
+    assert_close(flat(swag.variance), stacked.var(0, unbiased=False))
+    running = stacked.cumsum(0) / torch.arange(1, 13).unsqueeze(-1)
+    expected = (stacked - running)[-5:]
+    # ring buffer: the 5 most recent deviations, in some cyclic order
+    got = swag.deviations
+    assert got.shape == (5, 8)
+    assert_close(torch.sort(got, dim=0).values, torch.sort(expected, dim=0).values)
+    low = expected.T @ expected / 4
+    diag = torch.diag(stacked.var(0, unbiased=False))
+    assert_close(swag.covariance(), 0.5 * (diag + low))
+
+
+def test_draws_are_the_stated_transform_and_scale_with_temperature():
+    swag = SWAG(nn.Linear(3, 2), rank=4, temperature=0.3)
+    for theta in stream():
+        swag.record(theta)
+    draws = swag.sample(6, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)
+    z1, z2 = torch.randn(6, 8, generator=gen), torch.randn(6, 4, generator=gen)
+    std = flat(swag.variance).sqrt()
+    expected = flat(swag.mean) + math.sqrt(0.3) * (
+        std * z1 / math.sqrt(2) + z2 @ swag.deviations / math.sqrt(2 * 3)
+    )
+    assert_close(torch.cat([draws["weight"].reshape(6, -1), draws["bias"]], 1), expected)
+    diagonal = SWAG(nn.Linear(3, 2), rank=0)
+    for theta in stream():
+        diagonal.record(theta)
+    draws = diagonal.sample(3, generator=torch.Generator().manual_seed(2))
+    z = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    got = torch.cat([draws["weight"].reshape(3, -1), draws["bias"]], 1)
+    assert_close(got, flat(diagonal.mean) + std * z)
+    assert_close(diagonal.covariance(), torch.diag(std.square()))
+
+
+def test_sample_covariance_matches_within_monte_carlo_error():
+    swag = SWAG(nn.Linear(3, 2), rank=3)
+    for theta in stream():
+        swag.record(theta)
+    n = 4000
+    draws = swag.sample(n, generator=torch.Generator().manual_seed(3))
+    theta = torch.cat([draws["weight"].reshape(n, -1), draws["bias"]], 1)
+    sigma = swag.covariance()
+    centred = theta - flat(swag.mean)
+    empirical = centred.T @ centred / n
+    # Var of a Gaussian second moment: (S_ij^2 + S_ii S_jj) / n; 5 standard errors
+    stderr = ((sigma.square() + torch.outer(sigma.diagonal(), sigma.diagonal())) / n).sqrt()
+    assert bool(((empirical - sigma).abs() < 5 * stderr).all())
+
+
+def test_sits_on_sgld_without_storing_samples():
+    """SGLD on U = sum_j a_j theta_j^2 / 2 is, per coordinate, the AR(1) chain
+    theta <- (1 - h a) theta + sqrt(2h) xi (h = lr / N), whose stationary variance is
+    exactly 1 / (a (1 - h a / 2)). With h a = 0.25 and 0.5 (autocorrelation 0.75, 0.5),
+    theta^2 has autocorrelation rho^2, so n draws give an ESS of at least
+    n (1 - 0.5625) / 1.5625 = 0.28 n for the variance, whose relative standard error is
+    sqrt(2 / ESS) (0.03 at n = 8000). We allow 5 standard errors."""
+    num_data, h = 10, 0.25
+    a = torch.tensor([1.0, 2.0])
+    model = nn.Module()
+    model.theta = nn.Parameter(torch.zeros(2))
+    optimizer = SGLD(model.parameters(), lr=h * num_data, num_data=num_data, seed=0)
+    swag = SWAG(model, rank=10)
+    n, burn = 8000, 200
+    for step in range(n + burn):
+        optimizer.zero_grad()
+        (0.5 * (a * model.theta.square()).sum() / num_data).backward()
+        optimizer.step()
+        if step >= burn:
+            swag.record()
+    exact = 1.0 / (a * (1.0 - h * a / 2.0))
+    ess = n * (1 - 0.75**4) / (1 + 0.75**4)
+    tolerance = 5 * math.sqrt(2.0 / ess)
+    ratio = swag.variance["theta"] / exact
+    assert bool(((ratio - 1).abs() < tolerance).all()), ratio
+    assert bool((swag.mean["theta"].abs() < 5 * (exact * 7 / n).sqrt()).all())
+    # memory: the statistics, never the stream
+    assert swag.deviations.shape == (10, 2)
+    assert sum(t.numel() for t in swag.state_dict().values() if torch.is_tensor(t)) == 2 + 2 + 20
+
+
+def test_predictive_paths():
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3))
+    gen = torch.Generator().manual_seed(5)
+    x, y = torch.randn(32, 3, generator=gen), torch.randint(0, 3, (32,), generator=gen)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    swag = SWAG(model, rank=5)
+    for step in range(30):
+        optimizer.zero_grad()
+        batch = slice(step % 4 * 8, step % 4 * 8 + 8)
+        torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+        optimizer.step()
+        swag.record()
+    out = swag.predict(x[:5], num_samples=7, generator=torch.Generator().manual_seed(6))
+    expected = call_stacked(
+        model, swag.sample(7, generator=torch.Generator().manual_seed(6)), x[:5]
+    )
+    assert_close(out, expected)
+    linear = swag.predict(x[:5], 7, linear=True, generator=torch.Generator().manual_seed(6))
+    assert linear.shape == (7, 5, 3)
+    probs = predictive.classification(linear).probs
+    assert_close(probs.sum(-1), torch.ones(5))
+
+
+def test_state_dict_round_trip_continues_exactly():
+    thetas = stream(count=15)
+    first = SWAG(nn.Linear(3, 2), rank=4)
+    for theta in thetas[:9]:
+        first.record(theta)
+    second = SWAG(nn.Linear(3, 2), rank=4)
+    second.load_state_dict(first.state_dict())
+    for theta in thetas[9:]:
+        first.record(theta)
+        second.record(theta)
+    assert torch.equal(first.deviations, second.deviations)
+    assert torch.equal(flat(first.variance), flat(second.variance))
+    with pytest.raises(
+        ValueError, match=re.escape("Invalid state: for names ('weight', 'bias') and 4 deviations")
+    ):
+        SWAG(nn.Linear(3, 2), rank=3).load_state_dict(first.state_dict())
+
+
+def test_subset_and_errors():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    swag = SWAG(model, subset="last_layer")
+    assert swag.treated.names == ("2.weight", "2.bias")
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape("SWAG has 0 record(s): call record() after optimizer steps (at least 1"),
+    ):
+        _ = swag.mean
+    swag.record()
+    with pytest.raises(RuntimeError, match=re.escape("SWAG has 1 record(s)")):
+        swag.sample(2)
+    with pytest.raises(KeyError, match=re.escape("Invalid params: missing ['2.bias']")):
+        swag.record({"2.weight": torch.zeros(2, 4)})
+    with pytest.raises(
+        ValueError, match=re.escape("Invalid params: non-finite values at record 2")
+    ):
+        swag.record({"2.weight": torch.full((2, 4), math.nan), "2.bias": torch.zeros(2)})
+    with pytest.raises(ValueError, match=re.escape("Invalid rank: -1 (expected an integer >= 0")):
+        SWAG(model, rank=-1)
+    with pytest.raises(ValueError, match=re.escape("Invalid temperature: -1.0")):
+        SWAG(model, temperature=-1.0)
+    with pytest.raises(TypeError, match=re.escape("Invalid linear: 1 (expected True or False)")):
+        swag.predict(torch.zeros(1, 3), linear=1)
