@@ -655,3 +655,93 @@ def test_start_is_cached_unless_parameters_change() -> None:
     loss = opt.step(closure)
     assert len(calls) == 7 + 1 + 3
     torch.testing.assert_close(loss, ((w.detach() - 1) ** 2).sum())
+
+
+def test_parameters_split_over_processes_are_refused():
+    from samplers_as_optim.names import set_parameter_layout
+
+    share = torch.nn.Parameter(torch.zeros(4))
+    set_parameter_layout(share, 4, 8)  # the second half of a tensor held by two ranks
+    with pytest.raises(NotImplementedError, match="HMC does not support parameters split over"):
+        HMC([share], lr=0.1, num_steps=2, num_data=10)
+    whole = torch.nn.Parameter(torch.zeros(4))
+    set_parameter_layout(whole, 0, 4)  # one rank holding everything: fine
+    HMC([whole], lr=0.1, num_steps=2, num_data=10)
+
+
+def test_foreach_leapfrog_matches_the_per_tensor_update_bit_for_bit() -> None:
+    """The grouped foreach updates equal Neal's per-tensor update, op for op, bit for bit:
+    two float steps, a tensor step, masses and none (float32, where rounding shows)."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(5,), (2, 3), (4,), (3, 2), (6,)]
+    theta0 = [torch.randn(s, generator=generator) for s in shapes]
+    r0 = [torch.randn(s, generator=generator) for s in shapes]
+    steps = [0.1, 0.1, 0.07, torch.tensor([[0.05], [0.09], [0.11]]), 0.1]
+    inverse = [None, torch.rand((2, 3), generator=generator) + 0.5, None, None, None]
+
+    def gradient(thetas):  # a nonlinear gradient, so that each step's rounding matters
+        return [torch.sin(t) * 3.0 + t for t in thetas]
+
+    theta, r = [t.clone() for t in theta0], [t.clone() for t in r0]
+    leapfrog_(
+        theta,
+        r,
+        gradient(theta),
+        lambda: (None, gradient(theta)),
+        step_sizes=steps,
+        inverse_mass=inverse,
+        num_steps=4,
+    )
+    ref_theta, ref_r = [t.clone() for t in theta0], [t.clone() for t in r0]
+    grads = gradient(ref_theta)
+    for _ in range(4):
+        for pair in (0, 1):
+            if pair == 1:
+                for t, m, eps, inv in zip(ref_theta, ref_r, steps, inverse, strict=True):
+                    if inv is None and not isinstance(eps, Tensor):
+                        t.add_(m, alpha=eps)
+                    else:
+                        t.add_(m * (eps if inv is None else eps * inv))
+                grads = gradient(ref_theta)
+            for m, g, eps in zip(ref_r, grads, steps, strict=True):
+                if isinstance(eps, Tensor):
+                    m.sub_(g * (eps / 2))
+                else:
+                    m.add_(g, alpha=-eps / 2)
+    for got, want in zip(theta + r, ref_theta + ref_r, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_zero_grad_resets_like_torch_optim() -> None:
+    """HMC's lean zero_grad: None by default, zeros (detached) with set_to_none=False."""
+    w, v = (torch.nn.Parameter(torch.ones(3)) for _ in range(2))
+    opt = HMC([w, v], lr=0.1, num_steps=2, num_data=10, seed=0)
+    w.grad, v.grad = v * 2.0, torch.ones(3)  # a gradient with a graph, as create_graph makes
+    assert w.grad is not None and w.grad.grad_fn is not None
+    opt.zero_grad(set_to_none=False)
+    assert torch.equal(w.grad, torch.zeros(3)) and w.grad.grad_fn is None
+    assert not w.grad.requires_grad
+    opt.zero_grad()
+    assert w.grad is None and v.grad is None
+
+
+def test_cached_start_follows_a_changed_weight_decay() -> None:
+    """The start's (U, grad U) reused from the last step is recomputed when the weight
+    decay changes: a continued chain equals a copy that evaluates everything afresh."""
+    params, make_closure = _linear_problem()
+    opt = HMC(params, lr=1e-2, num_steps=4, num_data=40, seed=3, weight_decay=0.1)
+    opt.step(make_closure(opt))
+    twin_params, make_twin_closure = _linear_problem()
+    with torch.no_grad():
+        for p, q in zip(params, twin_params, strict=True):
+            q.copy_(p)
+    twin = HMC(twin_params, lr=1e-2, num_steps=4, num_data=40, seed=3, weight_decay=0.1)
+    twin.load_state_dict(opt.state_dict())  # no cache: its first step evaluates the start
+    for o in (opt, twin):
+        o.param_groups[0]["weight_decay"] = 3.0
+    opt.step(make_closure(opt))
+    twin.step(make_twin_closure(twin))
+    for p, q in zip(params, twin_params, strict=True):
+        assert torch.equal(p, q)
+    for key in ("energy_error", "accept_prob"):
+        assert torch.equal(opt.diagnostics[key], twin.diagnostics[key])

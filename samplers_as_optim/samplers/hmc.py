@@ -91,6 +91,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .._dtensor import is_dtensor
 from .._random import NoiseStream, derive_seed, parameter_key, seed_from_global_rng
 from .._validation import (
     check_nonnegative,
@@ -101,7 +102,7 @@ from .._validation import (
     check_seed,
     check_temperature,
 )
-from ..names import parameter_name
+from ..names import parameter_layout, parameter_name
 from ._dual_averaging import (
     DualAveragingState,
     dual_averaging_init,
@@ -124,6 +125,135 @@ _SHARED = ("num_data", "temperature", "num_steps", "jitter", "target_accept")
 StepSize = Tensor | float
 
 
+def _pick(tensors: Sequence[Tensor], index: list[int] | None) -> list[Tensor]:
+    """``tensors`` at ``index`` (all of them, as a list, when ``index`` is None)."""
+    return list(tensors) if index is None else [tensors[i] for i in index]
+
+
+def _group_by(pairs: Iterable[tuple[int, Any]]) -> dict[Any, list[int]]:
+    """The positions ``i`` of ``(i, key)`` pairs, grouped by equal key."""
+    groups: dict[Any, list[int]] = {}
+    for i, key in pairs:
+        groups.setdefault(key, []).append(i)
+    return groups
+
+
+class _Leapfrog:
+    r"""The coefficients of one trajectory's leapfrog steps, grouped for ``torch._foreach_*``.
+
+    Computed once per trajectory (not per step): a kick
+    :math:`r \leftarrow r - \tfrac{\epsilon}{2} \nabla U` is ``r.add_(g, alpha=-eps / 2)``
+    for a float step and ``r.sub_(g * (eps / 2))`` for a tensor one; a drift
+    :math:`\theta \leftarrow \theta + \epsilon M^{-1} r` is ``theta.add_(r, alpha=eps)``, or
+    ``theta.add_(r * (eps M^{-1}))``. The tensors sharing a float coefficient take one
+    foreach op; each result is bit for bit that of the per-tensor op.
+    """
+
+    def __init__(
+        self,
+        positions: Sequence[Tensor],
+        momenta: Sequence[Tensor],
+        step_sizes: Sequence[StepSize],
+        inverse_mass: Sequence[Tensor | None],
+    ) -> None:
+        count = len(positions)
+        if not len(momenta) == len(step_sizes) == len(inverse_mass) == count:
+            raise ValueError(
+                f"leapfrog_: {count} positions, {len(momenta)} momenta, {len(step_sizes)} step "
+                f"sizes and {len(inverse_mass)} inverse masses (expected one of each per tensor)"
+            )
+        self.kick_scalar: list[tuple[float, list[int] | None, list[Tensor]]]
+        self.drift_scalar: list[tuple[float, list[Tensor], list[Tensor]]]
+        first = step_sizes[0] if count else None
+        if (
+            isinstance(first, float)
+            and all(eps == first and isinstance(eps, float) for eps in step_sizes)
+            and all(inv is None for inv in inverse_mass)
+        ):  # the usual case, one float step and the identity mass: the plan at once
+            self.kick_scalar = [(-first / 2, None, list(momenta))]
+            self.drift_scalar = [(first, list(positions), list(momenta))]
+            self.kick_tensor, self.kick_momenta, self.kick_halves = None, [], []
+            self.drift_positions, self.drift_momenta, self.drift_scales = [], [], []
+            return
+        floats = {i: float(eps) for i, eps in enumerate(step_sizes) if not isinstance(eps, Tensor)}
+        # kicks: one foreach op per distinct float step, one for all the tensor steps
+        self.kick_scalar = [
+            (alpha, None if len(where) == count else where, _pick(momenta, where))
+            for alpha, where in _group_by((i, -eps / 2) for i, eps in floats.items()).items()
+        ]
+        where = [i for i in range(count) if i not in floats]
+        self.kick_tensor = where or None
+        self.kick_momenta = _pick(momenta, where)
+        self.kick_halves: list[Tensor] = [step_sizes[i] / 2 for i in where]  # type: ignore[misc]
+        # drifts: the same with eps * M^-1 (a tensor) where the mass is not the identity
+        plain = {i: eps for i, eps in floats.items() if inverse_mass[i] is None}
+        self.drift_scalar = [
+            (eps, _pick(positions, where), _pick(momenta, where))
+            for eps, where in _group_by(plain.items()).items()
+        ]
+        where = [i for i in range(count) if i not in plain]
+        self.drift_positions = _pick(positions, where)
+        self.drift_momenta = _pick(momenta, where)
+        self.drift_scales: list[Tensor] = []
+        for i in where:
+            eps, inv = step_sizes[i], inverse_mass[i]
+            self.drift_scales.append(eps if inv is None else eps * inv)  # type: ignore[arg-type]
+
+    def kick(self, gradients: Sequence[Tensor]) -> None:
+        r""":math:`r \leftarrow r - \tfrac{\epsilon}{2} \nabla U`."""
+        for alpha, index, momenta in self.kick_scalar:
+            _add_(momenta, _pick(gradients, index), alpha)
+        if self.kick_tensor is not None:
+            grads = _pick(gradients, self.kick_tensor)
+            _sub_(self.kick_momenta, _mul(grads, self.kick_halves))
+
+    def drift(self) -> None:
+        r""":math:`\theta \leftarrow \theta + \epsilon M^{-1} r`."""
+        for eps, positions, momenta in self.drift_scalar:
+            _add_(positions, momenta, eps)
+        if self.drift_positions:
+            _add_(self.drift_positions, _mul(self.drift_momenta, self.drift_scales))
+
+
+def _differentiated(tensors: Sequence[Tensor]) -> bool:
+    """Whether autograd records in-place ops on ``tensors`` (then no foreach ops, see below)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _add_(out: list[Tensor], other: list[Tensor], alpha: float | None = None) -> None:
+    """``x.add_(y, alpha=alpha)`` (``x.add_(y)`` when ``alpha`` is None) for each pair.
+
+    One foreach op, or per-tensor ops for one tensor (cheaper) and where autograd records
+    them (the foreach ops' in-place derivatives save inputs that later steps modify).
+    """
+    if len(out) == 1 or _differentiated(out):
+        for x, y in zip(out, other, strict=True):
+            if alpha is None:
+                x.add_(y)
+            else:
+                x.add_(y, alpha=alpha)
+    elif alpha is None:
+        torch._foreach_add_(out, other)
+    else:
+        torch._foreach_add_(out, other, alpha=alpha)
+
+
+def _sub_(out: list[Tensor], other: list[Tensor]) -> None:
+    """``x.sub_(y)`` for each pair, as :func:`_add_`."""
+    if len(out) == 1 or _differentiated(out):
+        for x, y in zip(out, other, strict=True):
+            x.sub_(y)
+    else:
+        torch._foreach_sub_(out, other)
+
+
+def _mul(tensors: list[Tensor], factors: list[Tensor]) -> list[Tensor]:
+    """``x * f`` for each pair (broadcasting)."""
+    if len(tensors) == 1 or _differentiated(tensors):
+        return [x * f for x, f in zip(tensors, factors, strict=True)]
+    return list(torch._foreach_mul(tensors, factors))
+
+
 def leapfrog_(
     positions: Sequence[Tensor],
     momenta: Sequence[Tensor],
@@ -138,7 +268,10 @@ def leapfrog_(
 
     Each step is :math:`r \leftarrow r - \tfrac{\epsilon}{2}\nabla U`,
     :math:`\theta \leftarrow \theta + \epsilon M^{-1} r`,
-    :math:`r \leftarrow r - \tfrac{\epsilon}{2}\nabla U` (Neal 2011, Eq. 5.18--5.20).
+    :math:`r \leftarrow r - \tfrac{\epsilon}{2}\nabla U` (Neal 2011, Eq. 5.18--5.20). The
+    coefficients are computed once and the tensors updated with ``torch._foreach_*`` ops
+    (one per distinct step size), so a step costs a few dispatches whatever the number of
+    tensors.
 
     Args:
         positions: the tensors :math:`\theta`, updated in place.
@@ -152,25 +285,14 @@ def leapfrog_(
     Returns:
         :math:`(U, \nabla U)` at the end point (from the last ``potential_gradient``).
     """
+    plan = _Leapfrog(positions, momenta, step_sizes, inverse_mass)
     potential: Any = None
     gradients = list(gradients)
-
-    def kick(grads: Sequence[Tensor]) -> None:  # r <- r - (eps / 2) grad U
-        for r, g, eps in zip(momenta, grads, step_sizes, strict=True):
-            if isinstance(eps, Tensor):
-                r.sub_(g * (eps / 2))
-            else:
-                r.add_(g, alpha=-eps / 2)
-
     for _ in range(num_steps):
-        kick(gradients)
-        for theta, r, eps, inv in zip(positions, momenta, step_sizes, inverse_mass, strict=True):
-            if inv is None and not isinstance(eps, Tensor):
-                theta.add_(r, alpha=eps)
-            else:
-                theta.add_(r * (eps if inv is None else eps * inv))
+        plan.kick(gradients)
+        plan.drift()
         potential, gradients = potential_gradient()
-        kick(gradients)
+        plan.kick(gradients)
     return potential, gradients
 
 
@@ -204,6 +326,21 @@ def _member_view(value: Tensor, like: Tensor, members: int | None) -> Tensor:
     if members is None or value.dim() == 0:
         return value
     return value.reshape((members,) + (1,) * (like.dim() - 1))
+
+
+def _scaled_gradient(
+    params: list[Tensor], grads: list[Tensor], weight_decay: float, num_data: int
+) -> list[Tensor]:
+    """``(g + weight_decay * p) * num_data`` for each pair, in foreach ops."""
+    if len(params) == 1:  # one tensor: the plain ops are cheaper
+        g, p = grads[0], params[0]
+        return [(g + weight_decay * p) * num_data if weight_decay != 0.0 else g * num_data]
+    if weight_decay == 0.0:
+        return list(torch._foreach_mul(grads, num_data))
+    out = torch._foreach_mul(params, weight_decay)
+    torch._foreach_add_(out, grads)  # g + wd p: addition commutes bit for bit
+    torch._foreach_mul_(out, num_data)
+    return list(out)
 
 
 class HMC(Optimizer):
@@ -310,6 +447,14 @@ class HMC(Optimizer):
         super().__init__(params, defaults)
         self._reset_runtime()
         all_params = [p for group in self.param_groups for p in group["params"]]
+        for p in all_params:
+            if is_dtensor(p) or parameter_layout(p) not in (None, (0, p.numel())):
+                raise NotImplementedError(
+                    f"HMC does not support parameters split over processes yet (a parameter "
+                    f"of shape {tuple(p.shape)} is a DTensor shard or a ParallelEnsemble "
+                    "share of a process group): its energy and accept test need the whole "
+                    "chain; run HMC in one process per chain"
+                )
         if isinstance(mass, Sequence) and not isinstance(mass, str):
             self._set_mass(all_params, list(mass))
         adapt_mass = mass == "adapt"
@@ -358,6 +503,13 @@ class HMC(Optimizer):
         self._keys = None
 
     def _check_groups(self) -> None:
+        # validated once per distinct setting: a step re-checks only what changed
+        names = ("lr", "num_steps", "num_data", "temperature", "weight_decay", *_SHARED)
+        values = tuple((type(g[n]), g[n]) for g in self.param_groups for n in names)
+        plain = all(kind in (int, float, type(None)) for kind, _ in values)
+        if plain and values == self._checked:
+            return
+        self._checked = None
         first = self.param_groups[0]
         for index, group in enumerate(self.param_groups):
             where = f" in param group {index}"
@@ -368,6 +520,7 @@ class HMC(Optimizer):
                         f"Invalid {name}{where}: {group[name]!r} (expected the value of param "
                         f"group 0, {first[name]!r}: one Metropolis test covers every group)"
                     )
+        self._checked = values if plain else None
 
     def _set_mass(self, params: list[Tensor], masses: list[Any]) -> None:
         if len(masses) != len(params):
@@ -392,12 +545,37 @@ class HMC(Optimizer):
                 raise ValueError(f"Invalid mass[{index}]: {m!r} (expected finite numbers > 0)")
             self.state[param]["mass"] = m.detach().to(param.device, param.dtype).clone()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients, as ``torch.optim.Optimizer.zero_grad`` does.
+
+        The closure calls this ``num_steps`` times per step, so it skips the base class's
+        profiler range and dispatch (a sizeable share of a small model's leapfrog step);
+        the effect on the gradients is the same.
+        """
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                    continue
+                if grad.grad_fn is not None:
+                    grad.detach_()
+                else:
+                    grad.requires_grad_(False)
+                grad.zero_()
+
     # ------------------------------------------------------------------ runtime
     def _reset_runtime(self) -> None:
         """What is not the chain's state: noise streams, keys, the gradient cache."""
         self._streams: dict[int, NoiseStream] = {}
         self._keys: dict[int, int] | None = None
         self._cache: tuple[list[int], list[int], Tensor, list[Tensor]] | None = None
+        #: (U, grad U) at the cached start, with the (N, weight decays) they were made with
+        self._start: tuple[tuple[Any, ...], Tensor, list[Tensor]] | None = None
+        #: the hyperparameters last validated (plain numbers only), see ``_check_groups``
+        self._checked: tuple[Any, ...] | None = None
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore a pickled or deep-copied optimizer: the same chain continues."""
@@ -525,6 +703,23 @@ class HMC(Optimizer):
             grads.append(p.grad)
         return chain, loss, grads, members
 
+    def _reevaluate(
+        self, closure: Callable[[], Any], chain: list[Tensor], members: int | None
+    ) -> tuple[Tensor, list[Tensor]]:
+        """:meth:`_evaluate` inside a trajectory (the chain known): the loss, the gradients."""
+        with torch.enable_grad():
+            loss = closure()
+        if not isinstance(loss, Tensor):
+            loss = torch.as_tensor(loss, dtype=torch.float64)
+        loss = loss.detach()
+        if loss.dim() > 1 or (members is not None and loss.shape != (members,)):
+            return self._evaluate(lambda: loss, chain, members)[1:3]  # raises the error
+        grads = [p.grad for p in chain]
+        for g in grads:
+            if g is None or g.is_sparse:
+                return self._evaluate(lambda: loss, chain, members)[1:3]  # raises the error
+        return loss, grads  # type: ignore[return-value]
+
     def _potential(
         self,
         chain: list[Tensor],
@@ -550,11 +745,33 @@ class HMC(Optimizer):
         chain: list[Tensor], grads: list[Tensor], decay: dict[int, float], num_data: int
     ) -> list[Tensor]:
         r""":math:`\nabla U = N (g + \lambda \theta)` per parameter."""
-        out = []
-        for p, g in zip(chain, grads, strict=True):
-            wd = decay[id(p)]
-            out.append((g + wd * p) * num_data if wd != 0.0 else g * num_data)
-        return out
+        return HMC._gradient_map(chain, decay, num_data)(grads)
+
+    @staticmethod
+    def _gradient_map(
+        chain: list[Tensor], decay: dict[int, float], num_data: int
+    ) -> Callable[[list[Tensor]], list[Tensor]]:
+        r"""The map from raw gradients to :math:`\nabla U = N (g + \lambda \theta)`.
+
+        ``(g + wd * p) * num_data`` (or ``g * num_data``) per parameter, with one foreach op
+        per distinct weight decay (grouped once per trajectory): the same bits as the
+        per-parameter expression.
+        """
+        groups = list(_group_by((i, decay[id(p)]) for i, p in enumerate(chain)).items())
+        if len(groups) == 1:
+            wd = groups[0][0]
+            return lambda grads: _scaled_gradient(chain, grads, wd, num_data)
+        parts = [(wd, where, _pick(chain, where)) for wd, where in groups]
+
+        def gradient(grads: list[Tensor]) -> list[Tensor]:
+            out = list(grads)
+            for wd, where, params in parts:
+                scaled = _scaled_gradient(params, _pick(grads, where), wd, num_data)
+                for i, part in zip(where, scaled, strict=True):
+                    out[i] = part
+            return out
+
+        return gradient
 
     # ------------------------------------------------------------------ the transition
     @torch.no_grad()
@@ -594,6 +811,8 @@ class HMC(Optimizer):
 
         # the start: (U, grad U) at the current parameters, cached from the last step
         cache = self._cache
+        start_cache = self._start
+        self._start = None
         if cache is not None and self._versions_of(cache[0]) == cache[1]:
             chain = [p for p in self._params_by_id(cache[0])]
             loss0, raw0 = cache[2], cache[3]
@@ -601,7 +820,12 @@ class HMC(Optimizer):
         else:
             chain, loss0, raw, members = self._evaluate(closure, None, None)
             raw0 = [g.clone() for g in raw]
-        potential0, gradients0 = self._potential(chain, loss0, raw0, members, decay, num_data)
+            start_cache = None
+        signature = (num_data, *(decay[id(p)] for p in chain))
+        if start_cache is not None and start_cache[0] == signature:
+            potential0, gradients0 = start_cache[1], start_cache[2]  # the same bits, unrecomputed
+        else:
+            potential0, gradients0 = self._potential(chain, loss0, raw0, members, decay, num_data)
         device = chain[0].device
 
         # the step size: s (per chain), jittered, times sqrt(lr / N) per group
@@ -636,19 +860,25 @@ class HMC(Optimizer):
                 p, step=int(group["step"]), key=self._noise_key(p)
             )
             scale = math.sqrt(temperature)
-            momenta.append(xi * scale if inv is None else xi * (scale / inv.sqrt()))
+            if inv is not None:
+                xi = xi * (scale / inv.sqrt())
+            elif scale != 1.0:  # (xi * 1.0 is xi, bit for bit)
+                xi = xi * scale
+            momenta.append(xi)
         energy0 = potential0 + kinetic_energy(momenta, inverse_mass, members)
 
         # the trajectory
         start = [p.clone() for p in chain]
         last: dict[str, Any] = {}
 
-        def potential_gradient() -> tuple[None, list[Tensor]]:
-            _, loss, raw, _ = self._evaluate(closure, chain, members)
-            last["loss"], last["raw"] = loss, raw
-            return None, self._gradient(chain, raw, decay, num_data)
+        gradient = self._gradient_map(chain, decay, num_data)
 
-        leapfrog_(
+        def potential_gradient() -> tuple[None, list[Tensor]]:
+            loss, raw = self._reevaluate(closure, chain, members)
+            last["loss"], last["raw"] = loss, raw
+            return None, gradient(raw)
+
+        _, gradients1 = leapfrog_(
             chain,
             momenta,
             gradients0,
@@ -674,11 +904,13 @@ class HMC(Optimizer):
         if members is None:
             if bool(accepted):
                 loss, raw = loss1, [g.clone() for g in raw1]
+                self._start = (signature, potential1, gradients1)
             else:
                 for p, p0, g in zip(chain, start, raw0, strict=True):
                     p.copy_(p0)
                     p.grad = g.clone()
                 loss, raw = loss0, raw0
+                self._start = (signature, potential0, gradients0)
         else:
             raw = []
             for p, p0, g0, g1 in zip(chain, start, raw0, raw1, strict=True):
@@ -690,12 +922,13 @@ class HMC(Optimizer):
 
         # diagnostics, adaptation, counters
         accept_prob = torch.exp(log_accept)
-        divergent = ~(energy_error / temperature <= DIVERGENCE_THRESHOLD)
+        scaled_error = energy_error / temperature
+        divergent = ~(scaled_error <= DIVERGENCE_THRESHOLD)
         previous = hmc["diagnostics"]
         hmc["diagnostics"] = {
             "accept_prob": accept_prob,
             "accepted": accepted,
-            "energy_error": energy_error / temperature,
+            "energy_error": scaled_error,
             "divergent": divergent,
             "step_size": multiplier * root_lr[id(self.param_groups[0]["params"][0])]
             if self.param_groups[0]["params"]
