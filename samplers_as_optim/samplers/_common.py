@@ -87,7 +87,8 @@ def all_finite(tensors: Sequence[Tensor]) -> dict[torch.device, Tensor]:
     and largest elements (``torch.aminmax``, which propagates NaN and cannot overflow)
     are finite exactly when every element is. (The L2 norm of the eager check can
     overflow, and the ``inf``-norm is ten times slower on the CPU.) With tensors on
-    several devices, each device's flag holds the verdict over all of them.
+    several devices, each device's flag holds the verdict over all of them (a CPU flag
+    over accelerator tensors waits for them: the one synchronisation left).
     """
     flags: list[Tensor] = []
     for tensor in tensors:
@@ -97,7 +98,8 @@ def all_finite(tensors: Sequence[Tensor]) -> dict[torch.device, Tensor]:
     devices = {tensor.device for tensor in tensors}
     verdict: dict[torch.device, Tensor] = {}
     for device in devices:
-        on_device = [flag.to(device, non_blocking=True) for flag in flags]
+        # to an accelerator without waiting; to the CPU a copy must wait for the value
+        on_device = [flag.to(device, non_blocking=device.type != "cpu") for flag in flags]
         if not on_device:
             verdict[device] = torch.ones((), dtype=torch.bool, device=device)
         elif len(on_device) == 1:

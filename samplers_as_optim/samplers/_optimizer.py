@@ -384,7 +384,7 @@ class SamplerOptimizer(Optimizer):
         return flags
 
     def _next_noise_requests(self) -> list[NoiseRequest]:
-        """The next step's draws to prefetch: large CPU parameters of groups at T > 0.
+        """The next step's draws to prefetch: large CPU and CUDA parameters of groups at T > 0.
 
         Handing a draw to the worker costs about as much as drawing a few ten thousand
         normals (the hand-off, and the worker's Python competing for the GIL), so smaller
