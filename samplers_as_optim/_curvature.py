@@ -45,8 +45,9 @@ run the model in eval mode while computing curvature.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -113,15 +114,17 @@ def _fast_layers(model: nn.Module, names: Iterable[str]) -> dict[nn.Module, dict
 
 
 @contextmanager
-def _capture(layers: Iterable[nn.Module]):
+def _capture(
+    layers: Iterable[nn.Module],
+) -> Iterator[dict[nn.Module, list[tuple[Any, int, Tensor]]]]:
     """Record (input, input version, output) of every call; hand a clone downstream.
 
     The clone keeps the recorded output intact if a later operation works in place (an
     in-place ReLU would otherwise turn it into the ReLU's output).
     """
-    records: dict[nn.Module, list[tuple[object, int, Tensor]]] = {}
+    records: dict[nn.Module, list[tuple[Any, int, Tensor]]] = {}
 
-    def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+    def hook(module: nn.Module, args: tuple[object, ...], output: Tensor) -> Tensor:
         first = args[0] if args else None
         version = first._version if isinstance(first, Tensor) else -1
         records.setdefault(module, []).append((first, version, output))
@@ -135,7 +138,7 @@ def _capture(layers: Iterable[nn.Module]):
             handle.remove()
 
 
-def _usable(module: nn.Module, calls: list, batch: int) -> bool:
+def _usable(module: nn.Module, calls: list[tuple[Any, int, Tensor]], batch: int) -> bool:
     if len(calls) != 1:
         return False
     inp, version, out = calls[0]
@@ -146,7 +149,9 @@ def _usable(module: nn.Module, calls: list, batch: int) -> bool:
     return inp.dim() == (2 if isinstance(module, nn.Linear) else 4)
 
 
-def _linear_diag(inp: Tensor, grads: Tensor, entries: dict[str, str], out: dict) -> None:
+def _linear_diag(
+    inp: Tensor, grads: Tensor, entries: dict[str, str], out: dict[str, Tensor]
+) -> None:
     """``grads``: (K, B, out). Adds the weight/bias diagonals into ``out``."""
     summed = grads.square().sum(0)
     if "weight" in entries:
@@ -156,7 +161,7 @@ def _linear_diag(inp: Tensor, grads: Tensor, entries: dict[str, str], out: dict)
 
 
 def _conv_diag(
-    module: nn.Conv2d, inp: Tensor, grads: Tensor, entries: dict[str, str], out: dict
+    module: nn.Conv2d, inp: Tensor, grads: Tensor, entries: dict[str, str], out: dict[str, Tensor]
 ) -> None:
     """``grads``: (K, B, C_out, H, W). Per-example gradients, a chunk of examples at a time."""
     k, batch, channels = grads.shape[:3]
@@ -169,7 +174,8 @@ def _conv_diag(
         inp.detach(),
         module.kernel_size,
         dilation=module.dilation,
-        padding=module.padding,
+        # _fast_layers excludes string padding, so this is the int tuple.
+        padding=cast(tuple[int, ...], module.padding),
         stride=module.stride,
     )
     weight = module.weight
@@ -183,21 +189,26 @@ def _conv_diag(
     out[entries["weight"]] = total.reshape(weight.shape)
 
 
-def _per_example_vjp(model: nn.Module, params: dict[str, Tensor]):
+def _per_example_vjp(
+    model: nn.Module, params: dict[str, Tensor]
+) -> Callable[[Tensor, Tensor], dict[str, Tensor]]:
     """``(x_i, V_i) -> {name: (K, *shape)}``: the K pseudo-gradients of one example."""
 
     def run(xi: Tensor, vi: Tensor) -> dict[str, Tensor]:
         def output(p: dict[str, Tensor]) -> Tensor:
-            return functional_call(model, p, (xi.unsqueeze(0),)).reshape(-1)
+            return cast(Tensor, functional_call(model, p, (xi.unsqueeze(0),))).reshape(-1)
 
-        _, pullback = vjp(output, params)
+        # vjp without has_aux returns a pair; its stub's union also admits the triple.
+        _, pullback = vjp(output, params)  # type: ignore[misc]
         (grads,) = vmap(pullback)(vi.transpose(0, 1))
-        return grads
+        return cast(dict[str, Tensor], grads)
 
     return run
 
 
-def _generic_diag(model: nn.Module, names: list[str], x: Tensor, factor: Tensor, out: dict) -> None:
+def _generic_diag(
+    model: nn.Module, names: list[str], x: Tensor, factor: Tensor, out: dict[str, Tensor]
+) -> None:
     current = dict(model.named_parameters())
     params = {name: current[name].detach() for name in names}
     run = _per_example_vjp(model, params)
@@ -273,7 +284,7 @@ def diag_curvature(
             if isinstance(module, nn.Linear):
                 _linear_diag(inp, grad, entries, out)
             else:
-                _conv_diag(module, inp, grad, entries, out)
+                _conv_diag(cast(nn.Conv2d, module), inp, grad, entries, out)
     del records, output
     rest = [name for name in treated.names if name not in out]
     if rest:

@@ -73,7 +73,7 @@ import copy
 import itertools
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -174,7 +174,7 @@ def ensemble_loss(
         # as g / B does, so each member's gradient is the one a single model gets.
         size = outputs.shape[0]
         flat_targets = targets.expand(size, *targets.shape).reshape(-1, *targets.shape[1:])
-        return loss_fn(outputs.flatten(0, 1), flat_targets) * size
+        return cast(Tensor, loss_fn(outputs.flatten(0, 1), flat_targets) * size)
     in_dims = (0, 0 if per_member_targets else None)
     return vmap(member_loss, in_dims=in_dims)(outputs, targets).sum()
 
@@ -364,7 +364,8 @@ def _stack_members(
                         "an nn.Module)"
                     )
                 if any(
-                    isinstance(t, nn.parameter.UninitializedTensorMixin)
+                    # exists at runtime; torch's parameter.pyi stub does not declare it
+                    isinstance(t, nn.parameter.UninitializedTensorMixin)  # type: ignore[attr-defined]
                     for t in _tensors(member).values()
                 ):
                     raise ValueError(
@@ -574,7 +575,7 @@ class ParallelEnsemble(nn.Module):
     ) -> None:
         self.module = template
         self.num_members = num_members
-        self.process_group: Any = None
+        self.process_group = None  # typed Any by __init__'s assignment
         self.member_indices = list(range(num_members))
         self.chunk_size = check_chunk_size(chunk_size)
         self.randomness = check_choice("randomness", randomness, RANDOMNESS)
@@ -650,14 +651,14 @@ class ParallelEnsemble(nn.Module):
             name -> tensor with leading dimension K.
         """
         check_bool("buffers", buffers)
-        tensors = dict(self.module.named_parameters())
+        tensors: dict[str, Tensor] = dict(self.module.named_parameters())
         if buffers:
             tensors.update(self.module.named_buffers())
         if self.subset is not None:
             tensors = {name: tensors[name] for name in self.subset if name in tensors}
         return tensors
 
-    def _binding(self) -> tuple[dict[str, Tensor], list[tuple[dict, str, str]]]:
+    def _binding(self) -> tuple[dict[str, Tensor], list[tuple[dict[str, Any], str, str]]]:
         """The stacked tensors by name, and the module slots they are swapped into."""
         if self.subset is None:
             return _bind_all(self.module)
@@ -666,7 +667,7 @@ class ParallelEnsemble(nn.Module):
 
     def _run(
         self,
-        bound: list[tuple[dict, str, str]],
+        bound: list[tuple[dict[str, Any], str, str]],
         stacked: dict[str, Tensor],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
@@ -686,7 +687,9 @@ class ParallelEnsemble(nn.Module):
                 per_sample_inputs=per_member_inputs,
                 randomness=self.randomness,
             )
-        vmapped = dict(per_sample_inputs=per_member_inputs, randomness=self.randomness)
+        vmapped: dict[str, Any] = dict(
+            per_sample_inputs=per_member_inputs, randomness=self.randomness
+        )
         if self.backend == "vmap" or self._vmap_works:
             return _vmapped_call(
                 self.module, bound, stacked, args, kwargs, chunk_size=chunk_size, **vmapped
@@ -880,7 +883,7 @@ class ParallelEnsemble(nn.Module):
         if chunk_size is None or chunk_size >= size:
             outputs = self(*args, per_member_inputs=per_member_inputs, **kwargs)
             loss = ensemble_loss(loss_fn, outputs, targets, per_member_targets=per_member_targets)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
             return loss.detach()
         stacked, bound = self._binding()
         for tensor in stacked.values():
@@ -898,7 +901,7 @@ class ParallelEnsemble(nn.Module):
                 view = tensor.detach()[start:stop]
                 if tensor.requires_grad:
                     view.requires_grad_()
-                    view.grad = tensor.grad[start:stop]
+                    view.grad = cast(Tensor, tensor.grad)[start:stop]  # zero-filled above
                 entry[name] = view
 
             def part(value: Any, flag: bool, start: int = start, stop: int = stop) -> Any:
@@ -920,7 +923,7 @@ class ParallelEnsemble(nn.Module):
                 part(targets, per_member_targets),
                 per_member_targets=per_member_targets,
             )
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None
         return total

@@ -25,6 +25,7 @@ rescale_momentum_state`, the map the samplers apply themselves at temperature > 
 from __future__ import annotations
 
 import math
+from typing import cast
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
@@ -169,9 +170,9 @@ class CyclicalSGMCMC(LRScheduler):
     def get_lr(self) -> list[float]:  # type: ignore[override]
         """The cosine cyclical learning rates of the coming step (Zhang et al., Eq. 1)."""
         factor = 0.5 * (math.cos(math.pi * self._position(self.last_epoch)) + 1.0)
-        return [base * factor for base in self.base_lrs]
+        return [base * factor for base in cast(list[float], self.base_lrs)]
 
-    def step(self, epoch: int | None = None) -> None:  # type: ignore[override]
+    def step(self, epoch: int | None = None) -> None:
         """Advance one step: set every group's ``lr`` and ``temperature`` for the next one.
 
         Raises:

@@ -38,7 +38,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -53,7 +53,8 @@ RANDOMNESS = ("different", "same", "error")
 
 #: one place a tensor lives in a module: (the owner's ``_parameters`` or ``_buffers``
 #: dict, the key in it)
-_Slot = tuple[dict, str]
+_Table = dict[str, Any]
+_Slot = tuple[_Table, str]
 
 
 def num_stacked(stacked: Mapping[str, Tensor]) -> int:
@@ -83,7 +84,7 @@ def num_stacked(stacked: Mapping[str, Tensor]) -> int:
             f"Invalid stacked parameters: leading sizes {sizes} (expected every tensor to "
             "have the same leading sample dimension)"
         )
-    return distinct.pop()
+    return cast(int, distinct.pop())  # None excluded above
 
 
 def stack_states(states: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
@@ -138,7 +139,7 @@ def stack_modules(modules: Sequence[nn.Module], *, buffers: bool = True) -> dict
     """
     states = []
     for module in modules:
-        state = dict(module.named_parameters())
+        state: dict[str, Tensor] = dict(module.named_parameters())
         if buffers:
             state.update(module.named_buffers())
         states.append(state)
@@ -191,7 +192,7 @@ def _tensor_slots(module: nn.Module) -> dict[str, tuple[Tensor, list[_Slot]]]:
     return {name: (tensor, slots_by_tensor[id(tensor)]) for name, tensor in named.items()}
 
 
-def _bind(module: nn.Module, stacked: Mapping[str, Tensor]) -> list[tuple[dict, str, str]]:
+def _bind(module: nn.Module, stacked: Mapping[str, Tensor]) -> list[tuple[_Table, str, str]]:
     """Where each stacked name goes in ``module``: a list of (table, key, name).
 
     Raises:
@@ -206,7 +207,7 @@ def _bind(module: nn.Module, stacked: Mapping[str, Tensor]) -> list[tuple[dict, 
             f"Invalid stacked parameters: names {sorted(unknown)} are not parameters or "
             f"buffers of {type(module).__name__}"
         )
-    bound: list[tuple[dict, str, str]] = []
+    bound: list[tuple[_Table, str, str]] = []
     seen: dict[int, str] = {}
     for name in names:
         tensor, tensor_slots = slots[name]
@@ -220,7 +221,7 @@ def _bind(module: nn.Module, stacked: Mapping[str, Tensor]) -> list[tuple[dict, 
     return bound
 
 
-def _bind_all(module: nn.Module) -> tuple[dict[str, Tensor], list[tuple[dict, str, str]]]:
+def _bind_all(module: nn.Module) -> tuple[dict[str, Tensor], list[tuple[_Table, str, str]]]:
     """Every tensor of ``module`` and where it goes, in one traversal (the ensemble's case).
 
     Returns:
@@ -229,7 +230,7 @@ def _bind_all(module: nn.Module) -> tuple[dict[str, Tensor], list[tuple[dict, st
     """
     tensors: dict[str, Tensor] = {}
     canonical: dict[int, str] = {}
-    bound: list[tuple[dict, str, str]] = []
+    bound: list[tuple[_Table, str, str]] = []
     seen_slots: set[tuple[int, str]] = set()
     for prefix, owner in module.named_modules(remove_duplicate=False):
         for table in (owner._parameters, owner._buffers):
@@ -268,7 +269,7 @@ def _check_per_sample_inputs(args: Sequence[Any], size: int) -> None:
 
 def _vmapped_call(
     module: nn.Module,
-    bound: Sequence[tuple[dict, str, str]],
+    bound: Sequence[tuple[_Table, str, str]],
     stacked: dict[str, Tensor],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -298,7 +299,7 @@ def _vmapped_call(
 
 def _looped_call(
     module: nn.Module,
-    bound: Sequence[tuple[dict, str, str]],
+    bound: Sequence[tuple[_Table, str, str]],
     stacked: dict[str, Tensor],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],

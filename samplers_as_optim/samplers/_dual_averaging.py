@@ -43,7 +43,7 @@ class DualAveragingState(NamedTuple):
     log_step_avg: Tensor  #: :math:`\log\bar\epsilon_m`, frozen after warm-up
     h_bar: Tensor  #: :math:`\bar H_m`
     mu: Tensor  #: :math:`\mu = \log(10\,\epsilon_0)`
-    count: int  #: :math:`m`, transitions adapted so far
+    count: int  # type: ignore[assignment]  #: :math:`m`, transitions adapted so far
 
 
 def dual_averaging_init(log_step: Tensor) -> DualAveragingState:

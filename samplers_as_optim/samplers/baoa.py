@@ -58,7 +58,7 @@ scale :math:`\sigma`; with :math:`\sigma = 1` and its log posterior the sum over
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -125,6 +125,8 @@ def baoa_direction(
     if (noise is None) != (temperature == 0):
         raise ValueError("noise must be given exactly when temperature > 0")
     scale = baoa_noise_scale(lr, momentum, temperature, num_data)
+    directions: list[Tensor]
+    buffers: list[Tensor]
     if not foreach:
         directions, buffers = [], []
         for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
@@ -138,7 +140,7 @@ def baoa_direction(
             directions.append(velocity.add_(buffer).mul_(0.5))  # two half drifts
             buffers.append(buffer)
         return directions, buffers
-    directions: list[Tensor] = list(grads)
+    directions = list(grads)
     buffers = list(momentum_buffers)
     for index in buckets(params):
         bucket_grads, _ = effective_grads(
@@ -148,18 +150,18 @@ def baoa_direction(
             maximize=maximize,
         )
         old = [momentum_buffers[i] for i in index]
-        velocity = list(torch._foreach_add(old, bucket_grads))
-        new = torch._foreach_mul(velocity, momentum)
+        velocities = list(torch._foreach_add(old, bucket_grads))
+        new = list(torch._foreach_mul(velocities, momentum))
         if noise is not None:
             torch._foreach_add_(new, [noise[i] for i in index], alpha=scale)
         if inplace:
             torch._foreach_copy_(old, new)
             new = old
-        torch._foreach_add_(velocity, new)
-        torch._foreach_mul_(velocity, 0.5)
+        torch._foreach_add_(velocities, new)
+        torch._foreach_mul_(velocities, 0.5)
         for position, i in enumerate(index):
             buffers[i] = new[position]
-            directions[i] = velocity[position]
+            directions[i] = velocities[position]
     return directions, buffers
 
 
@@ -329,7 +331,7 @@ class BAOAState(NamedTuple):
     momentum_buffer: tuple[Tensor | None, ...]
     momentum_lr: tuple[float | None, ...]
     seed: int
-    count: int
+    count: int  # type: ignore[assignment]  # a field, as optax's ScaleByScheduleState.count
 
 
 def baoa(
@@ -370,7 +372,7 @@ def _baoa_kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
     directions, buffers = baoa_direction(
         inputs.params,
         inputs.grads,
-        buffers,
+        cast(list[Tensor], buffers),  # _baoa_buffers gives every parameter one
         inputs.noise,
         **pick(group, *keys, "foreach", "inplace"),
     )

@@ -112,6 +112,7 @@ def _preconditioner(
     inplace: bool,
 ) -> tuple[list[Tensor], list[Tensor], list[Tensor | None]]:
     """RMSprop's ``avg`` (new tensors) and new second moments, in RMSprop's operations."""
+    new_grad_avgs: list[Tensor | None]
     if not foreach:
         avgs, new_squares, new_grad_avgs = [], [], []
         for i, grad in enumerate(grads):
@@ -143,7 +144,7 @@ def _preconditioner(
             torch._foreach_sqrt_(avgs)
         else:
             avgs = list(torch._foreach_sqrt(avgs))
-        new_grad_avgs: list[Tensor | None] = list(means)
+        new_grad_avgs = list(means)
     else:
         avgs = list(torch._foreach_sqrt(squares))
         new_grad_avgs = list(grad_avgs)
@@ -602,7 +603,7 @@ class PSGLDState(NamedTuple):
     previous_param: tuple[Tensor | None, ...]
     previous_grad: tuple[Tensor | None, ...]
     seed: int
-    count: int
+    count: int  # type: ignore[assignment]  # a field, as optax's ScaleByScheduleState.count
 
 
 def psgld(

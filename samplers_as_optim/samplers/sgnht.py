@@ -100,7 +100,7 @@ invariant and needs no global reduction across tensors or param groups.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -237,19 +237,19 @@ def sgnht_direction(
             maximize=maximize,
         )
         alphas = [thermostats[i] for i in index]
-        friction = torch._foreach_neg(alphas)
-        torch._foreach_add_(friction, 1.0)
+        frictions = torch._foreach_neg(alphas)
+        torch._foreach_add_(frictions, 1.0)
         old = [momentum_buffers[i] for i in index]
         midpoints = None
         if symmetric:  # b_old + b_new = (2 - alpha) b_old + (g' + s xi)
             kicks = torch._foreach_add(bucket_grads, [noise[i] for i in index], alpha=scale)
-            midpoints = torch._foreach_mul(old, torch._foreach_add(friction, 1.0))
+            midpoints = torch._foreach_mul(old, torch._foreach_add(frictions, 1.0))
             torch._foreach_add_(midpoints, kicks)
         if inplace:
-            torch._foreach_mul_(old, friction)
+            torch._foreach_mul_(old, frictions)
             new = old
         else:  # the in-place products' dtypes (a 0-dim buffer would be promoted)
-            new = torch._foreach_mul(old, friction)
+            new = list(torch._foreach_mul(old, frictions))
             new = [value.to(buffer.dtype) for value, buffer in zip(new, old, strict=True)]
         if symmetric:
             torch._foreach_add_(new, kicks)
@@ -262,17 +262,17 @@ def sgnht_direction(
         full = [position for position, buffer in enumerate(new) if buffer.numel() > 0]
         if not full:
             continue
-        energy = new if midpoints is None else midpoints
-        energy = [energy[position] for position in full]
+        energies = new if midpoints is None else midpoints
+        energies = [energies[position] for position in full]
         alphas = [alphas[position] for position in full]
-        kinetic = torch._foreach_norm(energy, 2, dtype=alphas[0].dtype)
-        kinetic = torch._foreach_mul(kinetic, kinetic)
-        torch._foreach_mul_(kinetic, [factor / buffer.numel() for buffer in energy])
-        torch._foreach_sub_(kinetic, cooling)
+        kinetics = torch._foreach_norm(energies, 2, dtype=alphas[0].dtype)
+        kinetics = torch._foreach_mul(kinetics, kinetics)
+        torch._foreach_mul_(kinetics, [factor / buffer.numel() for buffer in energies])
+        torch._foreach_sub_(kinetics, cooling)
         if inplace:
-            torch._foreach_add_(alphas, kinetic)
+            torch._foreach_add_(alphas, kinetics)
         else:
-            alphas = torch._foreach_add(alphas, kinetic)
+            alphas = list(torch._foreach_add(alphas, kinetics))
         for position, alpha in zip(full, alphas, strict=True):
             new_thermostats[index[position]] = alpha
     return list(buffers), buffers, new_thermostats
@@ -359,8 +359,8 @@ class SGNHT(SamplerOptimizer):
         directions, momentum_buffers, thermostats = sgnht_direction(
             params,
             grads,
-            buffers[0],
-            buffers[1],
+            cast(list[Tensor], buffers[0]),  # set for every parameter by _init_state
+            cast(list[Tensor], buffers[1]),
             noise,
             lr=lr,
             momentum=group["momentum"],
@@ -371,7 +371,8 @@ class SGNHT(SamplerOptimizer):
             foreach=foreach,
             kinetic_energy=group["kinetic_energy"],
         )
-        return directions, [momentum_buffers, thermostats]
+        new_buffers = cast(list[Tensor | None], momentum_buffers)
+        return directions, [new_buffers, cast(list[Tensor | None], thermostats)]
 
 
 SGNHT.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat, a drop-in for ``torch.optim.SGD``.
@@ -466,7 +467,7 @@ class SGNHTState(NamedTuple):
     thermostat: tuple[Tensor | None, ...]
     momentum_lr: tuple[float | None, ...]
     seed: int
-    count: int
+    count: int  # type: ignore[assignment]  # a field, as optax's ScaleByScheduleState.count
 
 
 def sgnht(
@@ -507,14 +508,14 @@ def _sgnht_kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
     buffers, buffer_lrs = rescale_momentum(
         buffers, buffer_lrs, **pick(group, "lr", "temperature", "foreach", "inplace")
     )
-    keys = ("lr", "momentum", "temperature", "num_data", "weight_decay", "maximize")
-    keys += ("kinetic_energy",)
+    keys: tuple[str, ...] = ("lr", "momentum", "temperature", "num_data", "weight_decay")
+    keys += ("maximize", "kinetic_energy")
     directions, buffers, thermostats = sgnht_direction(
         inputs.params,
         inputs.grads,
-        buffers,
+        cast(list[Tensor], buffers),  # _sgnht_buffers gives every parameter one
         thermostats,
-        inputs.noise,
+        cast(list[Tensor], inputs.noise),  # sgnht_direction raises when temperature is 0
         **pick(group, *keys, "foreach", "inplace"),
     )
     return directions, (buffers, thermostats, buffer_lrs)
