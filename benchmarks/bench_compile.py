@@ -17,28 +17,14 @@ Run: ``python benchmarks/bench_compile.py [--device cuda] [--rounds 7] [--repeat
 from __future__ import annotations
 
 import argparse
-import time
 import warnings
 
 import torch
 from bench_samplers import NUM_DATA, batch, mlp
-from timing import median_ratio, setup_threads
+from timing import batched_seconds, interleaved, median_ratio, setup_threads
 from torch import nn
 
 from samplers_as_optim import SGHMC
-
-
-def batched_seconds(fn, repeat: int, device: torch.device) -> float:
-    """Mean seconds per call over ``repeat`` back-to-back calls (one sync at the end)."""
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / repeat
 
 
 def main() -> None:
@@ -82,13 +68,15 @@ def main() -> None:
         for fn in contenders.values():  # compile (twice: state created, then steady)
             for _ in range(3):
                 fn()
-    per_round: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(args.rounds):
-        for name, fn in contenders.items():
-            per_round[name].append(batched_seconds(fn, args.repeat, device))
+    medians, per_round = interleaved(
+        contenders,
+        rounds=args.rounds,
+        repeat=args.repeat,
+        timer=lambda fn, repeat: batched_seconds(fn, repeat, device),
+    )
     print(f"torch {torch.__version__}, device {device}, {args.threads} thread(s)")
-    for name, values in per_round.items():
-        print(f"    {name:<18} {sorted(values)[len(values) // 2] * 1e3:8.3f} ms")
+    for name, value in medians.items():
+        print(f"    {name:<18} {value * 1e3:8.3f} ms")
     print(
         "SGD compiled / eager   = "
         f"{median_ratio(per_round, 'SGD compiled', 'SGD eager'):.3f}\n"
@@ -131,13 +119,15 @@ def full_iteration(args: argparse.Namespace, device: torch.device) -> None:
         for fn in contenders.values():
             for _ in range(3):
                 fn()
-    per_round: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(args.rounds):
-        for name, fn in contenders.items():
-            per_round[name].append(batched_seconds(fn, args.repeat, device))
+    medians, per_round = interleaved(
+        contenders,
+        rounds=args.rounds,
+        repeat=args.repeat,
+        timer=lambda fn, repeat: batched_seconds(fn, repeat, device),
+    )
     print("full iteration (forward, backward, step), batch 128, noise drawn ahead")
-    for name, values in per_round.items():
-        print(f"    {name:<18} {sorted(values)[len(values) // 2] * 1e3:8.3f} ms")
+    for name, value in medians.items():
+        print(f"    {name:<18} {value * 1e3:8.3f} ms")
     print(
         "SGHMC compiled / eager = "
         f"{median_ratio(per_round, 'SGHMC compiled', 'SGHMC eager'):.3f}  (target <= 1)\n"

@@ -21,13 +21,12 @@ Run: ``python benchmarks/bench_gpu.py [--rounds 7] [--repeat 50]`` on a machine 
 from __future__ import annotations
 
 import argparse
-import time
 import warnings
 
 import torch
 import torch.nn.functional as F
 from bench_samplers import NUM_DATA, mlp
-from timing import median_ratio
+from timing import batched_seconds, interleaved, median_ratio
 from torch import nn
 
 from samplers_as_optim import SGHMC
@@ -37,21 +36,14 @@ from samplers_as_optim.ensemble import ParallelEnsemble
 DEVICE = torch.device("cuda")
 
 
-def batched_seconds(fn, repeat: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeat
-
-
-def interleaved(contenders, rounds: int, repeat: int):
-    per_round = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, fn in contenders.items():
-            per_round[name].append(batched_seconds(fn, repeat))
+def timed(contenders, rounds: int, repeat: int):
+    """Per-round times of each contender (``timing.interleaved``, a sync per batch)."""
+    _, per_round = interleaved(
+        contenders,
+        rounds=rounds,
+        repeat=repeat,
+        timer=lambda fn, repeat: batched_seconds(fn, repeat, DEVICE),
+    )
     return per_round
 
 
@@ -81,7 +73,7 @@ def step_only(rounds: int, repeat: int) -> None:
     def draw():
         return [torch.randn(p.shape, generator=generator, device=DEVICE) for p in params]
 
-    per_round = interleaved(
+    per_round = timed(
         {
             "SGD.step": sgd.step,
             "randn": draw,
@@ -153,7 +145,7 @@ def full_iteration(batch: int, rounds: int, repeat: int, make_model=mlp) -> None
         for fn in contenders.values():
             for _ in range(3):
                 fn()
-    per_round = interleaved(contenders, rounds, repeat)
+    per_round = timed(contenders, rounds, repeat)
     size = sum(p.numel() for p in make_model().parameters()) / 1e6
     print(f"(b) full iteration, {size:.2f}M parameters, batch {batch}")
     show(per_round)
@@ -191,7 +183,7 @@ def ensemble_vs_loop(rounds: int, repeat: int, members: int = 16) -> None:
         ensemble.loss(F.cross_entropy, ensemble(x), y).backward()
         ensemble_opt.step()
 
-    per_round = interleaved({"loop": loop, "ParallelEnsemble": parallel}, rounds, repeat)
+    per_round = timed({"loop": loop, "ParallelEnsemble": parallel}, rounds, repeat)
     print(f"(c) {members} x MLP 784-256-256-10, SGHMC, batch 128, one step of all members")
     show(per_round)
     speedup = median_ratio(per_round, "loop", "ParallelEnsemble")

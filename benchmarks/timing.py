@@ -25,16 +25,46 @@ def seconds(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(times)
 
 
-def interleaved(contenders: dict[str, Callable[[], object]], *, rounds: int, repeat: int):
-    """Median time per contender over ``rounds`` alternating rounds of ``repeat`` calls.
+def batched_seconds(
+    fn: Callable[[], object], repeat: int, device: torch.device | None = None
+) -> float:
+    """Mean wall time per call over ``repeat`` back-to-back calls (after one warm-up).
+
+    On a CUDA ``device`` the batch starts and ends with ``torch.cuda.synchronize``, so
+    the device's queued work is counted but not each call's launch latency alone.
+    """
+
+    def sync() -> None:
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / repeat
+
+
+def interleaved(
+    contenders: dict[str, Callable[[], object]],
+    *,
+    rounds: int,
+    repeat: int,
+    timer: Callable[[Callable[[], object], int], float] = seconds,
+):
+    """Time per contender over ``rounds`` alternating rounds of ``repeat`` calls each.
+
+    ``timer(fn, repeat)`` times one round (default :func:`seconds`, the median call).
 
     Returns:
-        ``{name: median seconds per call}`` and ``{name: per-round medians}``.
+        ``{name: median over rounds}`` and ``{name: per-round times}``.
     """
     per_round: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(rounds):
         for name, fn in contenders.items():
-            per_round[name].append(seconds(fn, repeat))
+            per_round[name].append(timer(fn, repeat))
     return {name: statistics.median(v) for name, v in per_round.items()}, per_round
 
 
