@@ -9,11 +9,16 @@ intra-op thread), float32:
 * ``mlp``: a 64-16-10 tanh MLP on digits (1257 images, full batch; prior N(0, 1)),
   10 leapfrog steps.
 
-Contenders: ``samplers_as_optim.HMC`` (``lr = N eps^2``, so its leapfrog step is eps),
-``pyro.infer.HMC`` with a ``potential_fn`` (Pyro's default, no JIT), and
-``blackjax.hmc`` with its step jitted and the chain run by ``jax.lax.scan`` (compile
-time excluded). ESS is ``diagnostics.ess`` (bulk) of each coordinate; ESS/s is the
-median over coordinates divided by the wall time of the draws. The contenders run in
+Contenders: ``samplers_as_optim.HMC`` (``lr = N eps^2``, so its leapfrog step is eps)
+driven by a closure (``ours``, eager: one Python round trip per leapfrog step) and by a
+loss function with ``compile=True`` (``ours_compiled``: each transition one
+``torch.compile`` graph, still one ``step`` call per draw); ``pyro.infer.HMC`` with a
+``potential_fn`` (Pyro's default, no JIT); ``blackjax.hmc`` with its step jitted and the
+whole chain run by ``jax.lax.scan`` (``blackjax``: no Python between draws), and the
+same jitted step called once per draw from a Python loop (``blackjax_step``, the shape
+of a training loop, as ours). Compile times are excluded. ESS is ``diagnostics.ess``
+(bulk) of each coordinate; ESS/s is the median over coordinates divided by the wall time
+of the draws. The contenders run in
 alternating rounds; ratios are medians of per-round ratios.
 
 Ensemble: K = 16 chains of the MLP in one :class:`~samplers_as_optim.ParallelEnsemble`
@@ -162,6 +167,39 @@ def ours(problem: Problem, start: np.ndarray, draws: int, seed: int) -> tuple[np
     return out, time.perf_counter() - started
 
 
+def ours_compiled(
+    problem: Problem, start: np.ndarray, draws: int, seed: int
+) -> tuple[np.ndarray, float]:
+    """``HMC(..., compile=True).step(loss_fn=...)``: one compiled graph per transition."""
+
+    def make() -> tuple[torch.nn.Parameter, HMC]:
+        theta = torch.nn.Parameter(torch.from_numpy(start.copy()))
+        opt = HMC(
+            [theta],
+            lr=problem.n * problem.eps**2,
+            num_steps=problem.num_steps,
+            num_data=problem.n,
+            weight_decay=1.0 / problem.n,
+            seed=seed,
+            compile=True,
+        )
+        return theta, opt
+
+    def loss_fn(params: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return problem.mean_loss(params[0])
+
+    _, warm = make()  # compiles (once per process: the graph is shared)
+    for _ in range(2):
+        warm.step(loss_fn=loss_fn)
+    theta, opt = make()
+    out = np.empty((draws, problem.dim), dtype=np.float32)
+    started = time.perf_counter()
+    for t in range(draws):
+        opt.step(loss_fn=loss_fn)
+        out[t] = theta.detach().numpy()
+    return out, time.perf_counter() - started
+
+
 def pyro_hmc(
     problem: Problem, start: np.ndarray, draws: int, seed: int
 ) -> tuple[np.ndarray, float]:
@@ -231,14 +269,47 @@ def blackjax_hmc(
     return np.asarray(positions), time.perf_counter() - started
 
 
+_BLACKJAX_STEP_CACHE: dict[str, Any] = {}
+
+
+def blackjax_step(
+    problem: Problem, start: np.ndarray, draws: int, seed: int
+) -> tuple[np.ndarray, float]:
+    """BlackJAX's jitted step called once per draw from Python (no ``lax.scan``)."""
+    import blackjax
+    import jax
+    import jax.numpy as jnp
+
+    if problem.name not in _BLACKJAX_STEP_CACHE:
+        kernel = blackjax.hmc(
+            problem.jax_logdensity(),
+            step_size=problem.eps,
+            inverse_mass_matrix=jnp.ones(problem.dim),
+            num_integration_steps=problem.num_steps,
+        )
+        step = jax.jit(kernel.step)
+        state = kernel.init(jnp.asarray(start))
+        step(jax.random.PRNGKey(0), state)[0].position.block_until_ready()
+        _BLACKJAX_STEP_CACHE[problem.name] = (kernel, step)
+    kernel, step = _BLACKJAX_STEP_CACHE[problem.name]
+    state = kernel.init(jnp.asarray(start))
+    keys = jax.random.split(jax.random.PRNGKey(seed), draws)
+    out = np.empty((draws, problem.dim), dtype=np.float32)
+    started = time.perf_counter()
+    for t in range(draws):
+        state, _ = step(keys[t], state)
+        out[t] = np.asarray(state.position)
+    return out, time.perf_counter() - started
+
+
 def ess_per_second(draws: np.ndarray, elapsed: float) -> tuple[float, float]:
     ess = diagnostics.ess(torch.from_numpy(draws.astype(np.float64))[None])
     return float(ess.median()), float(ess.median()) / elapsed
 
 
 def available(contenders: dict[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
-    found = {"ours": contenders["ours"]}
-    for name, module in (("pyro", "pyro"), ("blackjax", "blackjax")):
+    found = {name: contenders[name] for name in ("ours", "ours_compiled")}
+    for name, module in (("pyro", "pyro"), ("blackjax", "blackjax"), ("blackjax_step", "blackjax")):
         try:
             __import__(module)
             found[name] = contenders[name]
@@ -251,7 +322,15 @@ def compare(problem: Problem, draws: int, rounds: int) -> dict[str, Any]:
     # a common start near the posterior: 200 transitions of ours from zero
     start, _ = ours(problem, np.zeros(problem.dim, np.float32), 200, seed=123)
     start = start[-1]
-    contenders = available({"ours": ours, "pyro": pyro_hmc, "blackjax": blackjax_hmc})
+    contenders = available(
+        {
+            "ours": ours,
+            "ours_compiled": ours_compiled,
+            "pyro": pyro_hmc,
+            "blackjax": blackjax_hmc,
+            "blackjax_step": blackjax_step,
+        }
+    )
     per_round: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n in contenders}
     for r in range(rounds):
         for name, fn in contenders.items():
@@ -267,10 +346,13 @@ def compare(problem: Problem, draws: int, rounds: int) -> dict[str, Any]:
             "ess_per_s": statistics.median(v[2] for v in values),
             "accept": statistics.median(v[3] for v in values),
         }
-    for other in contenders:
-        if other != "ours":
-            ratios = [a[2] / b[2] for a, b in zip(per_round["ours"], per_round[other], strict=True)]
-            summary[f"ours/{other}"] = statistics.median(ratios)
+    for mine in ("ours", "ours_compiled"):
+        for other in contenders:
+            if not other.startswith("ours"):
+                ratios = [
+                    a[2] / b[2] for a, b in zip(per_round[mine], per_round[other], strict=True)
+                ]
+                summary[f"{mine}/{other}"] = statistics.median(ratios)
     return summary
 
 
@@ -321,9 +403,14 @@ def ensemble_vs_loop(
         "weight_decay": 1.0 / n,
     }
 
-    def run_ensemble() -> None:
+    def mlp(params: Any) -> torch.Tensor:
+        w1, b1, w2, b2 = params
+        return loss_of(torch.tanh(x @ w1.T + b1) @ w2.T + b2, y)
+
+    def ensemble_chains(compiled: bool) -> Callable[[int], None]:
+        """The ensemble's K chains, built once: a function running ``steps`` transitions."""
         ensemble = ParallelEnsemble.from_modules(models)
-        opt = HMC(ensemble.parameters(), seed=0, **options)
+        opt = HMC(ensemble.named_parameters(), seed=0, compile=compiled, **options)
 
         def closure() -> torch.Tensor:
             opt.zero_grad()
@@ -331,47 +418,72 @@ def ensemble_vs_loop(
             losses.sum().backward()
             return losses
 
-        for _ in range(draws):
-            opt.step(closure)
+        def loss_fn(params: dict[str, torch.Tensor]) -> torch.Tensor:
+            return loss_of(torch.func.functional_call(ensemble, params, (x,)), y)
 
-    def run_loop() -> None:
+        def run(steps: int) -> None:
+            for _ in range(steps):
+                opt.step(loss_fn=loss_fn) if compiled else opt.step(closure)
+
+        return run
+
+    def loop_chains(compiled: bool) -> Callable[[int], None]:
+        """K single-chain optimizers, built once: each runs ``steps`` transitions in turn."""
+        chains = []
         for index, model in enumerate(models):
             params = [p.detach().clone().requires_grad_() for p in model.parameters()]
-            opt = HMC(params, seed=index, **options)
+            opt = HMC(params, seed=index, compile=compiled, **options)
 
-            def closure(params=params, opt=opt) -> torch.Tensor:
+            def closure(params: list[torch.Tensor] = params, opt: HMC = opt) -> torch.Tensor:
                 opt.zero_grad()
-                w1, b1, w2, b2 = params
-                loss = loss_of(torch.tanh(x @ w1.T + b1) @ w2.T + b2, y)
+                loss = mlp(params)
                 loss.backward()
                 return loss
 
-            for _ in range(draws):
-                opt.step(closure)
+            chains.append((opt, closure))
 
-    times: dict[str, list[float]] = {"ensemble": [], "loop": []}
-    for _ in range(rounds):
-        for name, fn in (("ensemble", run_ensemble), ("loop", run_loop)):
-            started = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - started)
-    ratios = [b / a for a, b in zip(times["ensemble"], times["loop"], strict=True)]
-    return {
-        "ensemble_s": statistics.median(times["ensemble"]),
-        "loop_s": statistics.median(times["loop"]),
-        "speedup": statistics.median(ratios),
+        def run(steps: int) -> None:
+            for opt, closure in chains:
+                for _ in range(steps):
+                    opt.step(loss_fn=mlp) if compiled else opt.step(closure)
+
+        return run
+
+    runs = {
+        "ensemble": ensemble_chains(False),
+        "loop": loop_chains(False),
+        "ensemble_compiled": ensemble_chains(True),
+        "loop_compiled": loop_chains(True),
     }
+    for run in runs.values():  # compiles (excluded from the timings) and warms up
+        run(2)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run(draws)
+            times[name].append(time.perf_counter() - started)
+
+    def speedup(fast: str, slow: str) -> float:
+        return statistics.median(b / a for a, b in zip(times[fast], times[slow], strict=True))
+
+    out = {f"{name}_s": statistics.median(values) for name, values in times.items()}
+    out["speedup"] = speedup("ensemble", "loop")
+    out["speedup_compiled"] = speedup("ensemble_compiled", "loop_compiled")
+    out["speedup_compiled_vs_eager_loop"] = speedup("ensemble_compiled", "loop")
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--part", choices=["all", "ess", "ensemble"], default="all")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     draws = 100 if args.quick else 300
     rounds = 1 if args.quick else 3
     results: dict[str, Any] = {}
-    for name in ("logreg", "mlp"):
+    for name in ("logreg", "mlp") if args.part in ("all", "ess") else ():
         results[name] = compare(Problem(name), draws if name == "logreg" else draws // 2, rounds)
         print(f"\n{name}:")
         for key, value in results[name].items():
@@ -379,13 +491,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"  {key:9s} " + "  ".join(f"{k} {v:.4g}" for k, v in value.items()))
             else:
                 print(f"  {key}: {value:.3f}")
-    for data in ("digits", "cancer"):
+    for data in ("digits", "cancer") if args.part in ("all", "ensemble") else ():
         e = results[f"ensemble_{data}"] = ensemble_vs_loop(
             draws=20 if args.quick else 60, rounds=rounds, data=data
         )
         print(
-            f"\nK = 16 MLP chains ({data}): ensemble {e['ensemble_s']:.2f} s, loop "
-            f"{e['loop_s']:.2f} s, speed-up {e['speedup']:.2f}x"
+            f"\nK = 16 MLP chains ({data}): closure: ensemble {e['ensemble_s']:.2f} s, loop "
+            f"{e['loop_s']:.2f} s, speed-up {e['speedup']:.2f}x; compiled: ensemble "
+            f"{e['ensemble_compiled_s']:.2f} s, loop {e['loop_compiled_s']:.2f} s, speed-up "
+            f"{e['speedup_compiled']:.2f}x; compiled ensemble vs closure loop "
+            f"{e['speedup_compiled_vs_eager_loop']:.2f}x"
         )
     return results
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import re
+import sys
+import types
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -63,6 +65,8 @@ def check_samplers(ns: dict[str, Any]) -> None:
     hmc = ns["opt"].diagnostics
     assert int(hmc["divergences"]) == 0
     assert 0.6 < int(hmc["num_accepted"]) / 200 < 0.98
+    compiled = ns["compiled_opt"]  # the loss-function chain, compiled, moved the model
+    assert compiled.steps_taken == 200 and int(compiled.diagnostics["num_accepted"]) > 0
 
 
 def check_transforms(ns: dict[str, Any]) -> None:
@@ -128,7 +132,11 @@ def one_thread():
 def test_every_docs_python_block_runs(page, tmp_path, monkeypatch, capsys, one_thread):
     monkeypatch.chdir(tmp_path)  # anything a block writes stays in the test's directory
     name = str(page.relative_to(DOCS))
-    namespace: dict[str, Any] = {"__name__": f"docs_{page.stem}"}
+    # a real module, as a user's script is (torch.compile imports the module of the code
+    # it traces)
+    module = types.ModuleType(f"docs_{page.stem}")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    namespace: dict[str, Any] = module.__dict__
     namespace.update(STAND_INS.get(name, dict)())
     for index, block in enumerate(python_blocks(page)):
         try:

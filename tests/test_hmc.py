@@ -91,9 +91,20 @@ def z_scores(samples: Tensor, mean: Tensor, cov: Tensor) -> Tensor:
 
 
 def run_chains(
-    target, temperature: float, *, k: int, steps: int, lr: float, num_steps: int, **options
+    target,
+    temperature: float,
+    *,
+    k: int,
+    steps: int,
+    lr: float,
+    num_steps: int,
+    path: str = "closure",
+    **options,
 ) -> Tensor:
-    """K chains from exact draws, ``steps`` transitions; the K final states."""
+    """K chains from exact draws, ``steps`` transitions; the K final states.
+
+    ``path``: ``"closure"`` (``step(closure)``) or ``"loss_fn"`` (``step(loss_fn=...)``).
+    """
     generator = torch.Generator().manual_seed(1234)
     x = torch.nn.Parameter(target.exact(k, temperature, generator))
     opt = HMC(
@@ -107,7 +118,10 @@ def run_chains(
         return losses
 
     for _ in range(steps):
-        opt.step(closure)
+        if path == "closure":
+            opt.step(closure)
+        else:
+            opt.step(loss_fn=lambda params: target.loss(params[0]))
     return x.detach().clone()
 
 
@@ -127,13 +141,14 @@ TARGETS = {"gaussian": (Gaussian, GAUSSIAN_RUN), "banana": (Banana, BANANA_RUN)}
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("path", ["closure", "loss_fn"])
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 @pytest.mark.parametrize("name", ["gaussian", "banana"])
-def test_invariance(name: str, temperature: float) -> None:
+def test_invariance(name: str, temperature: float, path: str) -> None:
     """Exact draws stay exact draws: mean and covariance within Monte Carlo error."""
     make, run = TARGETS[name]
     target = make()
-    samples = run_chains(target, temperature, **run, jitter=0.2)
+    samples = run_chains(target, temperature, **run, jitter=0.2, path=path)
     assert passes(samples, target, temperature), z_scores(samples, *target.moments(temperature))
 
 
@@ -155,7 +170,8 @@ def _forgets_temperature(energy_change: Tensor, temperature: float) -> Tensor:
         ("banana", _forgets_temperature, 0.5),
     ],
 )
-def test_wrong_acceptance_fails_the_same_check(monkeypatch, name, wrong, temperature) -> None:
+@pytest.mark.parametrize("path", ["closure", "loss_fn"])
+def test_wrong_acceptance_fails_the_same_check(monkeypatch, name, wrong, temperature, path) -> None:
     """The invariance check has power: a wrong Metropolis formula fails it.
 
     Always accepting (no test: the leapfrog's step-size bias, or divergent banana chains)
@@ -167,7 +183,7 @@ def test_wrong_acceptance_fails_the_same_check(monkeypatch, name, wrong, tempera
     monkeypatch.setattr(hmc_module, "metropolis_log_accept", wrong)
     make, run = TARGETS[name]
     target = make()
-    samples = run_chains(target, temperature, **run, jitter=0.2)
+    samples = run_chains(target, temperature, **run, jitter=0.2, path=path)
     assert not passes(samples, target, temperature)
 
 

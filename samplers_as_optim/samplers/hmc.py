@@ -343,6 +343,107 @@ def _scaled_gradient(
     return list(out)
 
 
+def _gradient_map(
+    chain: Sequence[Tensor], decays: Sequence[float], num_data: int
+) -> Callable[[list[Tensor]], list[Tensor]]:
+    r"""The map from raw gradients to :math:`\nabla U = N (g + \lambda \theta)`.
+
+    ``(g + wd * p) * num_data`` (or ``g * num_data``) per parameter, with one foreach op
+    per distinct weight decay (grouped once per trajectory): the same bits as the
+    per-parameter expression.
+    """
+    chain = list(chain)
+    groups = list(_group_by(enumerate(decays)).items())
+    if len(groups) == 1:
+        wd = groups[0][0]
+        return lambda grads: _scaled_gradient(chain, grads, wd, num_data)
+    parts = [(wd, where, _pick(chain, where)) for wd, where in groups]
+
+    def gradient(grads: list[Tensor]) -> list[Tensor]:
+        out = list(grads)
+        for wd, where, params in parts:
+            scaled = _scaled_gradient(params, _pick(grads, where), wd, num_data)
+            for i, part in zip(where, scaled, strict=True):
+                out[i] = part
+        return out
+
+    return gradient
+
+
+def scaled_gradients(
+    positions: Sequence[Tensor], grads: list[Tensor], decays: Sequence[float], num_data: int
+) -> list[Tensor]:
+    r""":math:`\nabla U = N (g + \lambda \theta)` per tensor, from the mean loss's ``grads``."""
+    return _gradient_map(positions, decays, num_data)(grads)
+
+
+def potential_energy(
+    loss: Tensor,
+    positions: Sequence[Tensor],
+    decays: Sequence[float],
+    num_data: int,
+    members: int | None,
+) -> Tensor:
+    r""":math:`U = N(L + \sum_i \tfrac{\lambda_i}{2} \lVert\theta_i\rVert^2)` in float64.
+
+    Per member when ``members`` is K.
+    """
+    potential = loss.to(torch.float64)
+    for p, wd in zip(positions, decays, strict=True):
+        if wd != 0.0:
+            potential = potential + (wd / 2) * _member_sum(p * p, members)
+    return potential * num_data
+
+
+def metropolis_test(
+    energy0: Tensor, energy1: Tensor, log_uniform: Tensor, temperature: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    r"""The Metropolis test of a proposal: ``(energy change, log acceptance, accepted)``.
+
+    Accepts where :math:`\log u < \min(0, -\Delta H / T)`, ``u`` uniform on (0, 1).
+    """
+    energy_error = energy1 - energy0
+    log_accept = metropolis_log_accept(energy_error, temperature)
+    return energy_error, log_accept, log_uniform < log_accept
+
+
+def tensor_step_sizes(
+    multiplier: Tensor, root_lr: Sequence[float], like: Sequence[Tensor], members: int | None
+) -> list[Tensor]:
+    r""":math:`\epsilon = s \sqrt{lr/N}` per tensor, in its dtype, shaped to broadcast.
+
+    ``multiplier`` is :math:`s` per chain (float64, ``[]`` or ``[K]``), ``root_lr`` the
+    :math:`\sqrt{lr/N}` of each tensor's param group.
+    """
+    return [
+        _member_view((multiplier * r).to(p.dtype), p, members)
+        for r, p in zip(root_lr, like, strict=True)
+    ]
+
+
+def transition_diagnostics(
+    energy_error: Tensor,
+    log_accept: Tensor,
+    accepted: Tensor,
+    step_size: Tensor,
+    temperature: float,
+    num_accepted: Tensor,
+    divergences: Tensor,
+) -> dict[str, Tensor]:
+    """A transition's diagnostics (see :attr:`HMC.diagnostics`), counts carried over."""
+    scaled_error = energy_error / temperature
+    divergent = ~(scaled_error <= DIVERGENCE_THRESHOLD)
+    return {
+        "accept_prob": torch.exp(log_accept),
+        "accepted": accepted,
+        "energy_error": scaled_error,
+        "divergent": divergent,
+        "step_size": step_size,
+        "num_accepted": accepted.long() + num_accepted,
+        "divergences": divergent.long() + divergences,
+    }
+
+
 class HMC(Optimizer):
     r"""Full-batch Hamiltonian Monte Carlo with a Metropolis test, as an optimizer.
 
@@ -355,6 +456,14 @@ class HMC(Optimizer):
     step (plus once when the parameters were changed from outside since the last step).
     After a step each parameter holds the chain's new state and ``.grad`` the gradient of
     the mean loss there (exactly the values before the step when it was rejected).
+
+    ``step(loss_fn=...)`` is the functional alternative to the closure: the mean loss as
+    a function of the parameters (a dict by name, as ``torch.func.functional_call``
+    takes it, or a tuple), differentiated with ``torch.func.grad``. It is the same chain
+    (the same random numbers and decisions, states equal up to rounding), and with
+    ``compile=True`` the whole transition -- every leapfrog step's forward and backward,
+    the energies, the test -- runs as one ``torch.compile`` graph instead of one Python
+    round trip per leapfrog step (see ``benchmarks/bench_hmc.py`` for what it saves).
 
     With parameters stacked along a leading member dimension K (a
     :class:`~samplers_as_optim.ParallelEnsemble`) the closure may return the K members'
@@ -387,6 +496,10 @@ class HMC(Optimizer):
         mass: the diagonal mass matrix: None (the identity), a sequence of positive
             tensors, one per parameter in the optimizer's order, each broadcastable to
             its parameter's shape, or ``"adapt"`` (estimated during warm-up).
+        compile: run ``step(loss_fn=...)`` transitions through ``torch.compile``
+            (default: False). The first step compiles (seconds to a minute); the step
+            size is a tensor input, so jitter and adaptation do not recompile, but a new
+            ``lr``, ``num_steps`` or ``temperature`` does. No effect on ``step(closure)``.
 
     Example:
         >>> import torch
@@ -405,6 +518,15 @@ class HMC(Optimizer):
         ...     loss = opt.step(closure)
         >>> sorted(opt.diagnostics)[:4]
         ['accept_prob', 'accepted', 'divergences', 'divergent']
+
+        The same chain from a loss function (add ``compile=True`` for one graph):
+
+        >>> from torch.func import functional_call
+        >>> opt = HMC(model.named_parameters(), lr=0.05, num_steps=10, num_data=50, seed=0)
+        >>> def loss_fn(params):
+        ...     logits = functional_call(model, params, (x,)).squeeze(-1)
+        ...     return torch.nn.functional.binary_cross_entropy_with_logits(logits, y)
+        >>> loss = opt.step(loss_fn=loss_fn)
     """
 
     def __init__(
@@ -420,8 +542,11 @@ class HMC(Optimizer):
         jitter: float = 0.0,
         target_accept: float | None = None,
         mass: Sequence[Tensor] | str | None = None,
+        compile: bool = False,
     ) -> None:
         seed = check_seed(seed)
+        if not isinstance(compile, bool):
+            raise TypeError(f"Invalid compile: {compile!r} (expected True or False)")
         defaults = {
             "lr": lr,
             "num_steps": num_steps,
@@ -430,6 +555,7 @@ class HMC(Optimizer):
             "weight_decay": weight_decay,
             "jitter": jitter,
             "target_accept": target_accept,
+            "compile": compile,
         }
         self._check_group(defaults, where="")
         if not (mass is None or isinstance(mass, (str, Sequence))):
@@ -731,67 +857,49 @@ class HMC(Optimizer):
         *,
         gradients: bool = True,
     ) -> tuple[Tensor, list[Tensor]]:
-        r""":math:`U = N(L + \sum \lambda/2 \lVert\theta\rVert^2)` (float64), :math:`\nabla U`."""
-        potential = loss.to(torch.float64)
-        for p in chain:
-            wd = decay[id(p)]
-            if wd != 0.0:
-                potential = potential + (wd / 2) * _member_sum(p * p, members)
-        grad = self._gradient(chain, grads, decay, num_data) if gradients else []
-        return potential * num_data, grad
-
-    @staticmethod
-    def _gradient(
-        chain: list[Tensor], grads: list[Tensor], decay: dict[int, float], num_data: int
-    ) -> list[Tensor]:
-        r""":math:`\nabla U = N (g + \lambda \theta)` per parameter."""
-        return HMC._gradient_map(chain, decay, num_data)(grads)
-
-    @staticmethod
-    def _gradient_map(
-        chain: list[Tensor], decay: dict[int, float], num_data: int
-    ) -> Callable[[list[Tensor]], list[Tensor]]:
-        r"""The map from raw gradients to :math:`\nabla U = N (g + \lambda \theta)`.
-
-        ``(g + wd * p) * num_data`` (or ``g * num_data``) per parameter, with one foreach op
-        per distinct weight decay (grouped once per trajectory): the same bits as the
-        per-parameter expression.
-        """
-        groups = list(_group_by((i, decay[id(p)]) for i, p in enumerate(chain)).items())
-        if len(groups) == 1:
-            wd = groups[0][0]
-            return lambda grads: _scaled_gradient(chain, grads, wd, num_data)
-        parts = [(wd, where, _pick(chain, where)) for wd, where in groups]
-
-        def gradient(grads: list[Tensor]) -> list[Tensor]:
-            out = list(grads)
-            for wd, where, params in parts:
-                scaled = _scaled_gradient(params, _pick(grads, where), wd, num_data)
-                for i, part in zip(where, scaled, strict=True):
-                    out[i] = part
-            return out
-
-        return gradient
+        r""":math:`U` (float64) and :math:`\nabla U` (see :func:`potential_energy`)."""
+        decays = [decay[id(p)] for p in chain]
+        potential = potential_energy(loss, chain, decays, num_data, members)
+        grad = scaled_gradients(chain, grads, decays, num_data) if gradients else []
+        return potential, grad
 
     # ------------------------------------------------------------------ the transition
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Tensor:  # type: ignore[override]
+    def step(  # type: ignore[override]
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        loss_fn: Callable[[Any], Tensor] | None = None,
+    ) -> Tensor:
         """Make one HMC transition (momentum, leapfrog trajectory, Metropolis test).
+
+        Give exactly one of ``closure`` (the torch.optim way) and ``loss_fn`` (the
+        functional way, which ``compile=True`` runs as one compiled graph).
 
         Args:
             closure: zeroes the gradients, computes the full-batch mean loss (a scalar, or
                 one per ensemble member), calls ``backward()`` and returns the loss.
+            loss_fn: the full-batch mean loss (a scalar, or one per ensemble member) as a
+                pure function of the parameters, without ``backward()``: it receives a dict
+                ``{name: tensor}`` when the optimizer knows every parameter's name (built
+                from ``model.named_parameters()``, ready for
+                ``torch.func.functional_call(model, params, x)``), else a tuple in the
+                optimizer's order. Gradients come from ``torch.func.grad``.
 
         Returns:
             The mean loss at the chain's new state (per member for an ensemble).
 
         Raises:
-            ValueError: no closure, an invalid hyperparameter, or a loss of the wrong shape.
+            ValueError: neither or both of ``closure`` and ``loss_fn``, an invalid
+                hyperparameter, or a loss of the wrong shape.
         """
-        if closure is None:
+        if (closure is None) == (loss_fn is None):
             raise ValueError(
-                "HMC.step needs a closure (expected a callable that zeroes the gradients, "
-                "computes the full-batch loss, calls backward() and returns the loss)"
+                "HMC.step needs a closure or a loss_fn, not "
+                + ("neither" if closure is None else "both")
+                + " (expected a closure that zeroes the gradients, computes the full-batch "
+                "loss, calls backward() and returns the loss; or loss_fn, the full-batch loss "
+                "as a function of the parameters)"
             )
         self._check_groups()
         hmc = self.state[_STATE_KEY]
@@ -817,12 +925,19 @@ class HMC(Optimizer):
             chain = [p for p in self._params_by_id(cache[0])]
             loss0, raw0 = cache[2], cache[3]
             members = None if loss0.dim() == 0 else int(loss0.shape[0])
+        elif loss_fn is not None:
+            chain, loss0, raw0, members = self._evaluate_function(loss_fn)
+            start_cache = None
         else:
+            assert closure is not None
             chain, loss0, raw, members = self._evaluate(closure, None, None)
             raw0 = [g.clone() for g in raw]
             start_cache = None
         signature = (num_data, *(decay[id(p)] for p in chain))
-        if start_cache is not None and start_cache[0] == signature:
+        potential0, gradients0 = None, None  # the closure's path needs them (the other: inside)
+        if loss_fn is not None:
+            pass
+        elif start_cache is not None and start_cache[0] == signature:
             potential0, gradients0 = start_cache[1], start_cache[2]  # the same bits, unrecomputed
         else:
             potential0, gradients0 = self._potential(chain, loss0, raw0, members, decay, num_data)
@@ -843,13 +958,13 @@ class HMC(Optimizer):
             u = torch.rand(log_step.shape, generator=generator, dtype=torch.float64, device=device)
             multiplier = multiplier * (1 + jitter * (2 * u - 1))
         step_sizes: list[StepSize]
-        if members is None:  # one chain: Python floats, for in-place updates with alpha
+        if members is None and loss_fn is None:  # Python floats, for updates with alpha
             scale = float(multiplier)
             step_sizes = [scale * root_lr[id(p)] for p in chain]
-        else:
-            step_sizes = [
-                _member_view((multiplier * root_lr[id(p)]).to(p.dtype), p, members) for p in chain
-            ]
+        elif loss_fn is None:
+            step_sizes = list(
+                tensor_step_sizes(multiplier, [root_lr[id(p)] for p in chain], chain, members)
+            )
         inverse_mass = [self._inverse_mass(p) for p in chain]
 
         # the momentum r ~ N(0, T M), from the counter-based stream
@@ -865,13 +980,112 @@ class HMC(Optimizer):
             elif scale != 1.0:  # (xi * 1.0 is xi, bit for bit)
                 xi = xi * scale
             momenta.append(xi)
-        energy0 = potential0 + kinetic_energy(momenta, inverse_mass, members)
+        # the uniform of the Metropolis test
+        generator = stream0.generator(device, step=step0, key=_ACCEPT_KEY, block=0)
+        shape = () if members is None else (members,)
+        uniform = torch.rand(shape, generator=generator, dtype=torch.float64, device=device)
+        previous = hmc["diagnostics"]
+        if previous is None:
+            counts = torch.zeros(shape, dtype=torch.int64, device=device)
+            previous = {"num_accepted": counts, "divergences": counts}
+        params0 = self.param_groups[0]["params"]
+        step_size = multiplier * root_lr[id(params0[0])] if params0 else multiplier
 
-        # the trajectory
+        if loss_fn is not None:  # the whole transition as a function of tensors
+            result = self._transition(loss_fn)(
+                loss_fn,
+                self._loss_fn_names(),
+                [p.detach() for p in chain],
+                raw0,
+                loss0,
+                momenta,
+                uniform,
+                multiplier,
+                [root_lr[id(p)] for p in chain],
+                inverse_mass,
+                [decay[id(p)] for p in chain],
+                step_size,
+                previous["num_accepted"],
+                previous["divergences"],
+                num_data=num_data,
+                temperature=temperature,
+                num_steps=num_steps,
+                members=members,
+            )
+            for p, new, g in zip(chain, result.positions, result.gradients, strict=True):
+                p.copy_(new)
+                p.grad = g.clone()
+            diagnostics = result.diagnostics
+            loss, raw = result.loss, result.gradients
+        else:
+            assert closure is not None
+            energy_error, log_accept, accepted, loss, raw = self._closure_trajectory(
+                closure,
+                chain,
+                momenta,
+                step_sizes,
+                inverse_mass,
+                torch.log(uniform),
+                loss0=loss0,
+                raw0=raw0,
+                potential0=potential0,
+                gradients0=gradients0,
+                decay=decay,
+                signature=signature,
+                members=members,
+            )
+            diagnostics = transition_diagnostics(
+                energy_error,
+                log_accept,
+                accepted,
+                step_size,
+                temperature,
+                previous["num_accepted"],
+                previous["divergences"],
+            )
+
+        # diagnostics, adaptation, counters
+        hmc["diagnostics"] = diagnostics
+        if hmc["warmup"]:
+            self._adapt(hmc, chain, diagnostics["accept_prob"], members)
+        for group in self.param_groups:
+            group["step"] += 1
+        self._cache = (
+            [id(p) for p in chain],
+            self._versions_of([id(p) for p in chain]),
+            loss,
+            raw,
+        )
+        return loss
+
+    def _closure_trajectory(
+        self,
+        closure: Callable[[], Any],
+        chain: list[Tensor],
+        momenta: list[Tensor],
+        step_sizes: list[StepSize],
+        inverse_mass: list[Tensor | None],
+        log_uniform: Tensor,
+        *,
+        loss0: Tensor,
+        raw0: list[Tensor],
+        potential0: Tensor,
+        gradients0: list[Tensor],
+        decay: dict[int, float],
+        signature: tuple[Any, ...],
+        members: int | None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
+        """The trajectory and test in place, the closure filling ``.grad`` at each step.
+
+        Returns ``(energy error, log acceptance, accepted, loss, raw gradients)`` at the
+        chain's next state, which the parameters (and their ``.grad``) then hold.
+        """
+        first = self.param_groups[0]
+        num_data, temperature = int(first["num_data"]), float(first["temperature"])
+        energy0 = potential0 + kinetic_energy(momenta, inverse_mass, members)
         start = [p.clone() for p in chain]
         last: dict[str, Any] = {}
-
-        gradient = self._gradient_map(chain, decay, num_data)
+        gradient = _gradient_map(chain, [decay[id(p)] for p in chain], num_data)
 
         def potential_gradient() -> tuple[None, list[Tensor]]:
             loss, raw = self._reevaluate(closure, chain, members)
@@ -885,21 +1099,15 @@ class HMC(Optimizer):
             potential_gradient,
             step_sizes=step_sizes,
             inverse_mass=inverse_mass,
-            num_steps=num_steps,
+            num_steps=int(first["num_steps"]),
         )
         potential1, _ = self._potential(
             chain, last["loss"], [], members, decay, num_data, gradients=False
         )
         energy1 = potential1 + kinetic_energy(momenta, inverse_mass, members)
-
-        # the Metropolis test at temperature T
-        energy_error = energy1 - energy0
-        log_accept = metropolis_log_accept(energy_error, temperature)
-        generator = stream0.generator(device, step=step0, key=_ACCEPT_KEY, block=0)
-        uniform = torch.rand(
-            log_accept.shape, generator=generator, dtype=torch.float64, device=device
+        energy_error, log_accept, accepted = metropolis_test(
+            energy0, energy1, log_uniform, temperature
         )
-        accepted = torch.log(uniform) < log_accept
         loss1, raw1 = last["loss"], last["raw"]
         if members is None:
             if bool(accepted):
@@ -919,34 +1127,49 @@ class HMC(Optimizer):
                 raw.append(torch.where(keep, g1, g0))
                 p.grad = raw[-1].clone()
             loss = torch.where(accepted.to(loss1.device), loss1, loss0)
+        return energy_error, log_accept, accepted, loss, raw
 
-        # diagnostics, adaptation, counters
-        accept_prob = torch.exp(log_accept)
-        scaled_error = energy_error / temperature
-        divergent = ~(scaled_error <= DIVERGENCE_THRESHOLD)
-        previous = hmc["diagnostics"]
-        hmc["diagnostics"] = {
-            "accept_prob": accept_prob,
-            "accepted": accepted,
-            "energy_error": scaled_error,
-            "divergent": divergent,
-            "step_size": multiplier * root_lr[id(self.param_groups[0]["params"][0])]
-            if self.param_groups[0]["params"]
-            else multiplier,
-            "num_accepted": accepted.long() + (0 if previous is None else previous["num_accepted"]),
-            "divergences": divergent.long() + (0 if previous is None else previous["divergences"]),
-        }
-        if hmc["warmup"]:
-            self._adapt(hmc, chain, accept_prob, members)
+    def _transition(self, loss_fn: Callable[[Any], Tensor]) -> Callable[..., Any]:
+        """The functional transition, compiled (per loss function) when ``compile=True``."""
+        from . import _hmc_functional
+
+        if not self.param_groups[0].get("compile", False):
+            return _hmc_functional.transition
+        return _hmc_functional.compiled_transition(loss_fn)
+
+    def _loss_fn_names(self) -> tuple[str, ...] | None:
+        """The parameters' names for ``loss_fn`` (all of them known), else None."""
+        names: list[str] = []
         for group in self.param_groups:
-            group["step"] += 1
-        self._cache = (
-            [id(p) for p in chain],
-            self._versions_of([id(p) for p in chain]),
-            loss,
-            raw,
-        )
-        return loss
+            given = group.get("param_names")
+            for position, p in enumerate(group["params"]):
+                name = given[position] if given else parameter_name(p)
+                if name is None:
+                    return None
+                names.append(name)
+        return tuple(names)
+
+    def _evaluate_function(
+        self, loss_fn: Callable[[Any], Tensor]
+    ) -> tuple[list[Tensor], Tensor, list[Tensor], int | None]:
+        """The start of a functional chain: every parameter, the loss, its gradients."""
+        from ._hmc_functional import value_and_gradients
+
+        chain = [p for g in self.param_groups for p in g["params"]]
+        positions = [p.detach() for p in chain]
+        names = self._loss_fn_names()
+        loss, grads = value_and_gradients(loss_fn, names, positions, None, check=False)
+        members = None
+        if loss.dim() == 1:
+            members = int(loss.shape[0])
+            for p in chain:
+                if p.dim() == 0 or p.shape[0] != members:
+                    raise ValueError(
+                        f"Invalid loss returned by loss_fn: shape {tuple(loss.shape)} (one "
+                        f"loss per member) but a parameter has shape {tuple(p.shape)} "
+                        f"(expected every parameter stacked with the {members} members first)"
+                    )
+        return chain, loss, grads, members
 
     def _params_by_id(self, ids: list[int]) -> list[Tensor]:
         by_id = {id(p): p for g in self.param_groups for p in g["params"]}

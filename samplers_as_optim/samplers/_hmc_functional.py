@@ -1,0 +1,221 @@
+r"""One HMC transition as a pure function of tensors, for ``HMC.step(loss_fn=...)``.
+
+``HMC.step(closure)`` moves the parameters in place and lets the closure's ``backward()``
+fill ``.grad``: the torch.optim way, but a Python round trip per leapfrog step that
+``torch.compile`` cannot fuse (``Tensor.backward`` breaks the graph). Given instead a
+*loss function* of the parameters, the whole transition -- potential and kinetic energy at
+the start, ``num_steps`` leapfrog steps with gradients from
+:func:`torch.func.grad_and_value`, the Metropolis test and the selection of the next
+state -- is a function of tensors with no Python branch on their values, which
+``torch.compile`` turns into one graph (``HMC(..., compile=True)``).
+
+The mathematics is the module ``hmc``'s, called from here (not copied): the same
+:func:`~samplers_as_optim.samplers.hmc.leapfrog_`, ``kinetic_energy``,
+``potential_energy`` and ``metropolis_log_accept``. The random numbers (momenta and the
+uniform of the test) are drawn by the caller from the chain's counter-based stream and
+passed in, so this path and the closure path see the same numbers.
+
+The parameters given to ``loss_fn`` are a dict ``{name: tensor}`` when the optimizer
+knows every parameter's name (built from ``model.named_parameters()``), ready for
+:func:`torch.func.functional_call`; otherwise a tuple in the optimizer's order.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import hmc as _hmc
+
+__all__ = [
+    "Transition",
+    "compiled_transition",
+    "pack_parameters",
+    "transition",
+    "value_and_gradients",
+]
+
+
+class Transition(NamedTuple):
+    """What one transition returns (per chain: shape ``[]``, or ``[K]`` for K members)."""
+
+    positions: list[Tensor]  #: the chain's next state
+    gradients: list[Tensor]  #: the mean loss's gradient there (not N-scaled, no decay)
+    loss: Tensor  #: the mean loss there
+    diagnostics: dict[str, Tensor]  #: see ``HMC.diagnostics``
+
+
+def pack_parameters(names: Sequence[str] | None, tensors: Sequence[Tensor]) -> Any:
+    """What ``loss_fn`` receives: ``{name: tensor}`` when named, else a tuple."""
+    if names is None:
+        return tuple(tensors)
+    return dict(zip(names, tensors, strict=True))
+
+
+def value_and_gradients(
+    loss_fn: Callable[[Any], Any],
+    names: Sequence[str] | None,
+    positions: Sequence[Tensor],
+    members: int | None,
+    *,
+    check: bool = True,
+) -> tuple[Tensor, list[Tensor]]:
+    """The mean loss at ``positions`` and its gradient (of the members' sum, per member).
+
+    ``check``: that the loss has the shape ``members`` implies (off at the start of a
+    chain, where the shape decides ``members``).
+
+    Raises:
+        ValueError: ``loss_fn`` returned something other than a scalar, or one loss per
+            member (shape ``[K]``) for an ensemble.
+    """
+
+    def total(*tensors: Tensor) -> tuple[Tensor, Tensor]:
+        loss = loss_fn(pack_parameters(names, tensors))
+        if not isinstance(loss, Tensor) or loss.dim() > 1:
+            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(
+                f"Invalid loss returned by loss_fn: {shape} (expected a tensor: the mean loss, "
+                "a scalar, or one per ensemble member, shape [K])"
+            )
+        return loss.sum(), loss
+
+    argnums = tuple(range(len(positions)))
+    grads, loss = torch.func.grad(total, argnums=argnums, has_aux=True)(*positions)
+    loss = loss.detach()
+    if not check:
+        return loss, list(grads)
+    if (members is None and loss.dim() != 0) or (members is not None and loss.shape != (members,)):
+        raise ValueError(
+            f"Invalid loss returned by loss_fn: shape {tuple(loss.shape)} (expected "
+            + (
+                "a scalar, as at the start of the transition)"
+                if members is None
+                else f"one loss per ensemble member, shape [{members}])"
+            )
+        )
+    return loss, list(grads)
+
+
+def transition(
+    loss_fn: Callable[[Any], Any],
+    names: Sequence[str] | None,
+    positions: Sequence[Tensor],
+    gradients: Sequence[Tensor],
+    loss: Tensor,
+    momenta: Sequence[Tensor],
+    uniform: Tensor,
+    multiplier: Tensor,
+    root_lr: Sequence[float],
+    inverse_mass: Sequence[Tensor | None],
+    decays: Sequence[float],
+    step_size: Tensor,
+    num_accepted: Tensor,
+    divergences: Tensor,
+    *,
+    num_data: int,
+    temperature: float,
+    num_steps: int,
+    members: int | None,
+) -> Transition:
+    r"""One HMC transition from ``positions`` (not modified): the next state and the test.
+
+    Args:
+        loss_fn: the mean loss of the parameters (see the module docstring).
+        names: the parameters' names (``loss_fn`` gets a dict), or None (a tuple).
+        positions: :math:`\theta`, the chain's current state.
+        gradients: the mean loss's gradient at ``positions``.
+        loss: the mean loss at ``positions``.
+        momenta: the momentum :math:`r \sim \mathcal N(0, T M)` of this transition.
+        uniform: :math:`u` of the Metropolis test, per chain (float64).
+        multiplier: the step multiplier :math:`s` per chain (float64).
+        root_lr: :math:`\sqrt{lr/N}` per tensor (its param group's).
+        inverse_mass: :math:`M^{-1}` per tensor (None: the identity).
+        decays: each tensor's weight decay :math:`\lambda`.
+        step_size: the step size reported in the diagnostics.
+        num_accepted: the running count of acceptances before this transition.
+        divergences: the running count of divergences before this transition.
+        num_data: N.
+        temperature: T.
+        num_steps: the number of leapfrog steps.
+        members: K for an ensemble (one chain per member), None for one chain.
+    """
+    decays = list(decays)
+    start = list(positions)
+    step_sizes = _hmc.tensor_step_sizes(multiplier, root_lr, start, members)
+    current = [p.clone() for p in start]
+    momenta = [r.clone() for r in momenta]
+    potential0 = _hmc.potential_energy(loss, start, decays, num_data, members)
+    scaled0 = _hmc.scaled_gradients(start, list(gradients), decays, num_data)
+    energy0 = potential0 + _hmc.kinetic_energy(momenta, inverse_mass, members)
+    last: dict[str, Any] = {}
+
+    def potential_gradient() -> tuple[None, list[Tensor]]:
+        value, raw = value_and_gradients(loss_fn, names, current, members)
+        last["loss"], last["raw"] = value, raw
+        return None, _hmc.scaled_gradients(current, raw, decays, num_data)
+
+    _hmc.leapfrog_(
+        current,
+        momenta,
+        scaled0,
+        potential_gradient,
+        step_sizes=list(step_sizes),
+        inverse_mass=list(inverse_mass),
+        num_steps=num_steps,
+    )
+    potential1 = _hmc.potential_energy(last["loss"], current, decays, num_data, members)
+    energy1 = potential1 + _hmc.kinetic_energy(momenta, inverse_mass, members)
+    energy_error, log_accept, accepted = _hmc.metropolis_test(
+        energy0, energy1, torch.log(uniform), temperature
+    )
+
+    def pick(new: Tensor, old: Tensor) -> Tensor:
+        return torch.where(_hmc._member_view(accepted, new, members), new, old)
+
+    return Transition(
+        positions=[pick(new, old) for new, old in zip(current, start, strict=True)],
+        gradients=[pick(new, old) for new, old in zip(last["raw"], gradients, strict=True)],
+        loss=torch.where(accepted.to(loss.device), last["loss"], loss),
+        diagnostics=_hmc.transition_diagnostics(
+            energy_error, log_accept, accepted, step_size, temperature, num_accepted, divergences
+        ),
+    )
+
+
+#: compiled copies of :func:`transition`, one per loss function's code (see below)
+_COMPILED: weakref.WeakKeyDictionary[Any, Callable[..., Transition]] = weakref.WeakKeyDictionary()
+
+
+def compiled_transition(loss_fn: Callable[[Any], Any]) -> Callable[..., Transition]:
+    """:func:`transition` through ``torch.compile``, for this ``loss_fn``'s code.
+
+    TorchDynamo keeps one cache of graphs per code object, guarded by what the traced
+    code reads: the loss function's code and captured variables among it. Every
+    optimizer calling one compiled :func:`transition` with different loss functions would
+    share that cache (recompiling as they alternate, up to dynamo's limit, after which it
+    falls back to eager; torch 2.13 even crashes explaining some such recompilations). So
+    each distinct loss-function code gets its own copy of :func:`transition` (a new code
+    object, hence a cache of its own), shared by every optimizer and every closure of
+    that code: K chains of one model in a loop compile once.
+    """
+    code = getattr(loss_fn, "__code__", None)
+    key: Any = code if code is not None else type(loss_fn)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        copy = types.FunctionType(
+            transition.__code__.replace(),
+            transition.__globals__,
+            transition.__name__,
+            transition.__defaults__,
+            transition.__closure__,
+        )
+        copy.__kwdefaults__ = transition.__kwdefaults__
+        compiled = torch.compile(copy, dynamic=False, options={"cpp_wrapper": True})
+        _COMPILED[key] = compiled
+    return compiled

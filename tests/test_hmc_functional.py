@@ -1,0 +1,284 @@
+"""HMC.step(loss_fn=...): the functional transition, eager and compiled.
+
+The functional path must be the same Markov chain as the closure path: the same random
+numbers (momenta, uniforms, jitter), the same leapfrog and test, so the same accept
+decisions and the same states up to rounding (the gradients come from ``torch.func.grad``
+instead of ``backward()``, and a tensor step size rounds ``theta + eps * r`` where the
+closure path's float step uses ``add_(alpha=eps)``). Invariance of the target is checked
+on the functional path too, in ``test_hmc.py`` (``path="loss_fn"``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import Tensor
+
+from samplers_as_optim import HMC, ParallelEnsemble
+from samplers_as_optim.names import name_parameters
+
+N = 40
+
+
+def _data(dtype=torch.float64) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 3, generator=generator, dtype=dtype)
+    y = (torch.rand(N, generator=generator) < 0.5).to(dtype)
+    return x, y
+
+
+def _losses(w: Tensor, b: Tensor, x: Tensor, y: Tensor) -> Tensor:
+    """Mean logistic loss: a scalar for w [3], b []; one per member for w [K, 3], b [K]."""
+    logits = w @ x.T + (b[:, None] if b.dim() else b)
+    return torch.nn.functional.binary_cross_entropy_with_logits(
+        logits, y.expand_as(logits), reduction="none"
+    ).mean(-1)
+
+
+def _params(k: int | None = None, dtype=torch.float64) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(1)
+    shape = (3,) if k is None else (k, 3)
+    w = torch.randn(shape, generator=generator, dtype=dtype) * 0.1
+    b = torch.zeros(() if k is None else (k,), dtype=dtype)
+    return [torch.nn.Parameter(w), torch.nn.Parameter(b)]
+
+
+def _closure(opt: HMC, params: list[torch.nn.Parameter], x: Tensor, y: Tensor):
+    def closure() -> Tensor:
+        opt.zero_grad()
+        losses = _losses(*params, x, y)
+        losses.sum().backward()
+        return losses
+
+    return closure
+
+
+def _loss_fn(x: Tensor, y: Tensor):
+    def loss_fn(params) -> Tensor:
+        return _losses(*params, x, y)
+
+    return loss_fn
+
+
+CONFIGS = {
+    "one chain": ({}, None),
+    "param groups": ({"groups": True}, None),
+    "ensemble": ({}, 3),
+    "mass tensors": ({"mass": "tensors"}, None),
+    "warm-up": ({"jitter": 0.3, "target_accept": 0.7, "mass": "adapt"}, 3),
+    "temperature": ({"temperature": 0.5, "jitter": 0.2}, None),
+}
+
+
+def _optimizer(params, options: dict, **extra) -> HMC:
+    options = dict(options)
+    groups = options.pop("groups", False)
+    if options.get("mass") == "tensors":
+        options["mass"] = [torch.full_like(p, 2.0) for p in params]
+    spec = (
+        [{"params": [params[0]], "lr": 0.02, "weight_decay": 0.1}, {"params": [params[1]]}]
+        if groups
+        else params
+    )
+    return HMC(spec, lr=0.05, num_steps=4, num_data=N, seed=5, **options, **extra)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_loss_fn_is_the_closure_chain(config: str) -> None:
+    """Same decisions step by step, same states up to rounding, in float64."""
+    options, k = CONFIGS[config]
+    x, y = _data()
+    runs = []
+    for path in ("closure", "loss_fn"):
+        params = _params(k)
+        opt = _optimizer(params, options)
+        closure, loss_fn = _closure(opt, params, x, y), _loss_fn(x, y)
+        decisions, losses = [], []
+        for t in range(12):
+            if t == 8 and opt.warming_up:
+                opt.end_warmup()
+            loss = opt.step(closure) if path == "closure" else opt.step(loss_fn=loss_fn)
+            decisions.append(opt.diagnostics["accepted"].clone())
+            losses.append(loss.clone())
+        runs.append((params, decisions, losses, opt.diagnostics))
+    (p1, d1, l1, diag1), (p2, d2, l2, diag2) = runs
+    assert any(bool(d.any()) for d in d1)  # the chain moves
+    for a, b in zip(d1, d2, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(l1, l2, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for a, b in zip(p1, p2, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-11, atol=1e-12)
+    assert set(diag1) == set(diag2)
+    for key in diag1:
+        torch.testing.assert_close(diag1[key], diag2[key], rtol=1e-9, atol=1e-9)
+
+
+def test_loss_fn_receives_names_or_a_tuple() -> None:
+    model = torch.nn.Linear(3, 1).double()
+    x, y = _data()
+    seen = []
+
+    def loss_fn(params):
+        seen.append(params)
+        out = torch.func.functional_call(model, params, (x,)).squeeze(-1)
+        return torch.nn.functional.binary_cross_entropy_with_logits(out, y)
+
+    HMC(model.named_parameters(), lr=0.01, num_steps=2, num_data=N, seed=0).step(loss_fn=loss_fn)
+    assert isinstance(seen[-1], dict) and list(seen[-1]) == ["weight", "bias"]
+    name_parameters(model)  # names written on the tensors reach loss_fn too
+    HMC(model.parameters(), lr=0.01, num_steps=2, num_data=N, seed=0).step(loss_fn=loss_fn)
+    assert isinstance(seen[-1], dict) and list(seen[-1]) == ["weight", "bias"]
+    w, b = _params()
+    tuples = []
+
+    def plain(params):
+        tuples.append(params)
+        return _losses(*params, x, y)
+
+    HMC([w, b], lr=0.01, num_steps=2, num_data=N, seed=0).step(loss_fn=plain)
+    assert all(isinstance(t, tuple) and len(t) == 2 for t in tuples)
+
+
+def test_loss_fn_with_a_parallel_ensemble() -> None:
+    """functional_call on the ensemble: one chain per member, as with the closure."""
+    x, y = _data(torch.float32)
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(3, 1) for _ in range(4)]
+    results = []
+    for path in ("closure", "loss_fn"):
+        ensemble = ParallelEnsemble.from_modules(models)
+        opt = HMC(ensemble.named_parameters(), lr=0.5, num_steps=3, num_data=N, seed=2)
+
+        def losses_of(out: Tensor) -> Tensor:
+            return torch.nn.functional.binary_cross_entropy_with_logits(
+                out.squeeze(-1), y.expand(out.shape[0], -1), reduction="none"
+            ).mean(1)
+
+        def closure(opt=opt, ensemble=ensemble) -> Tensor:
+            opt.zero_grad()
+            losses = losses_of(ensemble(x))
+            losses.sum().backward()
+            return losses
+
+        def loss_fn(params, ensemble=ensemble) -> Tensor:
+            return losses_of(torch.func.functional_call(ensemble, params, (x,)))
+
+        for _ in range(6):
+            opt.step(closure) if path == "closure" else opt.step(loss_fn=loss_fn)
+        results.append(([p.detach().clone() for p in ensemble.parameters()], opt.diagnostics))
+    (a, da), (b, db) = results
+    assert da["accepted"].shape == (4,)
+    assert torch.equal(da["num_accepted"], db["num_accepted"])
+    for pa, pb in zip(a, b, strict=True):
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+def test_loss_fn_rejected_step_restores_everything_bit_for_bit() -> None:
+    x, y = _data()
+    params = _params()
+    opt = HMC(params, lr=1e-3, num_steps=5, num_data=N, seed=1)
+    loss_fn = _loss_fn(x, y)
+    for _ in range(3):
+        loss_before = opt.step(loss_fn=loss_fn).clone()  # the loss at the current state
+    before = [p.detach().clone() for p in params]
+    grads = [p.grad.clone() for p in params]
+    for group in opt.param_groups:
+        group["lr"] = 1e4  # the trajectory explodes: certainly rejected
+    loss = opt.step(loss_fn=loss_fn)
+    assert not bool(opt.diagnostics["accepted"]) and bool(opt.diagnostics["divergent"])
+    for p, p0, g0 in zip(params, before, grads, strict=True):
+        assert torch.equal(p, p0)
+        assert torch.equal(p.grad, g0)
+    assert torch.equal(loss, loss_before)
+
+
+def test_loss_fn_exact_resume() -> None:
+    """A functional chain saved mid warm-up continues bit for bit from its state_dict."""
+    x, y = _data()
+    options = {"jitter": 0.3, "target_accept": 0.75, "mass": "adapt"}
+    params = _params(k=3)
+    opt = _optimizer(params, options)
+    loss_fn = _loss_fn(x, y)
+    for _ in range(5):
+        opt.step(loss_fn=loss_fn)
+    saved, values = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in params]
+    reference = [opt.step(loss_fn=loss_fn).clone() for _ in range(6)]
+    other_params = [torch.nn.Parameter(v.clone()) for v in values]
+    other = _optimizer(other_params, options)
+    other.load_state_dict(saved)
+    resumed = [other.step(loss_fn=loss_fn).clone() for _ in range(6)]
+    for a, b in zip(reference, resumed, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(params, other_params, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_loss_fn_errors() -> None:
+    x, y = _data()
+    params = _params()
+    opt = HMC(params, lr=0.01, num_steps=2, num_data=N, seed=0)
+    with pytest.raises(ValueError, match="needs a closure or a loss_fn, not neither"):
+        opt.step()
+    with pytest.raises(ValueError, match="not both"):
+        opt.step(_closure(opt, params, x, y), loss_fn=_loss_fn(x, y))
+    with pytest.raises(ValueError, match=r"Invalid loss returned by loss_fn: \(2, 40\)"):
+        opt.step(loss_fn=lambda ps: ps[0][:2, None] * x[:, 0])
+    with pytest.raises(ValueError, match="Invalid loss returned by loss_fn: float"):
+        opt.step(loss_fn=lambda ps: 1.0)
+    with pytest.raises(ValueError, match=r"shape \(3,\) \(one loss per member\) but a parameter"):
+        opt.step(loss_fn=lambda ps: ps[0] * 2)
+    opt.step(loss_fn=_loss_fn(x, y))
+    with pytest.raises(ValueError, match=r"shape \(5,\) \(expected a scalar"):
+        opt.step(loss_fn=lambda ps: ps[0].sum() * torch.ones(5, dtype=ps[0].dtype))
+    with pytest.raises(TypeError, match="Invalid compile: 'yes' \\(expected True or False\\)"):
+        HMC(params, lr=0.01, num_steps=2, num_data=N, compile="yes")
+
+
+@pytest.mark.slow
+def test_compiled_transition() -> None:
+    """compile=True: the eager functional chain up to fused roundings, compiled once.
+
+    Over several transitions the two chains make the same decisions (rounding differences
+    grow along a chain, so states are compared after one transition from the same state:
+    within 1e-5 relative, about 170 float32 rounding units over 4 leapfrog steps).
+    Jitter and dual averaging change the step size at every transition: it is a tensor
+    input of the graph, so the transition compiles once (twice at most, where
+    torch.compile recompiles after specialising the first call's inputs), not per step.
+    """
+    torch._dynamo.reset()
+    x, y = _data(torch.float32)
+    options = {"jitter": 0.3, "target_accept": 0.7}
+    loss_fn = _loss_fn(x, y)
+    runs = []
+    for compiled in (False, True):
+        params = _params(dtype=torch.float32)
+        opt = _optimizer(params, options, compile=compiled)
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        decisions = []
+        for t in range(10):
+            if t == 6:
+                opt.end_warmup()
+            opt.step(loss_fn=loss_fn)
+            decisions.append(bool(opt.diagnostics["accepted"]))
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+        runs.append((params, opt, decisions, graphs))
+    (p1, eager, d1, _), (p2, compiled, d2, graphs) = runs
+    assert 1 <= graphs <= 2
+    assert d1 == d2 and any(d1)
+    # one transition each from the compiled chain's state
+    with torch.no_grad():
+        for a, b in zip(p1, p2, strict=True):
+            a.copy_(b)
+    eager.load_state_dict(compiled.state_dict())
+    eager.step(loss_fn=loss_fn)
+    compiled.step(loss_fn=loss_fn)
+    assert bool(eager.diagnostics["accepted"]) == bool(compiled.diagnostics["accepted"])
+    for a, b in zip(p1, p2, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        eager.diagnostics["energy_error"], compiled.diagnostics["energy_error"], rtol=0, atol=1e-3
+    )
