@@ -85,7 +85,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -123,6 +123,7 @@ POOLED_ADAPTATION = True
 _SHARED = ("num_data", "temperature", "num_steps", "jitter", "target_accept")
 
 StepSize = Tensor | float
+_broadcast_shapes: Callable[..., torch.Size] = torch.broadcast_shapes
 
 
 def _pick(tensors: Sequence[Tensor], index: list[int] | None) -> list[Tensor]:
@@ -164,6 +165,12 @@ class _Leapfrog:
             )
         self.kick_scalar: list[tuple[float, list[int] | None, list[Tensor]]]
         self.drift_scalar: list[tuple[float, list[Tensor], list[Tensor]]]
+        self.kick_tensor: list[int] | None = None
+        self.kick_momenta: list[Tensor] = []
+        self.kick_halves: list[Tensor] = []
+        self.drift_positions: list[Tensor] = []
+        self.drift_momenta: list[Tensor] = []
+        self.drift_scales: list[Tensor] = []
         first = step_sizes[0] if count else None
         if (
             isinstance(first, float)
@@ -172,8 +179,6 @@ class _Leapfrog:
         ):  # the usual case, one float step and the identity mass: the plan at once
             self.kick_scalar = [(-first / 2, None, list(momenta))]
             self.drift_scalar = [(first, list(positions), list(momenta))]
-            self.kick_tensor, self.kick_momenta, self.kick_halves = None, [], []
-            self.drift_positions, self.drift_momenta, self.drift_scales = [], [], []
             return
         floats = {i: float(eps) for i, eps in enumerate(step_sizes) if not isinstance(eps, Tensor)}
         # kicks: one foreach op per distinct float step, one for all the tensor steps
@@ -184,7 +189,7 @@ class _Leapfrog:
         where = [i for i in range(count) if i not in floats]
         self.kick_tensor = where or None
         self.kick_momenta = _pick(momenta, where)
-        self.kick_halves: list[Tensor] = [step_sizes[i] / 2 for i in where]  # type: ignore[misc]
+        self.kick_halves = [cast(Tensor, step_sizes[i]) / 2 for i in where]
         # drifts: the same with eps * M^-1 (a tensor) where the mass is not the identity
         plain = {i: eps for i, eps in floats.items() if inverse_mass[i] is None}
         self.drift_scalar = [
@@ -194,10 +199,9 @@ class _Leapfrog:
         where = [i for i in range(count) if i not in plain]
         self.drift_positions = _pick(positions, where)
         self.drift_momenta = _pick(momenta, where)
-        self.drift_scales: list[Tensor] = []
         for i in where:
             eps, inv = step_sizes[i], inverse_mass[i]
-            self.drift_scales.append(eps if inv is None else eps * inv)  # type: ignore[arg-type]
+            self.drift_scales.append(cast(Tensor, eps if inv is None else eps * inv))
 
     def kick(self, gradients: Sequence[Tensor]) -> None:
         r""":math:`r \leftarrow r - \tfrac{\epsilon}{2} \nabla U`."""
@@ -529,6 +533,16 @@ class HMC(Optimizer):
         >>> loss = opt.step(loss_fn=loss_fn)
     """
 
+    #: runtime, not the chain's state (rebuilt after loading, see ``_reset_runtime``)
+    _streams: dict[int, NoiseStream]
+    _keys: dict[int, int] | None
+    #: (parameter ids, their versions, loss, raw gradients) at the end of the last step
+    _cache: tuple[list[int], list[int], Tensor, list[Tensor]] | None
+    #: (U, grad U) at the cached start, with the (N, weight decays) they were made with
+    _start: tuple[tuple[Any, ...], Tensor, list[Tensor]] | None
+    #: the hyperparameters last validated (plain numbers only), see ``_check_groups``
+    _checked: tuple[Any, ...] | None
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -584,7 +598,7 @@ class HMC(Optimizer):
         if isinstance(mass, Sequence) and not isinstance(mass, str):
             self._set_mass(all_params, list(mass))
         adapt_mass = mass == "adapt"
-        self.state[_STATE_KEY] = {
+        cast(Any, self.state)[_STATE_KEY] = {
             "warmup": target_accept is not None or adapt_mass,
             "adapt_mass": adapt_mass,
             "collect_mass": adapt_mass,
@@ -659,7 +673,7 @@ class HMC(Optimizer):
                     f"Invalid mass[{index}]: {m!r} (expected a tensor of positive numbers)"
                 )
             try:
-                shape = torch.broadcast_shapes(m.shape, param.shape)
+                shape = _broadcast_shapes(m.shape, param.shape)
             except RuntimeError:
                 shape = None
             if shape != param.shape:
@@ -695,13 +709,11 @@ class HMC(Optimizer):
     # ------------------------------------------------------------------ runtime
     def _reset_runtime(self) -> None:
         """What is not the chain's state: noise streams, keys, the gradient cache."""
-        self._streams: dict[int, NoiseStream] = {}
-        self._keys: dict[int, int] | None = None
-        self._cache: tuple[list[int], list[int], Tensor, list[Tensor]] | None = None
-        #: (U, grad U) at the cached start, with the (N, weight decays) they were made with
-        self._start: tuple[tuple[Any, ...], Tensor, list[Tensor]] | None = None
-        #: the hyperparameters last validated (plain numbers only), see ``_check_groups``
-        self._checked: tuple[Any, ...] | None = None
+        self._streams = {}
+        self._keys = None
+        self._cache = None
+        self._start = None
+        self._checked = None
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore a pickled or deep-copied optimizer: the same chain continues."""
@@ -729,6 +741,12 @@ class HMC(Optimizer):
 
     # ------------------------------------------------------------------ state
     @property
+    def _hmc_state(self) -> dict[str, Any]:
+        """The optimizer-level entry of ``self.state``: adaptation and diagnostics."""
+        found: dict[str, Any] = cast(Any, self.state)[_STATE_KEY]
+        return found
+
+    @property
     def seed(self) -> int:
         """The seed of the chain (param group 0's ``seed``)."""
         return int(self.param_groups[0]["seed"])
@@ -741,7 +759,7 @@ class HMC(Optimizer):
     @property
     def warming_up(self) -> bool:
         """Whether the step size (or the mass) is still being adapted."""
-        return bool(self.state[_STATE_KEY]["warmup"])
+        return bool(self._hmc_state["warmup"])
 
     @property
     def diagnostics(self) -> dict[str, Tensor]:
@@ -754,7 +772,7 @@ class HMC(Optimizer):
         ``divergences`` (since the end of the warm-up, when there is one). Empty before the
         first step.
         """
-        found = self.state[_STATE_KEY]["diagnostics"]
+        found = self._hmc_state["diagnostics"]
         return {} if found is None else dict(found)
 
     def state_dict(self) -> dict[str, Any]:
@@ -780,7 +798,7 @@ class HMC(Optimizer):
                     "('seed' and 'step') (expected the state_dict() of an HMC optimizer)"
                 )
         super().load_state_dict(state_dict)
-        self.state[_STATE_KEY] = copy.deepcopy(saved)
+        cast(Any, self.state)[_STATE_KEY] = copy.deepcopy(saved)
         self._reset_runtime()
 
     # ------------------------------------------------------------------ evaluation
@@ -902,7 +920,7 @@ class HMC(Optimizer):
                 "as a function of the parameters)"
             )
         self._check_groups()
-        hmc = self.state[_STATE_KEY]
+        hmc = self._hmc_state
         first = self.param_groups[0]
         num_data = int(first["num_data"])
         temperature = float(first["temperature"])
@@ -930,11 +948,13 @@ class HMC(Optimizer):
             start_cache = None
         else:
             assert closure is not None
-            chain, loss0, raw, members = self._evaluate(closure, None, None)
-            raw0 = [g.clone() for g in raw]
+            chain, loss0, fresh, members = self._evaluate(closure, None, None)
+            raw0 = [g.clone() for g in fresh]
             start_cache = None
         signature = (num_data, *(decay[id(p)] for p in chain))
-        potential0, gradients0 = None, None  # the closure's path needs them (the other: inside)
+        # the closure's path needs U and grad U at the start (the functional one: inside)
+        potential0: Tensor | None = None
+        gradients0: list[Tensor] | None = None
         if loss_fn is not None:
             pass
         elif start_cache is not None and start_cache[0] == signature:
@@ -946,9 +966,10 @@ class HMC(Optimizer):
         # the step size: s (per chain), jittered, times sqrt(lr / N) per group
         if hmc["log_step"] is None:
             shape = () if members is None else (members,)
-            hmc["log_step"] = torch.zeros(shape, dtype=torch.float64, device=device)
+            initial = torch.zeros(shape, dtype=torch.float64, device=device)
+            hmc["log_step"] = initial
             if first["target_accept"] is not None and hmc["warmup"]:
-                hmc["dual_averaging"] = dual_averaging_init(hmc["log_step"])._asdict()
+                hmc["dual_averaging"] = dual_averaging_init(initial)._asdict()
         log_step = hmc["log_step"]
         multiplier = torch.exp(log_step)
         step0 = int(first["step"])
@@ -991,6 +1012,8 @@ class HMC(Optimizer):
         params0 = self.param_groups[0]["params"]
         step_size = multiplier * root_lr[id(params0[0])] if params0 else multiplier
 
+        loss: Tensor
+        raw: list[Tensor]
         if loss_fn is not None:  # the whole transition as a function of tensors
             result = self._transition(loss_fn)(
                 loss_fn,
@@ -1019,6 +1042,7 @@ class HMC(Optimizer):
             loss, raw = result.loss, result.gradients
         else:
             assert closure is not None
+            assert potential0 is not None and gradients0 is not None
             energy_error, log_accept, accepted, loss, raw = self._closure_trajectory(
                 closure,
                 chain,
@@ -1218,7 +1242,7 @@ class HMC(Optimizer):
         per chain; the estimator restarts, and so does dual averaging (from the current
         step size). Returns whether the mass was updated (it needs 3 draws or more).
         """
-        hmc = self.state[_STATE_KEY]
+        hmc = self._hmc_state
         n = hmc["mass_count"]
         chain = [p for g in self.param_groups for p in g["params"] if "mass_m2" in self.state[p]]
         if not hmc["adapt_mass"] or n < 3 or not chain:
@@ -1251,7 +1275,7 @@ class HMC(Optimizer):
         :meth:`update_mass`; :meth:`warmup` re-adapts the step size after each update,
         which this does not). Later steps are ordinary, exactly invariant transitions.
         """
-        hmc = self.state[_STATE_KEY]
+        hmc = self._hmc_state
         if not hmc["warmup"]:
             return
         if hmc["adapt_mass"] and hmc["collect_mass"]:
@@ -1281,7 +1305,7 @@ class HMC(Optimizer):
         middle part, as Stan's 25 steps of 875).
         """
         num_steps = check_positive_int("num_steps", num_steps)
-        hmc = self.state[_STATE_KEY]
+        hmc = self._hmc_state
         if not hmc["warmup"]:
             raise ValueError(
                 "HMC.warmup: the warm-up is over (expected target_accept or mass='adapt', "
