@@ -282,3 +282,33 @@ def test_compiled_transition() -> None:
     torch.testing.assert_close(
         eager.diagnostics["energy_error"], compiled.diagnostics["energy_error"], rtol=0, atol=1e-3
     )
+
+
+@pytest.mark.slow
+def test_compiled_ensemble_chains() -> None:
+    """compile=True with a ParallelEnsemble: K chains, the eager functional decisions."""
+    x, y = _data(torch.float32)
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(3, 1) for _ in range(4)]
+    runs = []
+    for compiled in (False, True):
+        ensemble = ParallelEnsemble.from_modules(models)
+        opt = HMC(
+            ensemble.named_parameters(), lr=0.5, num_steps=3, num_data=N, seed=2, compile=compiled
+        )
+
+        def loss_fn(params, ensemble=ensemble) -> Tensor:
+            out = torch.func.functional_call(ensemble, params, (x,)).squeeze(-1)
+            return torch.nn.functional.binary_cross_entropy_with_logits(
+                out, y.expand(out.shape[0], -1), reduction="none"
+            ).mean(1)
+
+        decisions = []
+        for _ in range(6):
+            opt.step(loss_fn=loss_fn)
+            decisions.append(opt.diagnostics["accepted"].clone())
+        runs.append(decisions)
+    eager, compiled_run = runs
+    assert all(d.shape == (4,) for d in compiled_run)
+    for a, b in zip(eager, compiled_run, strict=True):
+        assert torch.equal(a, b)
