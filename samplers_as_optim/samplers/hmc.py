@@ -1293,8 +1293,18 @@ class HMC(Optimizer):
             )
             hmc["diagnostics"]["divergences"] = torch.zeros_like(hmc["diagnostics"]["divergences"])
 
-    def warmup(self, closure: Callable[[], Any], num_steps: int) -> None:
+    def warmup(
+        self,
+        closure: Callable[[], Any] | None = None,
+        num_steps: int | None = None,
+        *,
+        loss_fn: Callable[[Any], Tensor] | None = None,
+    ) -> None:
         """Run ``num_steps`` warm-up transitions with Stan's schedule, then :meth:`end_warmup`.
+
+        Each transition is ``step(closure)``, or ``step(loss_fn=loss_fn)`` (give one of
+        them, as to :meth:`step`): ``opt.warmup(closure, 100)`` or
+        ``opt.warmup(num_steps=100, loss_fn=loss_fn)``.
 
         Step size only: dual averaging throughout. With ``mass="adapt"``: a first 15% for
         the step size alone, then windows of doubling length (the last one stretched to
@@ -1305,6 +1315,12 @@ class HMC(Optimizer):
         middle part, as Stan's 25 steps of 875).
         """
         num_steps = check_positive_int("num_steps", num_steps)
+        if (closure is None) == (loss_fn is None):
+            raise ValueError(
+                "HMC.warmup needs a closure or a loss_fn, not "
+                + ("neither" if closure is None else "both")
+                + " (expected what step() takes)"
+            )
         hmc = self._hmc_state
         if not hmc["warmup"]:
             raise ValueError(
@@ -1326,7 +1342,10 @@ class HMC(Optimizer):
             ends.add(init + slow)
         for t in range(num_steps):
             hmc["collect_mass"] = hmc["adapt_mass"] and init <= t < num_steps - term
-            self.step(closure)
+            if loss_fn is None:
+                self.step(closure)
+            else:
+                self.step(loss_fn=loss_fn)
             if t + 1 in ends:
                 self.update_mass()
         hmc["collect_mass"] = False
