@@ -1015,7 +1015,7 @@ class HMC(Optimizer):
         loss: Tensor
         raw: list[Tensor]
         if loss_fn is not None:  # the whole transition as a function of tensors
-            result = self._transition(loss_fn)(
+            result = self._transition(loss_fn, device)(
                 loss_fn,
                 self._loss_fn_names(),
                 [p.detach() for p in chain],
@@ -1153,13 +1153,15 @@ class HMC(Optimizer):
             loss = torch.where(accepted.to(loss1.device), loss1, loss0)
         return energy_error, log_accept, accepted, loss, raw
 
-    def _transition(self, loss_fn: Callable[[Any], Tensor]) -> Callable[..., Any]:
+    def _transition(
+        self, loss_fn: Callable[[Any], Tensor], device: torch.device
+    ) -> Callable[..., Any]:
         """The functional transition, compiled (per loss function) when ``compile=True``."""
         from . import _hmc_functional
 
         if not self.param_groups[0].get("compile", False):
             return _hmc_functional.transition
-        return _hmc_functional.compiled_transition(loss_fn)
+        return _hmc_functional.compiled_transition(loss_fn, device)
 
     def _loss_fn_names(self) -> tuple[str, ...] | None:
         """The parameters' names for ``loss_fn`` (all of them known), else None."""
