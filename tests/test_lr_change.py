@@ -567,14 +567,20 @@ def test_sgnht_thermostat_equilibrium_does_not_depend_on_lr():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("estimate", ["ding", "symmetric"])
 @pytest.mark.parametrize("front_end", list(FRONT_ENDS))
-def test_sgnht_after_lr_jumps_keeps_its_law_and_kinetic_temperature(front_end, device):
+def test_sgnht_after_lr_jumps_keeps_its_law_and_kinetic_temperature(front_end, estimate, device):
     """Stationary at lr 1, then 10x down and up: the positions follow the SGHMC law at the
-    thermostat's friction, and the kinetic temperature lr N mean(b^2) stays at T, both
-    within Monte Carlo error of the exact law (itself within 2.5% of T)."""
+    thermostat's friction, within Monte Carlo error of the exact law, for both kinetic
+    estimates (the default, symmetric, holds another friction: its exact law is taken at
+    the friction it holds). With the paper's estimate the kinetic temperature
+    lr N mean(b^2) also stays at T (the exact law's is within 2.5% of T); the symmetric
+    estimate's is that of the midpoint of consecutive buffers (tests/test_sgnht_bias.py),
+    so for it the positions' law is the check."""
     lrs = [1.0] * 800 + [0.1] * 40 + [1.0] * 40
     checkpoints = [799] + [jump + after for jump in (800, 840) for after in AFTER_JUMP]
-    run = FRONT_ENDS[front_end](SGNHT_DING, CORRELATED, lrs, checkpoints, seed=5, device=device)
+    cls = SGNHT_DING if estimate == "ding" else SGNHT
+    run = FRONT_ENDS[front_end](cls, CORRELATED, lrs, checkpoints, seed=5, device=device)
     alpha = run.thermostat[0]  # held by the thermostat at stationarity, before the jumps
     assert np.abs(run.thermostat / alpha - 1).max() < 0.02  # and no more than nudged after
 
@@ -587,6 +593,8 @@ def test_sgnht_after_lr_jumps_keeps_its_law_and_kinetic_temperature(front_end, d
     for i, k in enumerate(checkpoints):
         where, lr, j = f"step {k} (lr {lrs[k]})", lrs[k], k - 799
         assert_law(run.theta[i], means[j], covariances[j], CORRELATED, where)
+        if estimate == "symmetric":
+            continue
         kinetic = lr * CORRELATED.num_data * np.mean(run.buffer[i] ** 2)
         exact = lr * CORRELATED.num_data * np.trace(buffers[j]) / dim
         se = lr * CORRELATED.num_data * np.sqrt(2 * np.trace(buffers[j] @ buffers[j]) / K) / dim
