@@ -142,7 +142,10 @@ class Problem:
 
 
 # ---------------------------------------------------------------- contenders
-def ours(problem: Problem, start: np.ndarray, draws: int, seed: int) -> tuple[np.ndarray, float]:
+def make_hmc(
+    problem: Problem, start: np.ndarray, seed: int, compile: bool = False
+) -> tuple[torch.nn.Parameter, HMC]:
+    """A chain at ``start``: leapfrog step eps (``lr = N eps^2``), prior N(0, 1)."""
     theta = torch.nn.Parameter(torch.from_numpy(start.copy()))
     opt = HMC(
         [theta],
@@ -151,7 +154,13 @@ def ours(problem: Problem, start: np.ndarray, draws: int, seed: int) -> tuple[np
         num_data=problem.n,
         weight_decay=1.0 / problem.n,
         seed=seed,
+        compile=compile,
     )
+    return theta, opt
+
+
+def ours(problem: Problem, start: np.ndarray, draws: int, seed: int) -> tuple[np.ndarray, float]:
+    theta, opt = make_hmc(problem, start, seed)
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
@@ -172,26 +181,13 @@ def ours_compiled(
 ) -> tuple[np.ndarray, float]:
     """``HMC(..., compile=True).step(loss_fn=...)``: one compiled graph per transition."""
 
-    def make() -> tuple[torch.nn.Parameter, HMC]:
-        theta = torch.nn.Parameter(torch.from_numpy(start.copy()))
-        opt = HMC(
-            [theta],
-            lr=problem.n * problem.eps**2,
-            num_steps=problem.num_steps,
-            num_data=problem.n,
-            weight_decay=1.0 / problem.n,
-            seed=seed,
-            compile=True,
-        )
-        return theta, opt
-
     def loss_fn(params: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return problem.mean_loss(params[0])
 
-    _, warm = make()  # compiles (once per process: the graph is shared)
+    _, warm = make_hmc(problem, start, seed, compile=True)  # compiles (once per process)
     for _ in range(2):
         warm.step(loss_fn=loss_fn)
-    theta, opt = make()
+    theta, opt = make_hmc(problem, start, seed, compile=True)
     out = np.empty((draws, problem.dim), dtype=np.float32)
     started = time.perf_counter()
     for t in range(draws):

@@ -448,6 +448,19 @@ def transition_diagnostics(
     }
 
 
+def _members_of(loss: Tensor, chain: Sequence[Tensor], source: str) -> int:
+    """K, for a loss of one value per member: every parameter must be stacked K first."""
+    members = int(loss.shape[0])
+    for p in chain:
+        if p.dim() == 0 or p.shape[0] != members:
+            raise ValueError(
+                f"Invalid loss returned by {source}: shape {tuple(loss.shape)} (one loss per "
+                f"member) but a parameter has shape {tuple(p.shape)} (expected every "
+                f"parameter stacked with the {members} members first)"
+            )
+    return members
+
+
 class HMC(Optimizer):
     r"""Full-batch Hamiltonian Monte Carlo with a Metropolis test, as an optimizer.
 
@@ -825,15 +838,7 @@ class HMC(Optimizer):
                     "closure to call backward())"
                 )
             if loss.dim() == 1:
-                members = int(loss.shape[0])
-                for p in chain:
-                    if p.dim() == 0 or p.shape[0] != members:
-                        raise ValueError(
-                            f"Invalid loss returned by the closure: shape {tuple(loss.shape)} "
-                            f"(one loss per member) but a parameter has shape "
-                            f"{tuple(p.shape)} (expected every parameter stacked with the "
-                            f"{members} members first)"
-                        )
+                members = _members_of(loss, chain, "the closure")
         grads = []
         for p in chain:
             if p.grad is None:
@@ -1185,16 +1190,7 @@ class HMC(Optimizer):
         positions = [p.detach() for p in chain]
         names = self._loss_fn_names()
         loss, grads = value_and_gradients(loss_fn, names, positions, None, check=False)
-        members = None
-        if loss.dim() == 1:
-            members = int(loss.shape[0])
-            for p in chain:
-                if p.dim() == 0 or p.shape[0] != members:
-                    raise ValueError(
-                        f"Invalid loss returned by loss_fn: shape {tuple(loss.shape)} (one "
-                        f"loss per member) but a parameter has shape {tuple(p.shape)} "
-                        f"(expected every parameter stacked with the {members} members first)"
-                    )
+        members = _members_of(loss, chain, "loss_fn") if loss.dim() == 1 else None
         return chain, loss, grads, members
 
     def _params_by_id(self, ids: list[int]) -> list[Tensor]:
