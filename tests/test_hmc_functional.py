@@ -351,3 +351,29 @@ def test_warmup_errors() -> None:
     with pytest.raises(ValueError, match="not both"):
         opt.warmup(_closure(opt, params, x, y), 5, loss_fn=_loss_fn(x, y))
     assert opt.warming_up and opt.steps_taken == 0  # nothing ran
+
+
+def test_loss_fn_that_updates_batchnorm_statistics_gets_a_clear_error() -> None:
+    """Train-mode BatchNorm writes its running statistics in place: not a pure function.
+
+    The error says so and how to fix it; copies of the buffers (the fix it names) work.
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    x = torch.randn(16, 4)
+    opt = HMC(model.named_parameters(), lr=0.01, num_steps=2, num_data=16, seed=0)
+
+    def impure(params):
+        return torch.func.functional_call(model, params, (x,)).pow(2).mean()
+
+    with pytest.raises(ValueError, match="modifies a tensor in place that it does not create"):
+        opt.step(loss_fn=impure)
+
+    def pure(params):
+        buffers = {k: b.clone() for k, b in model.named_buffers()}
+        return torch.func.functional_call(model, {**params, **buffers}, (x,)).pow(2).mean()
+
+    running_mean = model[1].running_mean.clone()
+    opt.step(loss_fn=pure)
+    assert opt.steps_taken == 1
+    assert torch.equal(model[1].running_mean, running_mean)  # the model's own stay put

@@ -1189,7 +1189,18 @@ class HMC(Optimizer):
         chain = [p for g in self.param_groups for p in g["params"]]
         positions = [p.detach() for p in chain]
         names = self._loss_fn_names()
-        loss, grads = value_and_gradients(loss_fn, names, positions, None, check=False)
+        try:
+            loss, grads = value_and_gradients(loss_fn, names, positions, None, check=False)
+        except RuntimeError as error:
+            if "mutate a captured Tensor" not in str(error):
+                raise
+            raise ValueError(
+                "Invalid loss_fn: it modifies a tensor in place that it does not create, such "
+                "as a BatchNorm running statistic in train mode (expected a pure function of "
+                "the parameters: give functional_call copies of the buffers, "
+                "{**params, **{k: b.clone() for k, b in model.named_buffers()}}, put the "
+                "model in eval mode, or use step(closure))"
+            ) from error
         members = _members_of(loss, chain, "loss_fn") if loss.dim() == 1 else None
         return chain, loss, grads, members
 
