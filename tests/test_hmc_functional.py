@@ -11,6 +11,7 @@ on the functional path too, in ``test_hmc.py`` (``path="loss_fn"``).
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -377,3 +378,16 @@ def test_loss_fn_that_updates_batchnorm_statistics_gets_a_clear_error() -> None:
     opt.step(loss_fn=pure)
     assert opt.steps_taken == 1
     assert torch.equal(model[1].running_mean, running_mean)  # the model's own stay put
+
+
+def test_compile_with_a_closure_warns_once_and_runs_eagerly() -> None:
+    x, y = _data()
+    params = _params()
+    opt = HMC(params, lr=0.01, num_steps=2, num_data=N, seed=0, compile=True)
+    closure = _closure(opt, params, x, y)
+    with pytest.warns(UserWarning, match=r"compiles step\(loss_fn=\.\.\.\) only"):
+        opt.step(closure)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step(closure)  # said once
+    assert opt.steps_taken == 2

@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
@@ -555,6 +556,8 @@ class HMC(Optimizer):
     _start: tuple[tuple[Any, ...], Tensor, list[Tensor]] | None
     #: the hyperparameters last validated (plain numbers only), see ``_check_groups``
     _checked: tuple[Any, ...] | None
+    #: whether step(closure) has said that compile=True does not apply to it
+    _warned_compile: bool
 
     def __init__(
         self,
@@ -727,6 +730,7 @@ class HMC(Optimizer):
         self._cache = None
         self._start = None
         self._checked = None
+        self._warned_compile = False
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore a pickled or deep-copied optimizer: the same chain continues."""
@@ -1048,6 +1052,15 @@ class HMC(Optimizer):
         else:
             assert closure is not None
             assert potential0 is not None and gradients0 is not None
+            if first.get("compile", False) and not self._warned_compile:
+                self._warned_compile = True
+                warnings.warn(
+                    "HMC(compile=True) compiles step(loss_fn=...) only: step(closure) runs "
+                    "eagerly (Tensor.backward() breaks a compiled graph); give step a loss "
+                    "function of the parameters to compile the transition",
+                    UserWarning,
+                    stacklevel=4,
+                )
             energy_error, log_accept, accepted, loss, raw = self._closure_trajectory(
                 closure,
                 chain,
