@@ -28,7 +28,9 @@ own, shared by all samples: frozen parameters (they do not move), integer buffer
 non-persistent buffers (caches derived from the parameters). ``buffers=False`` records
 the parameters only. A :class:`~samplers_as_optim.ParallelEnsemble` gives the same
 tensors stacked, under the model's own names, so each sample is the whole ensemble,
-``[S, K, ...]`` (flatten the first two dimensions to predict with all S K draws). A
+``[S, K, ...]`` (flatten the first two dimensions to predict with all S K draws); with a
+``subset``, a recorded tensor outside it (shared by the members: a trained shared
+weight, a buffer) is repeated along K, so every name has that layout. A
 mapping name -> tensor gives exactly those tensors.
 
 :class:`SampleCollector` stores the samples in storage allocated once, up front (never
@@ -159,10 +161,17 @@ def _reader(
             )
         names = chosen
     names = list(names)
+    shared: set[str] = set()
+    if isinstance(source, ParallelEnsemble) and source.subset is not None:
+        shared = set(names) - set(source.subset)
+    members = source.num_members if shared else 0
 
     def read() -> dict[str, Tensor]:
         tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-        return {name: tensors[name] for name in names if name in tensors}
+        found = {name: tensors[name] for name in names if name in tensors}
+        for name in shared.intersection(found):  # one copy for all members: [K, ...] too
+            found[name] = found[name].expand(members, *found[name].shape)
+        return found
 
     return read
 

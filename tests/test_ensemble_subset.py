@@ -362,3 +362,44 @@ def test_subset_and_backend_error_messages():
         ParallelEnsemble(trunk_and_head, 2, subset=["4.weight"])
     with pytest.raises(ValueError, match=r"Invalid modules: member 1 has '0.bias', outside"):
         ParallelEnsemble.from_modules([net, trunk_and_head()], subset=["0.weight"])
+
+
+def test_samples_of_a_subset_ensemble_have_one_layout_and_evaluate_as_the_members(device):
+    """Collected with a subset, every recorded name is ``[S, K, ...]``: a trained weight
+    outside the subset and the shared BatchNorm statistics are repeated along K (recorded
+    ``[S, ...]`` they would be misread after flattening, silently where their first
+    dimension happens to be K). Flattened to S * K draws, each sample evaluates to the
+    ensemble's output for that member at that step."""
+    from samplers_as_optim import RunningMoments, SampleCollector, call_stacked
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(5, K), nn.BatchNorm1d(K), nn.Tanh(), nn.Linear(K, 2))
+    base = base.double().to(device)
+    ensemble = ParallelEnsemble(base, K, subset=["3.weight", "3.bias"])
+    opt = SGHMC(ensemble.parameters(), lr=1e-3, num_data=32, seed=0)
+    collector = SampleCollector(ensemble, 4)
+    moments = RunningMoments(ensemble)
+    x = torch.randn(32, 5, dtype=torch.float64, device=device)
+    y = torch.randint(0, 2, (32,), device=device)
+    outputs = []
+    for _ in range(4):
+        opt.zero_grad()
+        ensemble.train()
+        F.cross_entropy(ensemble(x).flatten(0, 1), y.repeat(K)).backward()
+        opt.step()
+        collector.step()
+        moments.step()
+        ensemble.eval()
+        with torch.no_grad():
+            outputs.append(ensemble(x))  # [K, 32, 2]
+    samples = collector.samples
+    assert set(samples) >= {"0.weight", "1.running_mean", "3.weight"}
+    for name, tensor in samples.items():
+        assert tensor.shape[:2] == (4, K), name
+    assert torch.equal(samples["0.weight"][:, 0], samples["0.weight"][:, 1])  # shared
+    assert all(tensor.shape[0] == K for tensor in moments.mean.values())
+    flat = {name: tensor.flatten(0, 1).to(device) for name, tensor in samples.items()}
+    base.eval()
+    with torch.no_grad():
+        predicted = call_stacked(base, flat, x).view(4, K, 32, 2)
+    assert_close(predicted, torch.stack(outputs), **TOL)
