@@ -4,14 +4,15 @@ r"""One HMC transition as a pure function of tensors, for ``HMC.step(loss_fn=...
 fill ``.grad``: the torch.optim way, but a Python round trip per leapfrog step that
 ``torch.compile`` cannot fuse (``Tensor.backward`` breaks the graph). Given instead a
 *loss function* of the parameters, the whole transition -- potential and kinetic energy at
-the start, ``num_steps`` leapfrog steps with gradients from
-:func:`torch.func.grad_and_value`, the Metropolis test and the selection of the next
+the start, ``num_steps`` leapfrog steps with gradients from :func:`torch.func.grad`,
+the Metropolis test and the selection of the next
 state -- is a function of tensors with no Python branch on their values, which
 ``torch.compile`` turns into one graph (``HMC(..., compile=True)``).
 
 The mathematics is the module ``hmc``'s, called from here (not copied): the same
-:func:`~samplers_as_optim.samplers.hmc.leapfrog_`, ``kinetic_energy``,
-``potential_energy`` and ``metropolis_log_accept``. The random numbers (momenta and the
+:func:`~samplers_as_optim.samplers.hmc.leapfrog_`, ``potential_energy``,
+``scaled_gradients``, ``kinetic_energy``, ``metropolis_test`` and
+``transition_diagnostics``. The random numbers (momenta and the
 uniform of the test) are drawn by the caller from the chain's counter-based stream and
 passed in, so this path and the closure path see the same numbers.
 

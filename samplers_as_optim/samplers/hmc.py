@@ -960,16 +960,6 @@ class HMC(Optimizer):
             chain, loss0, fresh, members = self._evaluate(closure, None, None)
             raw0 = [g.clone() for g in fresh]
             start_cache = None
-        signature = (num_data, *(decay[id(p)] for p in chain))
-        # the closure's path needs U and grad U at the start (the functional one: inside)
-        potential0: Tensor | None = None
-        gradients0: list[Tensor] | None = None
-        if loss_fn is not None:
-            pass
-        elif start_cache is not None and start_cache[0] == signature:
-            potential0, gradients0 = start_cache[1], start_cache[2]  # the same bits, unrecomputed
-        else:
-            potential0, gradients0 = self._potential(chain, loss0, raw0, members, decay, num_data)
         device = chain[0].device
 
         # the step size: s (per chain), jittered, times sqrt(lr / N) per group
@@ -1051,7 +1041,6 @@ class HMC(Optimizer):
             loss, raw = result.loss, result.gradients
         else:
             assert closure is not None
-            assert potential0 is not None and gradients0 is not None
             if first.get("compile", False) and not self._warned_compile:
                 self._warned_compile = True
                 warnings.warn(
@@ -1070,10 +1059,8 @@ class HMC(Optimizer):
                 torch.log(uniform),
                 loss0=loss0,
                 raw0=raw0,
-                potential0=potential0,
-                gradients0=gradients0,
+                start_cache=start_cache,
                 decay=decay,
-                signature=signature,
                 members=members,
             )
             diagnostics = transition_diagnostics(
@@ -1111,19 +1098,24 @@ class HMC(Optimizer):
         *,
         loss0: Tensor,
         raw0: list[Tensor],
-        potential0: Tensor,
-        gradients0: list[Tensor],
+        start_cache: tuple[tuple[Any, ...], Tensor, list[Tensor]] | None,
         decay: dict[int, float],
-        signature: tuple[Any, ...],
         members: int | None,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
         """The trajectory and test in place, the closure filling ``.grad`` at each step.
 
-        Returns ``(energy error, log acceptance, accepted, loss, raw gradients)`` at the
-        chain's next state, which the parameters (and their ``.grad``) then hold.
+        ``start_cache``: U and grad U at the start, as the last step left them (reused when
+        made with the same N and weight decays). Returns ``(energy error, log acceptance,
+        accepted, loss, raw gradients)`` at the chain's next state, which the parameters
+        (and their ``.grad``) then hold.
         """
         first = self.param_groups[0]
         num_data, temperature = int(first["num_data"]), float(first["temperature"])
+        signature = (num_data, *(decay[id(p)] for p in chain))
+        if start_cache is not None and start_cache[0] == signature:
+            potential0, gradients0 = start_cache[1], start_cache[2]  # the same bits, unrecomputed
+        else:
+            potential0, gradients0 = self._potential(chain, loss0, raw0, members, decay, num_data)
         energy0 = potential0 + kinetic_energy(momenta, inverse_mass, members)
         start = [p.clone() for p in chain]
         last: dict[str, Any] = {}
