@@ -110,7 +110,17 @@ from ._dual_averaging import (
     dual_averaging_update,
 )
 
-__all__ = ["HMC", "kinetic_energy", "leapfrog_", "metropolis_log_accept"]
+__all__ = [
+    "HMC",
+    "kinetic_energy",
+    "leapfrog_",
+    "metropolis_log_accept",
+    "metropolis_test",
+    "potential_energy",
+    "scaled_gradients",
+    "tensor_step_sizes",
+    "transition_diagnostics",
+]
 
 #: an energy error (in units of T) above this counts as a divergence (Stan's threshold)
 DIVERGENCE_THRESHOLD = 1000.0
