@@ -391,3 +391,41 @@ def test_compile_with_a_closure_warns_once_and_runs_eagerly() -> None:
         warnings.simplefilter("error")
         opt.step(closure)  # said once
     assert opt.steps_taken == 2
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_frozen_parameters_stay_put_with_a_loss_fn_as_with_a_closure(named: bool) -> None:
+    """A parameter with requires_grad=False is not sampled by either path (the closure's
+    backward() gives it no gradient); loss_fn still receives it, as a constant."""
+    x, y = _data()
+    runs = []
+    for path in ("closure", "loss_fn"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+        model = model.double()
+        model[0].requires_grad_(False)
+        frozen = model[0].weight.detach().clone()
+        spec = model.named_parameters() if named else model.parameters()
+        opt = HMC(spec, lr=0.05, num_steps=3, num_data=N, seed=4)
+
+        def closure(model=model, opt=opt) -> Tensor:
+            opt.zero_grad()
+            out = model(x).squeeze(-1)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(out, y)
+            loss.backward()
+            return loss
+
+        def loss_fn(params, model=model) -> Tensor:
+            if not named:  # a tuple in the optimizer's order: every parameter
+                assert len(params) == 4
+                params = dict(zip([n for n, _ in model.named_parameters()], params, strict=True))
+            out = torch.func.functional_call(model, params, (x,)).squeeze(-1)
+            return torch.nn.functional.binary_cross_entropy_with_logits(out, y)
+
+        for _ in range(5):
+            opt.step(closure) if path == "closure" else opt.step(loss_fn=loss_fn)
+        assert torch.equal(model[0].weight, frozen)
+        assert opt.diagnostics["num_accepted"] > 0
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -64,12 +64,15 @@ def value_and_gradients(
     positions: Sequence[Tensor],
     members: int | None,
     *,
+    fixed: Sequence[Tensor | None] | None = None,
     check: bool = True,
 ) -> tuple[Tensor, list[Tensor]]:
     """The mean loss at ``positions`` and its gradient (of the members' sum, per member).
 
-    ``check``: that the loss has the shape ``members`` implies (off at the start of a
-    chain, where the shape decides ``members``).
+    ``fixed``: every parameter ``loss_fn`` receives, in order, None where the next of
+    ``positions`` goes and a constant (a frozen parameter: not differentiated, not moved)
+    elsewhere; None: ``positions`` are all of them. ``check``: that the loss has the shape
+    ``members`` implies (off at the start of a chain, where the shape decides ``members``).
 
     Raises:
         ValueError: ``loss_fn`` returned something other than a scalar, or one loss per
@@ -77,7 +80,11 @@ def value_and_gradients(
     """
 
     def total(*tensors: Tensor) -> tuple[Tensor, Tensor]:
-        loss = loss_fn(pack_parameters(names, tensors))
+        given: Sequence[Tensor] = tensors
+        if fixed is not None:
+            moving = iter(tensors)
+            given = [next(moving) if constant is None else constant for constant in fixed]
+        loss = loss_fn(pack_parameters(names, given))
         if not isinstance(loss, Tensor) or loss.dim() > 1:
             shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
             raise ValueError(
@@ -118,6 +125,7 @@ def transition(
     step_size: Tensor,
     num_accepted: Tensor,
     divergences: Tensor,
+    fixed: Sequence[Tensor | None] | None = None,
     *,
     num_data: int,
     temperature: float,
@@ -141,6 +149,8 @@ def transition(
         step_size: the step size reported in the diagnostics.
         num_accepted: the running count of acceptances before this transition.
         divergences: the running count of divergences before this transition.
+        fixed: the frozen parameters among those ``loss_fn`` receives (see
+            :func:`value_and_gradients`), or None.
         num_data: N.
         temperature: T.
         num_steps: the number of leapfrog steps.
@@ -157,7 +167,7 @@ def transition(
     last: dict[str, Any] = {}
 
     def potential_gradient() -> tuple[None, list[Tensor]]:
-        value, raw = value_and_gradients(loss_fn, names, current, members)
+        value, raw = value_and_gradients(loss_fn, names, current, members, fixed=fixed)
         last["loss"], last["raw"] = value, raw
         return None, _hmc.scaled_gradients(current, raw, decays, num_data)
 

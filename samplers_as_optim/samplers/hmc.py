@@ -1039,6 +1039,7 @@ class HMC(Optimizer):
                 step_size,
                 previous["num_accepted"],
                 previous["divergences"],
+                self._frozen(),
                 num_data=num_data,
                 temperature=temperature,
                 num_steps=num_steps,
@@ -1198,14 +1199,26 @@ class HMC(Optimizer):
     def _evaluate_function(
         self, loss_fn: Callable[[Any], Tensor]
     ) -> tuple[list[Tensor], Tensor, list[Tensor], int | None]:
-        """The start of a functional chain: every parameter, the loss, its gradients."""
+        """The start of a functional chain: its parameters, the loss, its gradients.
+
+        The chain is the parameters that require grad, as with a closure (whose
+        ``backward()`` leaves the others without a gradient); ``loss_fn`` still receives
+        every parameter, the frozen ones as constants.
+        """
         from ._hmc_functional import value_and_gradients
 
-        chain = [p for g in self.param_groups for p in g["params"]]
+        chain = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if not chain:
+            raise ValueError(
+                "HMC.step: no parameter requires grad (expected at least one parameter "
+                "with requires_grad=True to sample)"
+            )
         positions = [p.detach() for p in chain]
         names = self._loss_fn_names()
         try:
-            loss, grads = value_and_gradients(loss_fn, names, positions, None, check=False)
+            loss, grads = value_and_gradients(
+                loss_fn, names, positions, None, fixed=self._frozen(), check=False
+            )
         except RuntimeError as error:
             if "mutate a captured Tensor" not in str(error):
                 raise
@@ -1218,6 +1231,13 @@ class HMC(Optimizer):
             ) from error
         members = _members_of(loss, chain, "loss_fn") if loss.dim() == 1 else None
         return chain, loss, grads, members
+
+    def _frozen(self) -> list[Tensor | None] | None:
+        """For ``loss_fn``: each parameter, None if it is sampled, itself if it is frozen."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        if all(p.requires_grad for p in params):
+            return None
+        return [None if p.requires_grad else p.detach() for p in params]
 
     def _params_by_id(self, ids: list[int]) -> list[Tensor]:
         by_id = {id(p): p for g in self.param_groups for p in g["params"]}
