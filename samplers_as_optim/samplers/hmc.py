@@ -921,7 +921,10 @@ class HMC(Optimizer):
                 ``{name: tensor}`` when the optimizer knows every parameter's name (built
                 from ``model.named_parameters()``, ready for
                 ``torch.func.functional_call(model, params, x)``), else a tuple in the
-                optimizer's order. Gradients come from ``torch.func.grad``.
+                optimizer's order. Gradients come from ``torch.func.grad``. Every parameter
+                that requires grad is sampled (one the loss does not use, from its prior:
+                the weight decay), the others are constants; a closure's chain leaves out
+                the parameters its ``backward()`` gives no gradient.
 
         Returns:
             The mean loss at the chain's new state (per member for an ensemble).
