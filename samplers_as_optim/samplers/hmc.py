@@ -459,6 +459,16 @@ def transition_diagnostics(
     }
 
 
+def _check_one_of(closure: Any, loss_fn: Any, *, where: str, expected: str) -> None:
+    """Exactly one of ``closure`` and ``loss_fn`` (the two ways to evaluate the loss)."""
+    if (closure is None) == (loss_fn is None):
+        raise ValueError(
+            f"{where} needs a closure or a loss_fn, not "
+            + ("neither" if closure is None else "both")
+            + f" (expected {expected})"
+        )
+
+
 def _members_of(loss: Tensor, chain: Sequence[Tensor], source: str) -> int:
     """K, for a loss of one value per member: every parameter must be stacked K first."""
     members = int(loss.shape[0])
@@ -933,14 +943,14 @@ class HMC(Optimizer):
             ValueError: neither or both of ``closure`` and ``loss_fn``, an invalid
                 hyperparameter, or a loss of the wrong shape.
         """
-        if (closure is None) == (loss_fn is None):
-            raise ValueError(
-                "HMC.step needs a closure or a loss_fn, not "
-                + ("neither" if closure is None else "both")
-                + " (expected a closure that zeroes the gradients, computes the full-batch "
-                "loss, calls backward() and returns the loss; or loss_fn, the full-batch loss "
-                "as a function of the parameters)"
-            )
+        _check_one_of(
+            closure,
+            loss_fn,
+            where="HMC.step",
+            expected="a closure that zeroes the gradients, computes the full-batch loss, calls "
+            "backward() and returns the loss; or loss_fn, the full-batch loss as a function "
+            "of the parameters",
+        )
         self._check_groups()
         hmc = self._hmc_state
         first = self.param_groups[0]
@@ -1362,12 +1372,7 @@ class HMC(Optimizer):
         middle part, as Stan's 25 steps of 875).
         """
         num_steps = check_positive_int("num_steps", num_steps)
-        if (closure is None) == (loss_fn is None):
-            raise ValueError(
-                "HMC.warmup needs a closure or a loss_fn, not "
-                + ("neither" if closure is None else "both")
-                + " (expected what step() takes)"
-            )
+        _check_one_of(closure, loss_fn, where="HMC.warmup", expected="what step() takes")
         hmc = self._hmc_state
         if not hmc["warmup"]:
             raise ValueError(
