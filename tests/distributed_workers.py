@@ -198,6 +198,7 @@ def ensemble_across_ranks(rank: int, out: str) -> dict:
 
 def fsdp2_equals_one_process(rank: int, out: str) -> dict:
     """FSDP2 (fully_shard, each rank holding half the rows) draws the 1-process chain."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     data = list(_batches(0, 15))  # the same batches on every rank: the averaged
@@ -214,7 +215,9 @@ def fsdp2_equals_one_process(rank: int, out: str) -> dict:
         reference_model, SGHMC(reference_model.named_parameters(), lr=LR, num_data=NUM_DATA, seed=5)
     )
     model = _model()
-    fully_shard(model)
+    # a CPU mesh: on a machine with a GPU, fully_shard would otherwise move the model to
+    # it while the batches (and the gloo group) stay on the CPU
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
     train(model, SGHMC(model.named_parameters(), lr=LR, num_data=NUM_DATA, seed=5))
     sharded = torch.cat([p.full_tensor().flatten() for p in model.parameters()])
     local_rows = [p.to_local().shape[0] for p in model.parameters()]
