@@ -87,7 +87,7 @@ import mmap
 import os
 import uuid
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,10 +117,16 @@ def _sample_buffers(module: nn.Module) -> dict[str, Tensor]:
     return chosen
 
 
-def _reader(
-    source: Any, buffers: bool, names: Sequence[str] | None = None
-) -> Callable[[], dict[str, Tensor]]:
-    """A function returning the source's current tensors.
+class _Reader:
+    """Returns the source's current tensors when called.
+
+    A plain object holding references to the source (the module, or the mapping), not a
+    closure and not copies: ``copy.deepcopy`` of a collector together with its model, in
+    one call (e.g. a dict {model, optimizer, collector}), maps the reference to the copied
+    model through deepcopy's memo, so the copy records the copied chain; ``pickle`` and
+    ``torch.save`` store the source with the collector. A ParallelEnsemble is read
+    through its ``module`` (the stacked tensors) with its names, subset and size fixed
+    here; a mapping is read at every call, so replaced entries are followed.
 
     Args:
         source: a module, an ensemble or a mapping.
@@ -129,51 +135,65 @@ def _reader(
             ``buffers``, the sample buffers), or the names to read (a store's); a name
             the source lacks is left out, for the caller's check to report.
     """
-    check_bool("buffers", buffers)
-    if isinstance(source, ParallelEnsemble):
-        module = source.module
-    elif isinstance(source, nn.Module):
-        module = source
-    elif isinstance(source, Mapping):
-        keys = list(source)
-        bad = [key for key in keys if not isinstance(source[key], Tensor)]
-        if not keys or bad or not all(isinstance(key, str) for key in keys):
+
+    def __init__(self, source: Any, buffers: bool, names: Sequence[str] | None = None) -> None:
+        check_bool("buffers", buffers)
+        self.module: nn.Module | None = None
+        self.mapping: Mapping[str, Tensor] | None = None
+        self.names: list[str] = []
+        self.shared: list[str] = []  # read once, repeated along K
+        self.members = 0
+        if isinstance(source, ParallelEnsemble):
+            module = source.module
+        elif isinstance(source, nn.Module):
+            module = source
+        elif isinstance(source, Mapping):
+            keys = list(source)
+            bad = [key for key in keys if not isinstance(source[key], Tensor)]
+            if not keys or bad or not all(isinstance(key, str) for key in keys):
+                raise TypeError(
+                    f"Invalid source: a mapping with keys {keys} (expected a non-empty "
+                    "mapping of str names to tensors)"
+                )
+            self.mapping = source
+            self.names = keys
+            return
+        else:
             raise TypeError(
-                f"Invalid source: a mapping with keys {keys} (expected a non-empty mapping "
-                "of str names to tensors)"
+                f"Invalid source: {source!r} (expected an nn.Module, a ParallelEnsemble or a "
+                "mapping of names to tensors)"
             )
-        return lambda: {key: source[key] for key in keys}
-    else:
-        raise TypeError(
-            f"Invalid source: {source!r} (expected an nn.Module, a ParallelEnsemble or a "
-            "mapping of names to tensors)"
-        )
 
-    if names is None:
-        chosen = [n for n, p in module.named_parameters() if p.requires_grad]
-        if buffers:
-            chosen.extend(_sample_buffers(module))
-        if not chosen:
-            raise ValueError(
-                f"Invalid source: {type(source).__name__} has no parameters that require "
-                f"grad {'or floating-point buffers ' if buffers else ''}(expected at least "
-                "one tensor to collect)"
-            )
-        names = chosen
-    names = list(names)
-    shared: set[str] = set()
-    if isinstance(source, ParallelEnsemble) and source.subset is not None:
-        shared = set(names) - set(source.subset)
-    members = source.num_members if shared else 0
+        if names is None:
+            chosen = [n for n, p in module.named_parameters() if p.requires_grad]
+            if buffers:
+                chosen.extend(_sample_buffers(module))
+            if not chosen:
+                raise ValueError(
+                    f"Invalid source: {type(source).__name__} has no parameters that require "
+                    f"grad {'or floating-point buffers ' if buffers else ''}(expected at "
+                    "least one tensor to collect)"
+                )
+            names = chosen
+        self.module = module
+        self.names = list(names)
+        if isinstance(source, ParallelEnsemble) and source.subset is not None:
+            subset = set(source.subset)
+            self.shared = [name for name in self.names if name not in subset]
+            if self.shared:
+                self.members = source.num_members
 
-    def read() -> dict[str, Tensor]:
+    def __call__(self) -> dict[str, Tensor]:
+        if self.mapping is not None:
+            return {key: self.mapping[key] for key in self.names}
+        assert self.module is not None
+        module = self.module
         tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-        found = {name: tensors[name] for name in names if name in tensors}
-        for name in shared.intersection(found):  # one copy for all members: [K, ...] too
-            found[name] = found[name].expand(members, *found[name].shape)
+        found = {name: tensors[name] for name in self.names if name in tensors}
+        for name in self.shared:  # one copy for all members: [K, ...] too
+            if name in found:
+                found[name] = found[name].expand(self.members, *found[name].shape)
         return found
-
-    return read
 
 
 def _check_values(
@@ -189,6 +209,20 @@ def _check_values(
             raise ValueError(
                 f"Invalid {what}: {name!r} has shape {shape} (expected {shapes[name]})"
             )
+
+
+def _check_path(value: Any, *, optional: bool) -> Path | None:
+    """``path``: a str or an os.PathLike naming a directory (or None, when ``optional``)."""
+    expected = f"{'None, ' if optional else ''}a str or an os.PathLike naming a directory"
+    if value is None and optional:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not isinstance(os.fspath(value), str):
+        raise TypeError(f"Invalid path: {value!r} (expected {expected})")
+    if value == "":
+        raise ValueError(
+            f"Invalid path: '' (expected {expected}; '' would be the working directory)"
+        )
+    return Path(value)
 
 
 def _check_dtype(dtype: Any) -> torch.dtype | None:
@@ -243,8 +277,18 @@ class SampleCollector:
             chain after a crash, checkpoint :meth:`state_dict` with the model and the
             optimizer (see the module docstring).
 
+    A collector in memory can be copied and pickled (``torch.save`` too) with its source:
+    ``copy.deepcopy`` of a dict holding the model, the optimizer, the scheduler and the
+    collector gives a collector recording the copied model, and a chain continued from
+    the copy collects what the uninterrupted chain does. Deep-copied on its own, the
+    collector takes a copy of its source along (as an lr scheduler does with its
+    optimizer). A collector with a ``path`` cannot be copied or pickled (the copy would
+    write into the same files): checkpoint its :meth:`state_dict` instead.
+
     Raises:
         FileExistsError: ``path`` already holds a sample store.
+        TypeError: a flag that is not a bool, ``path`` that is not None, a str or an
+            os.PathLike.
 
     Example:
         >>> import torch
@@ -276,7 +320,8 @@ class SampleCollector:
         dtype: torch.dtype | None = None,
         path: str | os.PathLike[str] | None = None,
     ) -> None:
-        self._read: Callable[[], dict[str, Tensor]] | None = _reader(source, buffers)
+        self._read: _Reader | None = _Reader(source, buffers)
+        root = _check_path(path, optional=True)
         self.num_samples = check_positive_int("num_samples", num_samples)
         self._schedule = _Schedule(burn_in, thin)
         self.count = 0
@@ -290,7 +335,7 @@ class SampleCollector:
         }
         self.path: Path | None = None
         self._store: _Store | None = None
-        if path is None:
+        if root is None:
             self._storage = {
                 name: torch.empty((self.num_samples, *shape), dtype=dt, device=device)
                 for name, (shape, dt) in self._layout.items()
@@ -301,7 +346,7 @@ class SampleCollector:
                     f"Invalid device: {str(device)!r} (expected 'cpu' when path is given: "
                     "samples stream to memory-mapped files)"
                 )
-            self._store = _Store.create(Path(path), self.num_samples, self._layout)
+            self._store = _Store.create(root, self.num_samples, self._layout)
             self.path = self._store.root
             self._storage = self._store.tensors
             self._write_index(durable=True)
@@ -360,9 +405,11 @@ class SampleCollector:
             Whether a sample was recorded.
 
         Raises:
+            TypeError: ``sampling`` is not a bool (the step is not counted).
             RuntimeError: the collector was loaded with a source and has not been given
                 the checkpoint's state by :meth:`load_state_dict` yet.
         """
+        check_bool("sampling", sampling)
         self._require_position()
         if not self._schedule.advance() or not sampling:
             return False
@@ -549,10 +596,12 @@ class SampleCollector:
 
         Raises:
             FileExistsError: ``path`` already holds a sample store.
+            TypeError: ``path`` is not None, a str or an os.PathLike.
             ValueError: no ``path`` is given and the collector has none.
         """
+        root = _check_path(path, optional=True)
         own = self._store
-        if path is None or (own is not None and Path(path).resolve() == own.root):
+        if root is None or (own is not None and root.resolve() == own.root):
             if own is None:
                 raise ValueError(
                     "Invalid path: None (expected a directory: this collector keeps its "
@@ -561,7 +610,7 @@ class SampleCollector:
             own.flush()
             self._write_index(durable=True)
             return
-        target = _Store.create(Path(path), self.num_samples, self._layout)
+        target = _Store.create(root, self.num_samples, self._layout)
         with torch.no_grad():
             for name, tensor in target.tensors.items():
                 tensor[: self.count].copy_(self._storage[name][: self.count])
@@ -597,11 +646,13 @@ class SampleCollector:
             The collector, with the store's ``count`` samples.
 
         Raises:
+            TypeError: ``path`` is not a str or an os.PathLike, ``mmap`` not a bool.
             ValueError: ``path`` is not a sample store, the store is damaged, or
                 ``source`` does not match it.
         """
         check_bool("mmap", mmap)
-        root = Path(path)
+        root = _check_path(path, optional=False)
+        assert root is not None
         index = _read_index(root)
         layout = {
             entry["name"]: (tuple(entry["shape"]), getattr(torch, entry["dtype"]))
@@ -611,7 +662,7 @@ class SampleCollector:
         collector._read = None
         collector._needs_state = False
         if source is not None:
-            collector._read = _reader(source, True, names=list(layout))
+            collector._read = _Reader(source, True, names=list(layout))
             collector._needs_state = True
         collector.num_samples = index["num_samples"]
         collector._schedule = _Schedule(index["burn_in"], index["thin"])
@@ -659,6 +710,17 @@ class SampleCollector:
     def _write_index(self, *, durable: bool = False) -> None:
         assert self._store is not None
         _write_index(self._store.root, self._index(self._store.id), durable=durable)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The state for ``pickle`` and ``copy.deepcopy``: a collector in memory only."""
+        if self._store is not None:
+            raise TypeError(
+                f"Cannot copy or pickle a SampleCollector with path={str(self._store.root)!r}: "
+                "its samples are in memory-mapped files that a copy would write to as well "
+                "(expected a collector in memory; checkpoint collector.state_dict() and "
+                "resume with SampleCollector.load(path, source))"
+            )
+        return self.__dict__.copy()
 
     def __repr__(self) -> str:
         where = f", path={str(self.path)!r}" if self.path is not None else ""
@@ -933,7 +995,7 @@ class RunningMoments:
         buffers: bool = True,
         dtype: torch.dtype | None = None,
     ) -> None:
-        self._read = _reader(source, buffers)
+        self._read = _Reader(source, buffers)
         self._schedule = _Schedule(burn_in, thin)
         dtype = _check_dtype(dtype)
         self.count = 0

@@ -14,10 +14,14 @@ per member for an ensemble, and resumes exactly; a damaged store (files against 
 every index field) is an error naming the file and the field; every error message.
 """
 
+import copy
+import io
 import json
+import pickle
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -599,3 +603,196 @@ def test_stepping_a_full_collector_warns_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert collector.step() is False  # only once
+
+
+# ---------------------------------------------------------------- copies, pickles, flags, paths
+class Net(nn.Module):
+    """BatchNorm between two layers (module level, so that pickle finds the class)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def make_net():
+    return Net()
+
+
+def build_chain(kind):
+    """A fresh chain: {model, optimizer, scheduler, collector, moments}, all seeded."""
+    torch.manual_seed(0)
+    if kind == "ensemble":
+        model = ParallelEnsemble(make_net, 3, seed=0)
+    elif kind == "subset":  # shared tensors are recorded repeated along K
+        model = ParallelEnsemble(Net(), 3, subset=["body.2.weight", "body.2.bias"], seed=0)
+    else:
+        model = Net()
+    source = dict(model.named_parameters()) if kind == "mapping" else model
+    optimizer = SGLD(model.parameters(), lr=1e-2, num_data=100, seed=0)
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5),
+        "collector": SampleCollector(source, 5, burn_in=3, thin=2),
+        "moments": RunningMoments(source, burn_in=3, thin=2),
+    }
+
+
+def train_chain(chain, start, stop):
+    """Steps start..stop-1, each on a batch that depends on the step only."""
+    chain["model"].train()
+    for step in range(start, stop):
+        x = torch.randn(8, 3, generator=torch.Generator().manual_seed(step))
+        chain["optimizer"].zero_grad()
+        chain["model"](x).pow(2).mean().backward()
+        chain["optimizer"].step()
+        chain["scheduler"].step()
+        chain["collector"].step()
+        chain["moments"].step()
+
+
+def assert_same_collection(got, want):
+    assert got["collector"].count == want["collector"].count == 5
+    assert got["collector"].steps == want["collector"].steps
+    for name, samples in want["collector"].samples.items():
+        assert torch.equal(got["collector"].samples[name], samples), name
+    for name, mean in want["moments"].mean.items():
+        assert torch.equal(got["moments"].mean[name], mean), name
+
+
+SOURCES = ["module", "ensemble", "subset", "mapping"]
+
+
+@pytest.mark.parametrize("kind", SOURCES)
+def test_a_deep_copy_with_the_model_records_the_copied_model_and_continues_identically(kind):
+    """The checkpoint-in-memory pattern: deepcopy of {model, optimizer, scheduler,
+    collector} in one call. The copied collector reads the copied model (deepcopy's memo),
+    so the copy, continued while the original stands still, collects exactly what an
+    uninterrupted chain does; the original, continued afterwards, too."""
+    uninterrupted = build_chain(kind)
+    train_chain(uninterrupted, 0, 14)
+    original = build_chain(kind)
+    train_chain(original, 0, 6)  # 1 sample (step 5) so far
+    copied = copy.deepcopy(original)
+    assert copied["collector"].count == 1 and copied["collector"].steps == 6
+    train_chain(copied, 6, 14)
+    assert_same_collection(copied, uninterrupted)
+    assert original["collector"].count == 1  # untouched by the copy
+    train_chain(original, 6, 14)
+    assert_same_collection(original, uninterrupted)
+    # a collector deep-copied alone takes a copy of its source along, not the original
+    alone = copy.deepcopy(original["collector"])
+    state = {name: t.clone() for name, t in original["collector"]._read().items()}
+    with torch.no_grad():
+        for parameter in original["model"].parameters():
+            parameter.add_(1.0)
+    read = alone._read()
+    assert all(torch.equal(read[name], t) for name, t in state.items())
+
+
+@pytest.mark.parametrize("kind", SOURCES)
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_a_collector_in_memory_pickles_with_its_model_and_continues_identically(
+    kind, how, tmp_path
+):
+    uninterrupted = build_chain(kind)
+    train_chain(uninterrupted, 0, 14)
+    chain = build_chain(kind)
+    train_chain(chain, 0, 6)
+    if how == "pickle":
+        restored = pickle.loads(pickle.dumps(chain))
+    else:
+        torch.save(chain, tmp_path / "chain.pt")
+        restored = torch.load(tmp_path / "chain.pt", weights_only=False)
+    train_chain(restored, 6, 14)
+    assert_same_collection(restored, uninterrupted)
+    # alone, too: the collector and its (pickled along) source
+    collector = pickle.loads(pickle.dumps(uninterrupted["collector"]))
+    assert all(
+        torch.equal(t, uninterrupted["collector"].samples[n]) for n, t in collector.samples.items()
+    )
+
+
+def test_a_collector_with_a_path_refuses_to_be_copied_or_pickled(tmp_path):
+    """A copy would write into the same files as the original: a clear error, not the
+    mmap module's, and nothing in the store changes. Loaded without a source (read-only),
+    the samples copy and pickle as tensors."""
+    chain = Counter()
+    collector = SampleCollector(chain.state, 4, path=tmp_path / "store")
+    run(collector, chain, 2)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "store").iterdir()}
+    message = r"Cannot copy or pickle a SampleCollector with path=.*store': its samples are in"
+    for attempt in (copy.deepcopy, pickle.dumps, lambda c: torch.save(c, io.BytesIO())):
+        with pytest.raises(TypeError, match=message):
+            attempt(collector)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "store").iterdir()} == before
+    loaded = SampleCollector.load(tmp_path / "store")
+    for restored in (copy.deepcopy(loaded), pickle.loads(pickle.dumps(loaded))):
+        assert torch.equal(restored.samples["t"], collector.samples["t"])
+
+
+NOT_BOOLS = ["no", "", 1, 0, None, 1.0, np.bool_(True), torch.tensor(True)]
+
+
+@pytest.mark.parametrize("value", NOT_BOOLS, ids=repr)
+def test_flags_must_be_bools_and_a_refused_call_changes_nothing(value, tmp_path):
+    """``step(sampling="no")`` used to record the step (a truthy string); every flag of
+    SampleCollector and RunningMoments is a real bool, as everywhere in the package."""
+    shown = re.escape(repr(value))
+    chain = Counter()
+    collector = SampleCollector(chain.state, 3)
+    run(collector, chain, 1)
+    with pytest.raises(TypeError, match=rf"Invalid sampling: {shown} \(expected True or False\)"):
+        collector.step(sampling=value)
+    assert (collector.steps, collector.count) == (1, 1)  # not counted, not recorded
+    assert collector.samples["t"].tolist() == [[1.0, 1.0]]
+    assert collector.step(sampling=False) is False and collector.step(sampling=True) is True
+    with pytest.raises(TypeError, match=rf"Invalid buffers: {shown} \(expected True or False\)"):
+        SampleCollector(chain.state, 3, buffers=value, path=tmp_path / "never")
+    with pytest.raises(TypeError, match=rf"Invalid buffers: {shown} \(expected True or False\)"):
+        RunningMoments(chain.state, buffers=value)
+    collector.save(tmp_path / "saved")
+    with pytest.raises(TypeError, match=rf"Invalid mmap: {shown} \(expected True or False\)"):
+        SampleCollector.load(tmp_path / "saved", mmap=value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["saved"]
+
+
+class BytesPath:
+    """An os.PathLike whose path is bytes (pathlib refuses it)."""
+
+    def __fspath__(self):
+        return b"samples"
+
+    def __repr__(self):
+        return "BytesPath()"
+
+
+@pytest.mark.parametrize("value", [123, b"samples", 1.5, ["samples"], BytesPath(), ""], ids=repr)
+def test_path_must_be_none_a_str_or_a_path_like_and_a_refused_call_writes_nothing(
+    value, tmp_path, monkeypatch
+):
+    """``SampleCollector(path=123)`` used to raise pathlib's TypeError, which does not
+    name ``path``; ``path=""`` wrote a store into the working directory."""
+    monkeypatch.chdir(tmp_path)
+    error = ValueError if value == "" else TypeError
+    shown = re.escape(repr(value))
+    state = {"x": torch.zeros(2)}
+    expected = r"a str or an os.PathLike naming a directory"
+    with pytest.raises(error, match=rf"Invalid path: {shown} \(expected None, {expected}"):
+        SampleCollector(state, 2, path=value)
+    collector = SampleCollector(state, 2)
+    collector.record()
+    with pytest.raises(error, match=rf"Invalid path: {shown} \(expected None, {expected}"):
+        collector.save(value)
+    with pytest.raises(error, match=rf"Invalid path: {shown} \(expected {expected}"):
+        SampleCollector.load(value)
+    assert list(tmp_path.iterdir()) == []  # nothing written anywhere
+    assert collector.count == 1
+
+
+def test_load_without_a_path_names_path():
+    with pytest.raises(TypeError, match=r"Invalid path: None \(expected a str or an os.PathLike"):
+        SampleCollector.load(None)
