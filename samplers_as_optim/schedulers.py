@@ -25,15 +25,128 @@ rescale_momentum_state`, the map the samplers apply themselves at temperature > 
 from __future__ import annotations
 
 import math
-from typing import cast
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, cast
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from ._validation import _fail, check_nonnegative, check_positive_int
+from ._validation import (
+    _fail,
+    check_nonnegative,
+    check_nonnegative_integer,
+    check_positive,
+    check_positive_int,
+)
+from .samplers.hmc import HMC
 from .samplers.sghmc import rescale_momentum_state
 
 __all__ = ["CyclicalSGMCMC"]
+
+#: the scheduler's own entries of ``state_dict()``, validated by ``load_state_dict``
+_SCHEDULE_FIELDS = (
+    "cycle_length",
+    "num_cycles",
+    "exploration",
+    "exploration_temperature",
+    "base_temperatures",
+    "base_lrs",
+    "last_epoch",
+)
+
+
+# One validator per constructor argument, used by __init__ and load_state_dict alike.
+def _check_optimizer(optimizer: Any) -> Optimizer:
+    """A ``torch.optim.Optimizer`` every param group of which has a ``temperature``."""
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"Invalid optimizer: {type(optimizer).__name__} (expected a sampler: a "
+            "torch.optim.Optimizer whose param groups have a temperature, e.g. SGHMC)"
+        )
+    for index, group in enumerate(optimizer.param_groups):
+        if "temperature" not in group:
+            raise TypeError(
+                f"Invalid optimizer: {type(optimizer).__name__} (expected a sampler: param "
+                f"group {index} has no temperature)"
+            )
+    return optimizer
+
+
+def _check_cycle_length(value: Any) -> int:
+    return check_positive_int("cycle_length", value)
+
+
+def _check_num_cycles(value: Any) -> int:
+    return check_positive_int("num_cycles", value)
+
+
+def _check_exploration(value: Any) -> float:
+    beta = check_nonnegative("exploration", value)
+    if not beta < 1.0:
+        _fail("exploration", value, "a number in [0, 1)", "")
+    return beta
+
+
+def _check_exploration_temperature(value: Any) -> float:
+    """None (0: an optimiser while exploring) or a finite number >= 0."""
+    return check_nonnegative("exploration_temperature", 0.0 if value is None else value)
+
+
+def _positive_temperature_reason(optimizer: Optimizer) -> str:
+    """Why ``optimizer`` cannot run at temperature 0 ("" when it can)."""
+    if isinstance(optimizer, HMC):
+        return "its Metropolis test divides by T"
+    if getattr(optimizer, "requires_positive_temperature", False):
+        return "its dynamics diverge at temperature 0"
+    return ""
+
+
+def _check_exploration_runs(
+    optimizer: Optimizer, exploration: float, exploration_temperature: float, given: Any
+) -> None:
+    """Refuse an exploration stage at temperature 0 for a sampler that needs T > 0."""
+    reason = _positive_temperature_reason(optimizer)
+    if reason and exploration > 0 and exploration_temperature == 0:
+        name = type(optimizer).__name__
+        raise ValueError(
+            f"Invalid exploration_temperature: {given!r} (expected a finite number > 0 for "
+            f"{name}: {name} needs temperature > 0 ({reason}) and the cyclical schedule's "
+            "exploration stage runs at exploration_temperature, by default 0; or "
+            "exploration=0)"
+        )
+
+
+def _check_per_group(name: str, values: Any, optimizer: Optimizer, *, positive: bool) -> list[Any]:
+    """One finite number >= 0 (> 0 when ``positive``) per param group of ``optimizer``."""
+    count = len(optimizer.param_groups)
+    if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != count:
+        _fail(name, values, f"a list of {count} number(s), one per param group", "")
+    check = check_positive if positive else check_nonnegative
+    for index, value in enumerate(values):
+        check(f"{name}[{index}]", value)
+    return list(values)
+
+
+def _samples_at(step: int, cycle_length: int, exploration: float) -> bool:
+    """Whether step ``step`` (from 0) lies in the sampling stage of its cycle."""
+    return (step % cycle_length) / cycle_length >= exploration
+
+
+@contextmanager
+def _in_state_dict() -> Iterator[None]:
+    """Re-word a validator's ``Invalid name: value (expected ...)`` for a state_dict field.
+
+    It becomes ``Invalid state_dict: name=value (expected ...)``, of the same type.
+    """
+    try:
+        yield
+    except (TypeError, ValueError) as error:
+        message = str(error)
+        if not message.startswith("Invalid "):
+            raise
+        field, _, rest = message[len("Invalid ") :].partition(": ")
+        raise type(error)(f"Invalid state_dict: {field}={rest}") from None
 
 
 class CyclicalSGMCMC(LRScheduler):
@@ -55,8 +168,9 @@ class CyclicalSGMCMC(LRScheduler):
     :math:`r(k) < \beta`, where the chain runs as an optimiser. Works with any sampler of
     this package (:class:`~samplers_as_optim.SGLD`, :class:`~samplers_as_optim.SGHMC`,
     :class:`~samplers_as_optim.SGNHT`, :class:`~samplers_as_optim.PSGLD`,
-    :class:`~samplers_as_optim.BAOA`); SGNHT needs temperature > 0, so give it
-    ``exploration_temperature`` > 0 or ``exploration=0``. At the step that leaves a
+    :class:`~samplers_as_optim.BAOA`, :class:`~samplers_as_optim.HMC`); SGNHT and HMC need
+    temperature > 0, so give them ``exploration_temperature`` > 0 or ``exploration=0``
+    (refused otherwise). At the step that leaves a
     sampling stage for exploration the momentum buffers are re-expressed at the new ``lr``
     (module docstring), so that a restart does not heat the chain.
 
@@ -72,7 +186,8 @@ class CyclicalSGMCMC(LRScheduler):
             scheduler.step()
 
     Args:
-        optimizer: a sampler (every param group has a ``temperature``).
+        optimizer: a sampler: a ``torch.optim.Optimizer`` every param group of which has
+            a ``temperature``.
         cycle_length: :math:`L`, steps per cycle (a positive integer).
         num_cycles: :math:`M`, the number of cycles (a positive integer): the schedule
             has ``total_steps = cycle_length * num_cycles`` steps; stepping past them
@@ -112,30 +227,14 @@ class CyclicalSGMCMC(LRScheduler):
         exploration_temperature: float | None = None,
         last_epoch: int = -1,
     ) -> None:
-        self.cycle_length = check_positive_int("cycle_length", cycle_length)
-        self.num_cycles = check_positive_int("num_cycles", num_cycles)
-        beta = check_nonnegative("exploration", exploration)
-        if not beta < 1.0:
-            _fail("exploration", exploration, "a number in [0, 1)", "")
-        self.exploration = beta
-        explore = 0.0 if exploration_temperature is None else exploration_temperature
-        self.exploration_temperature = check_nonnegative("exploration_temperature", explore)
-        for index, group in enumerate(optimizer.param_groups):
-            if "temperature" not in group:
-                raise TypeError(
-                    f"Invalid optimizer: {type(optimizer).__name__} (expected a sampler: param "
-                    f"group {index} has no temperature)"
-                )
-        if (
-            getattr(optimizer, "requires_positive_temperature", False)
-            and self.exploration > 0
-            and self.exploration_temperature == 0
-        ):
-            raise ValueError(
-                f"Invalid exploration_temperature: {exploration_temperature!r} (expected a "
-                f"finite number > 0 for {type(optimizer).__name__}, which needs temperature "
-                "> 0; or exploration=0)"
-            )
+        optimizer = _check_optimizer(optimizer)
+        self.cycle_length = _check_cycle_length(cycle_length)
+        self.num_cycles = _check_num_cycles(num_cycles)
+        self.exploration = _check_exploration(exploration)
+        self.exploration_temperature = _check_exploration_temperature(exploration_temperature)
+        _check_exploration_runs(
+            optimizer, self.exploration, self.exploration_temperature, exploration_temperature
+        )
         if last_epoch == -1:
             for group in optimizer.param_groups:
                 group.setdefault("initial_temperature", float(group["temperature"]))
@@ -155,7 +254,7 @@ class CyclicalSGMCMC(LRScheduler):
 
     def sampling_at(self, step: int) -> bool:
         """Whether step ``step`` (from 0) of the schedule is a sampling step."""
-        return self._position(step) >= self.exploration
+        return _samples_at(step, self.cycle_length, self.exploration)
 
     @property
     def is_sampling(self) -> bool:
@@ -166,6 +265,83 @@ class CyclicalSGMCMC(LRScheduler):
     def cycle(self) -> int:
         """The cycle (from 0) of the coming step."""
         return self.last_epoch // self.cycle_length
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`, validated as the constructor validates its arguments.
+
+        Every field is checked before any is assigned: a refused state leaves the scheduler
+        unchanged.
+
+        Raises:
+            TypeError: ``state_dict`` is not a mapping, or a field has the wrong type.
+            ValueError: a field is missing or out of range (a ``cycle_length``,
+                ``num_cycles``, ``exploration`` or ``exploration_temperature`` the
+                constructor refuses, one for this optimizer, base values not one finite
+                number per param group, ``last_epoch`` outside the schedule).
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"Invalid state_dict: {type(state_dict).__name__} (expected a mapping from "
+                "CyclicalSGMCMC.state_dict)"
+            )
+        missing = [field for field in _SCHEDULE_FIELDS if field not in state_dict]
+        if missing:
+            raise ValueError(
+                f"Invalid state_dict: missing field(s) {missing} (expected a state from "
+                "CyclicalSGMCMC.state_dict)"
+            )
+        if "optimizer" in state_dict:
+            raise ValueError(
+                "Invalid state_dict: field 'optimizer' (expected the schedule only, as "
+                "CyclicalSGMCMC.state_dict: the scheduler keeps the optimizer it was built with)"
+            )
+        optimizer = self.optimizer
+        with _in_state_dict():
+            cycle_length = _check_cycle_length(state_dict["cycle_length"])
+            num_cycles = _check_num_cycles(state_dict["num_cycles"])
+            exploration = _check_exploration(state_dict["exploration"])
+            given = state_dict["exploration_temperature"]
+            exploration_temperature = _check_exploration_temperature(given)
+            _check_exploration_runs(optimizer, exploration, exploration_temperature, given)
+            temperatures = _check_per_group(
+                "base_temperatures",
+                state_dict["base_temperatures"],
+                optimizer,
+                positive=bool(_positive_temperature_reason(optimizer)),
+            )
+            base_temperatures = [float(t) for t in temperatures]
+            base_lrs = _check_per_group(
+                "base_lrs", state_dict["base_lrs"], optimizer, positive=False
+            )
+            total = cycle_length * num_cycles
+            last_epoch = check_nonnegative_integer("last_epoch", state_dict["last_epoch"])
+            if last_epoch > total:
+                _fail(
+                    "last_epoch",
+                    state_dict["last_epoch"],
+                    f"an integer in [0, {total}], the steps of cycle_length={cycle_length} x "
+                    f"num_cycles={num_cycles}",
+                    "",
+                )
+        sampling = _samples_at(last_epoch, cycle_length, exploration)
+        if "_sampling" in state_dict and state_dict["_sampling"] is not sampling:
+            raise ValueError(
+                f"Invalid state_dict: _sampling={state_dict['_sampling']!r} (expected "
+                f"{sampling}: step {last_epoch} of this schedule "
+                f"{'samples' if sampling else 'explores'})"
+            )
+        state = dict(state_dict)
+        state.update(
+            cycle_length=cycle_length,
+            num_cycles=num_cycles,
+            exploration=exploration,
+            exploration_temperature=exploration_temperature,
+            base_temperatures=base_temperatures,
+            base_lrs=base_lrs,
+            last_epoch=last_epoch,
+            _sampling=sampling,
+        )
+        super().load_state_dict(state)
 
     def get_lr(self) -> list[float]:  # type: ignore[override]
         """The cosine cyclical learning rates of the coming step (Zhang et al., Eq. 1)."""

@@ -35,8 +35,9 @@ Reference:
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor, nn
@@ -261,18 +262,130 @@ class SWAG:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s statistics (same model names and rank)."""
-        if tuple(state["names"]) != self.treated.names or state["deviations"].shape != (
-            self._deviations.shape
-        ):
-            raise ValueError(
-                f"Invalid state: for names {tuple(state['names'])} and "
-                f"{state['deviations'].shape[0]} deviations (expected {self.treated.names} "
-                f"and rank {self.rank})"
+        """Restore :meth:`state_dict`'s statistics (same treated names, shapes, dtype, rank).
+
+        Every field is validated before any is assigned, so a refused state leaves this
+        SWAG unchanged: the names must be this SWAG's treated parameters; ``mean``,
+        ``m2`` (the sum of squared deviations from the mean, >= 0) and ``deviations``
+        finite tensors of the treated parameters' dtype and of shapes ``(P,)``, ``(P,)``
+        and ``(rank, P)``; ``count`` an integer >= 0, ``stored`` = min(count, rank) and
+        ``next`` = count mod rank (0 for rank 0), as :meth:`record` leaves them. Tensors
+        may come from another device; they are copied to the parameters'.
+
+        Raises:
+            TypeError: ``state`` is not a mapping, or a field has the wrong type.
+            ValueError: a field is missing or has a value :meth:`record` cannot produce.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(
+                f"Invalid state_dict: {type(state).__name__} (expected a mapping from "
+                "SWAG.state_dict)"
             )
-        self.count = int(state["count"])
-        self._mean = state["mean"].to(self._mean).clone()
-        self._m2 = state["m2"].to(self._m2).clone()
-        self._deviations = state["deviations"].to(self._deviations).clone()
-        self._stored = int(state["stored"])
-        self._next = int(state["next"])
+        missing = [field for field in _STATE_FIELDS if field not in state]
+        if missing:
+            raise ValueError(
+                f"Invalid state_dict: missing field(s) {missing} (expected a state from "
+                "SWAG.state_dict)"
+            )
+        names = state["names"]
+        if (
+            isinstance(names, str)
+            or not isinstance(names, Sequence)
+            or tuple(names) != self.treated.names
+        ):
+            _invalid_state("names", names, f"{self.treated.names}, this SWAG's treated names")
+        rank, size = self.rank, self.treated.numel
+        mean = self._check_state_tensor("mean", state["mean"], (size,))
+        m2 = self._check_state_tensor("m2", state["m2"], (size,))
+        deviations = self._check_state_tensor("deviations", state["deviations"], (rank, size))
+        count = _state_integer("count", state["count"])
+        stored = _state_integer("stored", state["stored"])
+        if stored != min(count, rank):
+            _invalid_state(
+                "stored",
+                stored,
+                f"{min(count, rank)} = min(count, rank): the deviations kept of count={count} "
+                f"records with rank={rank}",
+            )
+        following = _state_integer("next", state["next"])
+        if following != (count % rank if rank else 0):
+            _invalid_state(
+                "next",
+                following,
+                f"{count % rank if rank else 0} = count mod rank (0 for rank 0): the ring "
+                f"buffer's next slot after count={count} records with rank={rank}",
+            )
+        if bool((m2 < 0).any()):
+            raise ValueError(
+                f"Invalid state_dict: m2 with minimum {float(m2.min())!r} (expected values "
+                ">= 0: the sums of squared deviations from the mean)"
+            )
+        if count <= 1 and bool((m2 != 0).any()):
+            raise ValueError(
+                f"Invalid state_dict: m2 with maximum {float(m2.max())!r} at count={count} "
+                "(expected zeros: the squared deviations of at most one record sum to 0)"
+            )
+        if count == 0 and bool((mean != 0).any()):
+            raise ValueError(
+                "Invalid state_dict: nonzero mean at count=0 (expected zeros, as before the "
+                "first record)"
+            )
+        device = self._mean.device
+        new_mean = mean.detach().to(device, copy=True)
+        new_m2 = m2.detach().to(device, copy=True)
+        new_deviations = deviations.detach().to(device, copy=True)
+        self.count = count
+        self._mean = new_mean
+        self._m2 = new_m2
+        self._deviations = new_deviations
+        self._stored = stored
+        self._next = following
+
+    def _check_state_tensor(self, field: str, value: Any, shape: tuple[int, ...]) -> Tensor:
+        """A finite tensor of ``shape`` and the statistics' dtype (on any device)."""
+        dtype = self._mean.dtype
+        expected = f"a {dtype} tensor of shape {shape}"
+        if not isinstance(value, Tensor):
+            raise TypeError(
+                f"Invalid state_dict: {field} of type {type(value).__name__} (expected {expected})"
+            )
+        if tuple(value.shape) != shape:
+            what = f"the {self.treated.numel} treated weights"
+            if field == "deviations":
+                what = f"rank={self.rank} x {what}"
+            raise ValueError(
+                f"Invalid state_dict: {field} of shape {tuple(value.shape)} (expected shape "
+                f"{shape}: {what})"
+            )
+        if value.dtype != dtype:
+            raise ValueError(
+                f"Invalid state_dict: {field} of dtype {value.dtype} (expected {dtype}, the "
+                "dtype of the treated parameters)"
+            )
+        if not bool(value.isfinite().all()):
+            raise ValueError(
+                f"Invalid state_dict: {field} holds NaN or infinity (expected finite values, "
+                "as record() keeps them)"
+            )
+        return value
+
+
+_STATE_FIELDS = ("count", "mean", "m2", "deviations", "stored", "next", "names")
+
+
+def _invalid_state(field: str, value: Any, expected: str) -> NoReturn:
+    raise ValueError(f"Invalid state_dict: {field}={value!r} (expected {expected})")
+
+
+def _state_integer(field: str, value: Any) -> int:
+    """An integer >= 0 (Python, NumPy or one-element tensor; not a bool) as an int."""
+    expected = "an integer >= 0"
+    if isinstance(value, bool):
+        raise TypeError(f"Invalid state_dict: {field}={value!r} (expected {expected})")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"Invalid state_dict: {field}={value!r} (expected {expected})") from None
+    if number < 0:
+        _invalid_state(field, value, expected)
+    return number

@@ -13,6 +13,7 @@ import torch
 
 from samplers_as_optim import (
     BAOA,
+    HMC,
     PSGLD,
     SGHMC,
     SGLD,
@@ -182,57 +183,275 @@ def make_sgld():
     return SGLD([torch.nn.Parameter(torch.zeros(2))], lr=0.1, num_data=10)
 
 
+INVALID_ARGUMENTS = [
+    ("cycle_length", 0, ValueError, "an integer >= 1"),
+    ("num_cycles", 1.5, TypeError, "an integer >= 1"),
+    ("num_cycles", True, TypeError, "an integer >= 1"),
+    ("exploration", 1.0, ValueError, "a number in [0, 1)"),
+    ("exploration", 5.0, ValueError, "a number in [0, 1)"),
+    ("exploration", math.nan, ValueError, "a finite number >= 0"),
+    ("exploration", "0.5", TypeError, "a finite number >= 0"),
+    ("exploration_temperature", -1.0, ValueError, "a finite number >= 0"),
+    ("exploration_temperature", math.inf, ValueError, "a finite number >= 0"),
+]
+INVALID_IDS = [f"{name}={value!r}" for name, value, _, _ in INVALID_ARGUMENTS]
+
+
+def assert_same_state(before, after):
+    assert before.keys() == after.keys()
+    for key, value in before.items():
+        assert type(after[key]) is type(value) and after[key] == value, key
+
+
+def advance(opt, sched, steps):
+    for _ in range(steps):
+        quadratic_step(opt, opt.param_groups[0]["params"][0])
+        sched.step()
+
+
+def optimizer_snapshot(opt):
+    return copy.deepcopy(opt.state_dict())
+
+
+@pytest.mark.parametrize(("name", "value", "error", "expected"), INVALID_ARGUMENTS, ids=INVALID_IDS)
+def test_invalid_arguments(name, value, error, expected):
+    arguments = {"cycle_length": 10, "num_cycles": 2, name: value}
+    opt = make_sgld()
+    before = optimizer_snapshot(opt)
+    message = f"Invalid {name}: {value!r} (expected {expected})"
+    with pytest.raises(error, match="^" + re.escape(message) + "$"):
+        CyclicalSGMCMC(opt, **arguments)
+    assert optimizer_snapshot(opt) == before  # no initial_lr / initial_temperature left behind
+
+
+@pytest.mark.parametrize(("name", "value", "error", "expected"), INVALID_ARGUMENTS, ids=INVALID_IDS)
+def test_load_state_dict_refuses_what_the_constructor_refuses(name, value, error, expected):
+    """The same validator, the same words: ``Invalid state_dict: name=value (expected ...)``;
+    the scheduler (and its optimizer) unchanged after the refusal."""
+    opt = make_sgld()
+    sched = CyclicalSGMCMC(opt, cycle_length=10, num_cycles=2, exploration=0.5)
+    advance(opt, sched, 7)
+    before, opt_before = sched.state_dict(), optimizer_snapshot(opt)
+    state = {**copy.deepcopy(before), name: value}
+    message = f"Invalid state_dict: {name}={value!r} (expected {expected})"
+    with pytest.raises(error, match="^" + re.escape(message) + "$"):
+        sched.load_state_dict(state)
+    assert_same_state(before, sched.state_dict())
+    assert optimizer_snapshot(opt) == opt_before
+    assert sched.is_sampling and sched.last_epoch == 7
+
+
 @pytest.mark.parametrize(
-    ("kwargs", "error", "message"),
+    ("field", "value", "error", "message"),
     [
         (
-            {"cycle_length": 0},
+            "base_temperatures",
+            [1.0, 1.0],
             ValueError,
-            "Invalid cycle_length: 0 (expected an integer >= 1)",
+            "Invalid state_dict: base_temperatures=[1.0, 1.0] (expected a list of 1 number(s), "
+            "one per param group)",
         ),
         (
-            {"num_cycles": 1.5},
+            "base_temperatures",
+            [-1.0],
+            ValueError,
+            "Invalid state_dict: base_temperatures[0]=-1.0 (expected a finite number >= 0)",
+        ),
+        (
+            "base_lrs",
+            [math.nan],
+            ValueError,
+            "Invalid state_dict: base_lrs[0]=nan (expected a finite number >= 0)",
+        ),
+        (
+            "base_lrs",
+            0.1,
+            ValueError,
+            "Invalid state_dict: base_lrs=0.1 (expected a list of 1 number(s), one per param "
+            "group)",
+        ),
+        (
+            "last_epoch",
+            -1,
+            ValueError,
+            "Invalid state_dict: last_epoch=-1 (expected an integer >= 0)",
+        ),
+        (
+            "last_epoch",
+            21,
+            ValueError,
+            "Invalid state_dict: last_epoch=21 (expected an integer in [0, 20], the steps of "
+            "cycle_length=10 x num_cycles=2)",
+        ),
+        (
+            "last_epoch",
+            2.5,
             TypeError,
-            "Invalid num_cycles: 1.5 (expected an integer >= 1)",
+            "Invalid state_dict: last_epoch=2.5 (expected an integer >= 0)",
         ),
         (
-            {"exploration": 1.0},
+            "_sampling",
+            False,
             ValueError,
-            "Invalid exploration: 1.0 (expected a number in [0, 1))",
+            "Invalid state_dict: _sampling=False (expected True: step 7 of this schedule samples)",
         ),
         (
-            {"exploration": math.nan},
+            "optimizer",
+            None,
             ValueError,
-            "Invalid exploration: nan (expected a finite number >= 0)",
-        ),
-        (
-            {"exploration_temperature": -1.0},
-            ValueError,
-            "Invalid exploration_temperature: -1.0 (expected a finite number >= 0)",
+            "Invalid state_dict: field 'optimizer' (expected the schedule only, as "
+            "CyclicalSGMCMC.state_dict: the scheduler keeps the optimizer it was built with)",
         ),
     ],
+    ids=[
+        "base_temperatures-length",
+        "base_temperatures-negative",
+        "base_lrs-nan",
+        "base_lrs-not-a-list",
+        "last_epoch-negative",
+        "last_epoch-past-the-end",
+        "last_epoch-float",
+        "_sampling-inconsistent",
+        "optimizer-entry",
+    ],
 )
-def test_invalid_arguments(kwargs, error, message):
-    arguments = {"cycle_length": 10, "num_cycles": 2, **kwargs}
+def test_load_state_dict_refuses_inconsistent_fields(field, value, error, message):
+    opt = make_sgld()
+    sched = CyclicalSGMCMC(opt, cycle_length=10, num_cycles=2, exploration=0.5)
+    advance(opt, sched, 7)
+    before = sched.state_dict()
+    state = {**copy.deepcopy(before), field: value}
     with pytest.raises(error, match="^" + re.escape(message) + "$"):
-        CyclicalSGMCMC(make_sgld(), **arguments)
+        sched.load_state_dict(state)
+    assert_same_state(before, sched.state_dict())
+
+
+def test_load_state_dict_refuses_a_missing_field_or_a_non_mapping():
+    sched = CyclicalSGMCMC(make_sgld(), cycle_length=10, num_cycles=2)
+    before = sched.state_dict()
+    state = copy.deepcopy(before)
+    del state["exploration"], state["last_epoch"]
+    message = (
+        "Invalid state_dict: missing field(s) ['exploration', 'last_epoch'] (expected a state "
+        "from CyclicalSGMCMC.state_dict)"
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        sched.load_state_dict(state)
+    message = "Invalid state_dict: list (expected a mapping from CyclicalSGMCMC.state_dict)"
+    with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
+        sched.load_state_dict([])
+    assert_same_state(before, sched.state_dict())
+
+
+def test_load_state_dict_accepts_a_valid_state_of_another_schedule():
+    """A valid state replaces the schedule (the state is the checkpoint's, not the build's)."""
+    opt = make_sgld()
+    source = CyclicalSGMCMC(opt, cycle_length=4, num_cycles=3, exploration=0.0)
+    advance(opt, source, 5)
+    sched = CyclicalSGMCMC(make_sgld(), cycle_length=10, num_cycles=2, exploration=0.5)
+    sched.load_state_dict(source.state_dict())
+    assert_same_state(source.state_dict(), sched.state_dict())
+    assert sched.total_steps == 12 and sched.is_sampling and sched.cycle == 1
+
+
+def test_load_state_dict_refuses_a_zero_exploration_temperature_for_sgnht():
+    opt = SGNHT([torch.nn.Parameter(torch.zeros(2))], lr=0.1, num_data=10)
+    sched = CyclicalSGMCMC(opt, 10, 2, exploration_temperature=0.01)
+    before = sched.state_dict()
+    message = (
+        "Invalid state_dict: exploration_temperature=0.0 (expected a finite number > 0 for "
+        "SGNHT: SGNHT needs temperature > 0 (its dynamics diverge at temperature 0) and the "
+        "cyclical schedule's exploration stage runs at exploration_temperature, by default 0; "
+        "or exploration=0)"
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        sched.load_state_dict({**before, "exploration_temperature": 0.0})
+    message = "Invalid state_dict: base_temperatures[0]=0.0 (expected a finite number > 0)"
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        sched.load_state_dict({**before, "base_temperatures": [0.0]})
+    assert_same_state(before, sched.state_dict())
 
 
 def test_a_non_sampler_is_refused():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    before = optimizer_snapshot(opt)
     message = "Invalid optimizer: SGD (expected a sampler: param group 0 has no temperature)"
     with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
         CyclicalSGMCMC(opt, 10, 2)
+    assert optimizer_snapshot(opt) == before
+
+
+@pytest.mark.parametrize(
+    "optimizer", ["x", None, [torch.nn.Parameter(torch.zeros(2))]], ids=["str", "none", "params"]
+)
+def test_a_non_optimizer_is_refused_first(optimizer):
+    """The type of ``optimizer`` is checked before anything reads it (and before the other
+    arguments: cycle_length=0 would be refused too)."""
+    message = (
+        f"Invalid optimizer: {type(optimizer).__name__} (expected a sampler: a "
+        "torch.optim.Optimizer whose param groups have a temperature, e.g. SGHMC)"
+    )
+    for cycle_length in (10, 0):
+        with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
+            CyclicalSGMCMC(optimizer, cycle_length, 2)
 
 
 def test_sgnht_needs_a_positive_exploration_temperature():
     opt = SGNHT([torch.nn.Parameter(torch.zeros(2))], lr=0.1, num_data=10)
+    before = optimizer_snapshot(opt)
     message = (
-        "Invalid exploration_temperature: None (expected a finite number > 0 for SGNHT, "
-        "which needs temperature > 0; or exploration=0)"
+        "Invalid exploration_temperature: None (expected a finite number > 0 for SGNHT: "
+        "SGNHT needs temperature > 0 (its dynamics diverge at temperature 0) and the cyclical "
+        "schedule's exploration stage runs at exploration_temperature, by default 0; or "
+        "exploration=0)"
     )
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         CyclicalSGMCMC(opt, 10, 2)
+    assert optimizer_snapshot(opt) == before
+
+
+def make_hmc():
+    theta = torch.nn.Parameter(torch.ones(3))
+    opt = HMC([theta], lr=0.1, num_steps=3, num_data=10, seed=0)
+
+    def closure():
+        opt.zero_grad()
+        loss = 0.5 * theta.square().sum() / 10
+        loss.backward()
+        return loss
+
+    return theta, opt, closure
+
+
+@pytest.mark.parametrize("exploration_temperature", [None, 0.0])
+def test_hmc_needs_a_positive_exploration_temperature(exploration_temperature):
+    """HMC's Metropolis test divides by T: an exploration stage at T = 0 is refused at
+    construction, not at the first HMC.step."""
+    _, opt, _ = make_hmc()
+    before = optimizer_snapshot(opt)
+    message = (
+        f"Invalid exploration_temperature: {exploration_temperature!r} (expected a finite "
+        "number > 0 for HMC: HMC needs temperature > 0 (its Metropolis test divides by T) and "
+        "the cyclical schedule's exploration stage runs at exploration_temperature, by "
+        "default 0; or exploration=0)"
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        CyclicalSGMCMC(opt, 10, 2, exploration_temperature=exploration_temperature)
+    assert optimizer_snapshot(opt) == before
+
+
+@pytest.mark.parametrize(
+    "sched_kwargs", [{"exploration_temperature": 0.05}, {"exploration": 0.0}], ids=["warm", "none"]
+)
+def test_drives_hmc_at_positive_temperature(sched_kwargs):
+    theta, opt, closure = make_hmc()
+    sched = CyclicalSGMCMC(opt, cycle_length=4, num_cycles=2, **sched_kwargs)
+    explore = sched_kwargs.get("exploration_temperature", 0.0)
+    for k in range(sched.total_steps):
+        assert opt.param_groups[0]["temperature"] == (1.0 if sched.sampling_at(k) else explore)
+        opt.step(closure)
+        sched.step()
+    assert bool(torch.isfinite(theta).all())
 
 
 def test_step_takes_no_epoch():

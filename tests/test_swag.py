@@ -160,10 +160,227 @@ def test_state_dict_round_trip_continues_exactly():
         second.record(theta)
     assert torch.equal(first.deviations, second.deviations)
     assert torch.equal(flat(first.variance), flat(second.variance))
-    with pytest.raises(
-        ValueError, match=re.escape("Invalid state: for names ('weight', 'bias') and 4 deviations")
-    ):
-        SWAG(nn.Linear(3, 2), rank=3).load_state_dict(first.state_dict())
+    other = SWAG(nn.Linear(3, 2), rank=3)
+    message = (
+        "Invalid state_dict: deviations of shape (4, 8) (expected shape (3, 8): rank=3 x the 8 "
+        "treated weights)"
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        other.load_state_dict(first.state_dict())
+
+
+@pytest.mark.parametrize(("rank", "count"), [(0, 0), (0, 5), (3, 0), (3, 1), (3, 2), (3, 7)])
+def test_state_dict_round_trip_at_every_fill_of_the_ring_buffer(rank, count):
+    """Every state record() leaves (empty, partly and fully filled buffer) loads back."""
+    source = SWAG(nn.Linear(3, 2), rank=rank)
+    for theta in stream(count):
+        source.record(theta)
+    target = SWAG(nn.Linear(3, 2), rank=rank)
+    target.load_state_dict(source.state_dict())
+    assert_same_state(source.state_dict(), target.state_dict())
+
+
+def assert_same_state(before, after):
+    assert before.keys() == after.keys()
+    for key, value in before.items():
+        if torch.is_tensor(value):
+            assert torch.equal(after[key], value) and after[key].dtype == value.dtype, key
+        else:
+            assert type(after[key]) is type(value) and after[key] == value, key
+
+
+def recorded_swag(rank=3, count=5):
+    swag = SWAG(nn.Linear(3, 2), rank=rank)
+    for theta in stream(count):
+        swag.record(theta)
+    return swag  # rank 3, count 5: stored 3, next 2; P = 8
+
+
+def negative_m2(state):
+    m2 = state["m2"].clone()
+    m2[4] = -1.5
+    return m2
+
+
+INVALID_STATES = [
+    # (id, field, new value (or a function of the state), error, message)
+    (
+        "mean-shape",
+        "mean",
+        torch.zeros(3),
+        ValueError,
+        "mean of shape (3,) (expected shape (8,): the 8 treated weights)",
+    ),
+    (
+        "mean-dtype",
+        "mean",
+        lambda state: state["mean"].float(),
+        ValueError,
+        "mean of dtype torch.float32 (expected torch.float64, the dtype of the treated parameters)",
+    ),
+    (
+        "mean-not-a-tensor",
+        "mean",
+        [0.0] * 8,
+        TypeError,
+        "mean of type list (expected a torch.float64 tensor of shape (8,))",
+    ),
+    (
+        "mean-nan",
+        "mean",
+        lambda state: state["mean"].index_fill(0, torch.tensor([2]), math.nan),
+        ValueError,
+        "mean holds NaN or infinity (expected finite values, as record() keeps them)",
+    ),
+    (
+        "m2-shape",
+        "m2",
+        torch.zeros(2, 4),
+        ValueError,
+        "m2 of shape (2, 4) (expected shape (8,): the 8 treated weights)",
+    ),
+    (
+        "m2-inf",
+        "m2",
+        lambda state: state["m2"].index_fill(0, torch.tensor([0]), math.inf),
+        ValueError,
+        "m2 holds NaN or infinity (expected finite values, as record() keeps them)",
+    ),
+    (
+        "m2-negative",
+        "m2",
+        negative_m2,
+        ValueError,
+        "m2 with minimum -1.5 (expected values >= 0: the sums of squared deviations from the mean)",
+    ),
+    (
+        "deviations-shape",
+        "deviations",
+        torch.zeros(3, 7),
+        ValueError,
+        "deviations of shape (3, 7) (expected shape (3, 8): rank=3 x the 8 treated weights)",
+    ),
+    (
+        "deviations-dtype",
+        "deviations",
+        lambda state: state["deviations"].half(),
+        ValueError,
+        "deviations of dtype torch.float16 (expected torch.float64, the dtype of the treated "
+        "parameters)",
+    ),
+    (
+        "deviations-nan",
+        "deviations",
+        lambda state: state["deviations"] * math.nan,
+        ValueError,
+        "deviations holds NaN or infinity (expected finite values, as record() keeps them)",
+    ),
+    ("count-negative", "count", -3, ValueError, "count=-3 (expected an integer >= 0)"),
+    ("count-float", "count", 5.0, TypeError, "count=5.0 (expected an integer >= 0)"),
+    ("count-bool", "count", True, TypeError, "count=True (expected an integer >= 0)"),
+    (
+        "stored-above-rank",
+        "stored",
+        10,
+        ValueError,
+        "stored=10 (expected 3 = min(count, rank): the deviations kept of count=5 records "
+        "with rank=3)",
+    ),
+    (
+        "stored-below",
+        "stored",
+        2,
+        ValueError,
+        "stored=2 (expected 3 = min(count, rank): the deviations kept of count=5 records "
+        "with rank=3)",
+    ),
+    ("stored-negative", "stored", -1, ValueError, "stored=-1 (expected an integer >= 0)"),
+    (
+        "next",
+        "next",
+        0,
+        ValueError,
+        "next=0 (expected 2 = count mod rank (0 for rank 0): the ring buffer's next slot after "
+        "count=5 records with rank=3)",
+    ),
+    (
+        "names",
+        "names",
+        ("bias", "weight"),
+        ValueError,
+        "names=('bias', 'weight') (expected ('weight', 'bias'), this SWAG's treated names)",
+    ),
+    (
+        "names-str",
+        "names",
+        "weight",
+        ValueError,
+        "names='weight' (expected ('weight', 'bias'), this SWAG's treated names)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error", "message"),
+    [case[1:] for case in INVALID_STATES],
+    ids=[case[0] for case in INVALID_STATES],
+)
+def test_load_state_dict_refuses_an_invalid_field_and_changes_nothing(field, value, error, message):
+    """Each field is validated as the constructor validates its arguments; a refused state
+    leaves the statistics (and the draws) exactly as they were."""
+    swag = recorded_swag()
+    before = swag.state_dict()
+    draws = swag.sample(3, generator=torch.Generator().manual_seed(0))
+    state = swag.state_dict()
+    state[field] = value(state) if callable(value) else value
+    with pytest.raises(error, match="^" + re.escape("Invalid state_dict: " + message) + "$"):
+        swag.load_state_dict(state)
+    assert_same_state(before, swag.state_dict())
+    again = swag.sample(3, generator=torch.Generator().manual_seed(0))
+    assert all(torch.equal(draws[name], again[name]) for name in draws)
+
+
+def test_load_state_dict_refuses_states_no_record_sequence_produces():
+    """Counts of 0 and 1 fix the statistics: zeros before the first record, m2 = 0 after it."""
+    swag = recorded_swag()
+    before = swag.state_dict()
+    empty = SWAG(nn.Linear(3, 2), rank=3).state_dict()
+    message = (
+        "Invalid state_dict: nonzero mean at count=0 (expected zeros, as before the first record)"
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        swag.load_state_dict({**empty, "mean": torch.ones(8)})
+    one = recorded_swag(count=1).state_dict()
+    message = (
+        "Invalid state_dict: m2 with maximum 2.0 at count=1 (expected zeros: the squared "
+        "deviations of at most one record sum to 0)"
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        swag.load_state_dict({**one, "m2": torch.full((8,), 2.0)})
+    state = swag.state_dict()
+    del state["m2"], state["next"]
+    message = (
+        "Invalid state_dict: missing field(s) ['m2', 'next'] (expected a state from "
+        "SWAG.state_dict)"
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        swag.load_state_dict(state)
+    message = "Invalid state_dict: list (expected a mapping from SWAG.state_dict)"
+    with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
+        swag.load_state_dict([])
+    assert_same_state(before, swag.state_dict())
+
+
+def test_loaded_state_is_a_copy():
+    """Changing the state after loading it does not change the SWAG."""
+    source = recorded_swag()
+    state = source.state_dict()
+    target = SWAG(nn.Linear(3, 2), rank=3)
+    target.load_state_dict(state)
+    expected = target.state_dict()
+    state["mean"].add_(1.0)
+    state["deviations"].zero_()
+    assert_same_state(expected, target.state_dict())
 
 
 def test_subset_and_errors():
