@@ -130,6 +130,7 @@ import torch.nn.functional as F
 from common import (
     digits,
     example_arguments,
+    figure_title,
     member_minibatches,
     minibatches,
     mlp,
@@ -489,41 +490,49 @@ def plot(results: dict[str, Any], path: Path) -> None:
     from matplotlib.figure import Figure
 
     temperatures = results["temperatures"]
-    figure = Figure(figsize=(12, 4.5), layout="constrained")
+    figure = Figure(figsize=(14, 4.5), layout="constrained")
     axes = figure.subplots(1, 2)
+    # one colour per method family; within a Laplace family the sampled predictive is
+    # dotted with crosses, the linearised one solid with circles (visible in the legend)
     styles = {
-        "Laplace EF": ("C1", ":"),
-        "Laplace EF (linear)": ("C1", "-"),
-        "Laplace GGN": ("C2", ":"),
-        "Laplace GGN (linear)": ("C2", "-"),
-        "Laplace KFAC": ("C5", ":"),
-        "Laplace KFAC (linear)": ("C5", "-"),
-        "Last-layer Laplace": ("C6", "-"),
-        "VI": ("C4", "-"),
-        "Serial SGHMC": ("C0", "--"),
-        "Parallel SGHMC": ("C0", "-"),
+        "Laplace EF": ("C1", ":", "x"),
+        "Laplace EF (linear)": ("C1", "-", "o"),
+        "Laplace GGN": ("C2", ":", "x"),
+        "Laplace GGN (linear)": ("C2", "-", "o"),
+        "Laplace KFAC": ("C5", ":", "x"),
+        "Laplace KFAC (linear)": ("C5", "-", "o"),
+        "Last-layer Laplace": ("C6", "-", "o"),
+        "VI": ("C4", "-", "o"),
+        "Serial SGHMC": ("C9", "--", "s"),
+        "Parallel SGHMC": ("C0", "-", "D"),
     }
     for axis, metric, label in (
         (axes[0], "nll", "test NLL (log scale)"),
-        (axes[1], "accuracy", "test accuracy"),
+        (axes[1], "error", "test error = 1 - accuracy (log scale)"),
     ):
         for method in METHODS:
-            color, style = styles[method]
-            axis.plot(
-                temperatures, results[metric][method], "o", ls=style, color=color, label=method
-            )
+            color, style, marker = styles[method]
+            values = results["accuracy" if metric == "error" else metric][method]
+            if metric == "error":
+                values = [1.0 - value for value in values]
+            axis.plot(temperatures, values, marker=marker, ls=style, color=color, label=method)
         for method, color in zip(BASELINES, ("k", "C3"), strict=True):
-            axis.axhline(results["baselines"][method][metric], color=color, ls="--", label=method)
+            value = results["baselines"][method]["accuracy" if metric == "error" else metric]
+            if metric == "error":
+                value = 1.0 - value
+            axis.axhline(value, color=color, ls="--", label=method)
         axis.set_xscale("log")
+        axis.set_yscale("log")
         axis.set_xlabel("temperature T")
         axis.set_ylabel(label)
         axis.grid(alpha=0.3, which="both")
-    axes[0].set_yscale("log")
-    axes[1].set_ylim(bottom=max(0.0, min(axes[1].get_ylim()[0], 0.9)))
-    axes[0].legend(fontsize="small")
+    handles, labels = axes[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="outside right center", fontsize="small")
     figure.suptitle(
-        f"Cold posterior effect on digits (MLP 64-128-10, prior N(0, "
-        f"{results['prior_std']:g}^2), seed {results['seed']})"
+        figure_title(
+            f"Cold posterior effect on digits (MLP 64-128-10, prior N(0, "
+            f"{results['prior_std']:g}^2), seed {results['seed']})"
+        )
     )
     figure.savefig(path, dpi=120)
 

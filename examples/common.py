@@ -17,6 +17,9 @@ import torch
 from torch import Tensor, nn
 
 OUTPUT = Path(__file__).resolve().parent / "output"
+QUICK_MODE_NOTE = "quick mode: shorter runs, not the documented full-mode figures"
+# set by example_arguments from --quick: every printed table and figure title says so
+_quick_mode = False
 
 
 def output_path(name: str) -> Path:
@@ -38,7 +41,16 @@ def example_arguments(
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="the figure (PNG)")
     args = parser.parse_args(argv)
+    global _quick_mode
+    _quick_mode = args.quick
+    if args.quick:
+        print(f"[{QUICK_MODE_NOTE}]")
     return args.quick, args.seed, args.output or output_path(figure)
+
+
+def figure_title(text: str) -> str:
+    """A figure's title, marked as quick mode when the example runs with ``--quick``."""
+    return f"{text}\n[{QUICK_MODE_NOTE}]" if _quick_mode else text
 
 
 def digits(
@@ -149,6 +161,8 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: s
         return f"{value:.4f}" if isinstance(value, float) else str(value)
 
     widths = [max(len(c), *(len(cell(r.get(c, ""))) for r in rows)) for c in columns]
+    if _quick_mode:
+        title = f"{title} [{QUICK_MODE_NOTE}]" if title else f"[{QUICK_MODE_NOTE}]"
     lines = [title] if title else []
     lines.append("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))
     lines.append("  ".join("-" * w for w in widths))

@@ -81,6 +81,7 @@ import torch.nn.functional as F
 from common import (
     digits,
     example_arguments,
+    figure_title,
     minibatches,
     mlp,
     print_table,
@@ -305,7 +306,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
         axis.set_ylabel("test loss (cross-entropy)")
     axes[0].legend()
     figure.suptitle(
-        f"Permuted digits, {num_tasks} tasks: test loss after each episode (seed {results['seed']})"
+        figure_title(
+            f"Permuted digits, {num_tasks} tasks: test loss after each episode "
+            f"(seed {results['seed']})"
+        )
     )
     figure.savefig(path, dpi=120)
 

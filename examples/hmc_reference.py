@@ -57,7 +57,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from common import digits, example_arguments, member_minibatches, mlp, print_table, torch_threads
+from common import (
+    digits,
+    example_arguments,
+    figure_title,
+    member_minibatches,
+    mlp,
+    print_table,
+    torch_threads,
+)
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -479,7 +487,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     axes[2].set_xlabel("prior scale sigma")
     axes[2].set_ylabel("test accuracy")
     axes[2].legend()
-    fig.suptitle("HMC as the reference on digits (MLP, full-batch HMC chains)")
+    fig.suptitle(figure_title("HMC as the reference on digits (MLP, full-batch HMC chains)"))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -115,7 +115,7 @@ from typing import Any
 import pyro
 import pyro.distributions as dist
 import torch
-from common import example_arguments, print_table, progress, torch_threads, warm_up
+from common import example_arguments, figure_title, print_table, progress, torch_threads, warm_up
 from pyro import poutine
 from pyro.infer import MCMC, NUTS, Predictive
 from pyro.poutine.util import site_is_subsample
@@ -530,8 +530,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
         axis.invert_yaxis()
         axis.set_xlabel(label + "; wall time at the bar's end")
     figure.suptitle(
-        "Pima logistic regression in Pyro: posterior marginals and sample quality "
-        f"(S = {results['settings']['samples']}, seed {results['seed']})"
+        figure_title(
+            "Pima logistic regression in Pyro: posterior marginals and sample quality "
+            f"(S = {results['settings']['samples']}, seed {results['seed']})"
+        )
     )
     figure.savefig(path, dpi=110)
 

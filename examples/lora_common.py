@@ -16,6 +16,7 @@ import importlib
 import inspect
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,23 +53,27 @@ def docstrings(modules: Sequence[str] = MODULES) -> list[str]:
     """The docstrings of each module and of its classes, functions and methods (prose)."""
     found: list[str] = []
     seen: set[str] = set()
-    for name in modules:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:  # e.g. turtle without tkinter
-            continue
-        objects: list[Any] = [module]
-        for _, value in sorted(vars(module).items()):
-            if getattr(value, "__module__", None) != module.__name__:
+    # typing's deprecated typing.io/typing.re classes warn when their docs are read;
+    # they are read all the same, so the text stays what it was
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in modules:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:  # e.g. turtle without tkinter
                 continue
-            objects.append(value)
-            if inspect.isclass(value):
-                objects.extend(member for _, member in sorted(vars(value).items()))
-        for obj in objects:
-            doc = getattr(obj, "__doc__", None)
-            if isinstance(doc, str) and len(doc) > 40 and doc not in seen:
-                seen.add(doc)
-                found.append(_ascii(inspect.cleandoc(doc)))
+            objects: list[Any] = [module]
+            for _, value in sorted(vars(module).items()):
+                if getattr(value, "__module__", None) != module.__name__:
+                    continue
+                objects.append(value)
+                if inspect.isclass(value):
+                    objects.extend(member for _, member in sorted(vars(value).items()))
+            for obj in objects:
+                doc = getattr(obj, "__doc__", None)
+                if isinstance(doc, str) and len(doc) > 40 and doc not in seen:
+                    seen.add(doc)
+                    found.append(_ascii(inspect.cleandoc(doc)))
     return found
 
 

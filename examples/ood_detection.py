@@ -99,6 +99,7 @@ import torch.nn.functional as F
 from common import (
     digits,
     example_arguments,
+    figure_title,
     member_minibatches,
     minibatches,
     mlp,
@@ -402,8 +403,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
             axis.set_yscale("log")
     axes[0, 0].legend()
     figure.suptitle(
-        f"Uncertainty on digits {IN_CLASSES[0]}-{IN_CLASSES[-1]} (in, test images) and "
-        f"{OUT_CLASSES[0]}-{OUT_CLASSES[-1]} (out, never seen), seed {results['seed']}"
+        figure_title(
+            f"Uncertainty on digits {IN_CLASSES[0]}-{IN_CLASSES[-1]} (in, test images) and "
+            f"{OUT_CLASSES[0]}-{OUT_CLASSES[-1]} (out, never seen), seed {results['seed']}"
+        )
     )
     figure.savefig(path, dpi=120)
 
