@@ -31,7 +31,9 @@ solve, in memory O(P).
 Vectors are dicts name -> tensor shaped like the treated parameters (the parameters of
 ``model`` with ``requires_grad=True``, as everywhere in this package), or flat tensors of
 the P treated scalars in ``model.named_parameters()`` order; the result has the input's
-form.
+form. Arguments are checked, and a NaN or infinite vector, targets that do not fit the
+output, or a product or solution that is not finite are refused with a message naming the
+argument (and, for :func:`conjugate_gradient`, the iteration): no NaN is returned.
 
 References:
     Schraudolph (2002), Fast curvature matrix-vector products for second-order gradient
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from itertools import chain
 from typing import TypeVar, cast
 
 import torch
@@ -53,28 +56,65 @@ from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp
 
 from ._flat import Treated
-from ._likelihoods import make_likelihood
-from ._validation import check_positive_int
+from ._likelihoods import Classification, Likelihood, Regression, make_likelihood
+from ._validation import check_nonnegative, check_positive_int
 
 __all__ = ["conjugate_gradient", "fisher_vector_product", "ggn_vector_product"]
 
 Vector = TypeVar("Vector", Tensor, dict[str, Tensor])
 LikelihoodArg = str | Callable[[Tensor, Tensor], Tensor]
+_AnyVector = Tensor | dict[str, Tensor]
 
 
+# ---------------------------------------------------------------------------- finiteness
+def _kind(value: object) -> str:
+    """How a message names a value's type: ``None`` or the type's name."""
+    return "None" if value is None else type(value).__name__
+
+
+def _nonfinite(tensor: Tensor) -> str:
+    """``""`` when every value is finite, else which kinds occur: "nan", "inf", "nan and inf"."""
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return ""
+    if bool(torch.isfinite(tensor).all()):
+        return ""
+    kinds = [
+        kind
+        for kind, present in (
+            ("nan", bool(torch.isnan(tensor).any())),
+            ("inf", bool(torch.isinf(tensor).any())),
+        )
+        if present
+    ]
+    return " and ".join(kinds)
+
+
+def _nonfinite_vector(vector: _AnyVector) -> str:
+    """:func:`_nonfinite` of a tensor or of all the tensors of a dict together."""
+    tensors = [vector] if isinstance(vector, Tensor) else list(vector.values())
+    if bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()):
+        return ""
+    return " and ".join(
+        kind for kind in ("nan", "inf") if any(kind in _nonfinite(t) for t in tensors)
+    )
+
+
+# ---------------------------------------------------------------------------- products
 def _as_params(
     model: nn.Module, v: Tensor | Mapping[str, Tensor]
 ) -> tuple[Treated, dict[str, Tensor], dict[str, Tensor], bool]:
-    """(treated, current params, tangent dict, whether v was flat)."""
+    """(treated, current params, tangent dict, whether v was flat); v checked."""
     treated = Treated.of(model)
     current = dict(model.named_parameters())
     params = {name: current[name].detach() for name in treated.names}
     if isinstance(v, Tensor):
+        _check_real_v(v, None)
         if v.shape != (treated.numel,):
             raise ValueError(
                 f"Invalid v: shape {tuple(v.shape)} (expected ({treated.numel},): the "
                 "flat vector of the treated parameters, or a dict name -> tensor)"
             )
+        _check_finite_v(v, None)
         return treated, params, treated.unflatten(v.to(params[treated.names[0]])), True
     if not isinstance(v, Mapping):
         raise TypeError(
@@ -86,30 +126,162 @@ def _as_params(
         raise KeyError(f"Invalid v: missing {missing} (expected every treated name)")
     tangent = {}
     for name, shape in zip(treated.names, treated.shapes, strict=True):
-        if v[name].shape != shape:
-            raise ValueError(
-                f"Invalid v: {name!r} has shape {tuple(v[name].shape)} (expected {tuple(shape)})"
+        value = v[name]
+        if not isinstance(value, Tensor):
+            raise TypeError(
+                f"Invalid v: {name!r} is {_kind(value)} (expected a tensor of shape "
+                f"{tuple(shape)}, like the parameter: numbers are not broadcast)"
             )
-        tangent[name] = v[name].to(params[name])
+        _check_real_v(value, name)
+        if value.shape != shape:
+            raise ValueError(
+                f"Invalid v: {name!r} has shape {tuple(value.shape)} (expected {tuple(shape)})"
+            )
+        _check_finite_v(value, name)
+        tangent[name] = value.to(params[name])
     return treated, params, tangent, False
 
 
-def _output_fn(model: nn.Module, inputs: Tensor) -> Callable[[dict[str, Tensor]], Tensor]:
+def _check_real_v(value: Tensor, name: str | None) -> None:
+    if value.is_complex() or value.dtype == torch.bool:
+        subject = f"{name!r} has dtype" if name is not None else "dtype"
+        raise TypeError(
+            f"Invalid v: {subject} {value.dtype} (expected a real tensor: it is converted to "
+            "the parameters' dtype)"
+        )
+
+
+def _check_finite_v(value: Tensor, name: str | None) -> None:
+    kinds = _nonfinite(value)
+    if kinds:
+        subject = f"{name!r} has non-finite values" if name is not None else "non-finite values"
+        raise ValueError(f"Invalid v: {subject} ({kinds}) (expected finite numbers)")
+
+
+def _check_targets(like: Likelihood, out: Tensor, targets: object) -> None:
+    """Targets for the built-in likelihoods (a callable's targets are its own business).
+
+    Run on the first model output, before the likelihood sees it: the GGN of these
+    likelihoods does not read the targets, so a wrong batch would otherwise pass unnoticed.
+    An output the likelihood refuses is left to its own message.
+    """
+    if isinstance(like, Classification):
+        if out.dim() != 2:
+            return
+        batch, classes = out.shape
+        expected = (
+            f"class indices of shape ({batch},) in [0, {classes}) or class probabilities of "
+            f"shape ({batch}, {classes}), for the model output of shape ({batch}, {classes})"
+        )
+        if not isinstance(targets, Tensor) or targets.dtype == torch.bool or targets.is_complex():
+            what = (
+                f"dtype {targets.dtype}" if isinstance(targets, Tensor) else type(targets).__name__
+            )
+            raise TypeError(f"Invalid targets: {what} (expected {expected})")
+        if targets.is_floating_point():
+            if targets.shape != out.shape:
+                raise ValueError(
+                    f"Invalid targets: probabilities of shape {tuple(targets.shape)} (expected "
+                    f"{expected})"
+                )
+        else:
+            if targets.shape != (batch,):
+                raise ValueError(
+                    f"Invalid targets: class indices of shape {tuple(targets.shape)} (expected "
+                    f"{expected})"
+                )
+            if bool(((targets < 0) | (targets >= classes)).any()):
+                raise ValueError(
+                    f"Invalid targets: class indices outside [0, {classes}) (expected "
+                    f"{expected}; there is no ignore_index: leave such examples out)"
+                )
+    elif isinstance(like, Regression):
+        if not isinstance(targets, Tensor) or targets.dtype == torch.bool or targets.is_complex():
+            what = (
+                f"dtype {targets.dtype}" if isinstance(targets, Tensor) else type(targets).__name__
+            )
+            raise TypeError(
+                f"Invalid targets: {what} (expected a real tensor of the model output's shape "
+                f"{tuple(out.shape)} for likelihood='regression')"
+            )
+    else:
+        return
+    kinds = _nonfinite(targets)
+    if kinds:
+        raise ValueError(f"Invalid targets: non-finite values ({kinds}) (expected finite numbers)")
+
+
+def _output_fn(
+    model: nn.Module, inputs: Tensor, like: Likelihood, targets: Tensor
+) -> Callable[[dict[str, Tensor]], Tensor]:
+    checked = False
+
     def output(p: dict[str, Tensor]) -> Tensor:
+        nonlocal checked
         out = functional_call(model, p, (inputs,))
         if not isinstance(out, Tensor):
             raise TypeError(
                 f"Invalid model output: {type(out).__name__} (expected a tensor with the "
                 "batch as its first dimension)"
             )
+        if out.dim() == 0:
+            raise ValueError(
+                "Invalid model output: a 0-dim tensor (expected a tensor with the batch as its "
+                "first dimension)"
+            )
+        if not checked:
+            _check_targets(like, out, targets)
+            checked = True
         return out
 
     return output
 
 
-def _result(treated: Treated, grads: dict[str, Tensor], flat: bool) -> Tensor | dict[str, Tensor]:
+def _result(
+    function: str,
+    treated: Treated,
+    grads: dict[str, Tensor],
+    flat: bool,
+    model: nn.Module,
+    inputs: object,
+    targets: object,
+) -> Tensor | dict[str, Tensor]:
+    """The product in v's form; a non-finite one is refused, naming its cause."""
     out = {name: grads[name].detach() for name in treated.names}
+    if _nonfinite_vector(out):
+        _explain_nonfinite(function, out, model, inputs, targets)
     return treated.flatten(out) if flat else out
+
+
+def _explain_nonfinite(
+    function: str, out: dict[str, Tensor], model: nn.Module, inputs: object, targets: object
+) -> None:
+    """Raise for a non-finite product: the first non-finite input, else an overflow."""
+    named = chain(
+        (("parameter", name, t) for name, t in model.named_parameters()),
+        (("buffer", name, t) for name, t in model.named_buffers()),
+    )
+    for kind, name, tensor in named:
+        kinds = _nonfinite(tensor.detach())
+        if kinds:
+            raise ValueError(
+                f"Invalid model: {kind} {name!r} has non-finite values ({kinds}) (expected "
+                f"finite parameters and buffers: {function} linearizes the model at them)"
+            )
+    for arg, value in (("inputs", inputs), ("targets", targets)):
+        kinds = _nonfinite(value) if isinstance(value, Tensor) else ""
+        if kinds:
+            raise ValueError(
+                f"Invalid {arg}: non-finite values ({kinds}) (expected finite numbers)"
+            )
+    kinds = _nonfinite_vector(out)
+    dtype = next(iter(out.values())).dtype
+    raise ValueError(
+        f"Non-finite {function}: the product has {kinds} values although v, the model's "
+        f"parameters and buffers, the inputs and the targets are finite (the model output, "
+        f"its derivatives or the likelihood's curvature overflow {dtype}, or a callable "
+        "likelihood is not finite at these outputs)"
+    )
 
 
 def ggn_vector_product(
@@ -128,10 +300,13 @@ def ggn_vector_product(
 
     Args:
         model: the network; its output for ``inputs`` has the batch first.
-        inputs: a batch of inputs.
-        targets: the batch's targets (class indices or probabilities for
-            classification, tensors shaped like the output for regression).
-        v: a dict name -> tensor for every treated parameter, or the flat (P,) vector.
+        inputs: a batch of inputs (the model's one positional argument).
+        targets: the batch's targets: for classification, class indices ``(B,)`` in
+            ``[0, C)`` or probabilities ``(B, C)``; for regression, a tensor shaped like the
+            output (checked, finite, although the GGN of these likelihoods does not depend
+            on them); for a callable likelihood, whatever it takes (passed through).
+        v: a dict name -> tensor for every treated parameter (other names are ignored),
+            or the flat (P,) vector; real and finite, converted to the parameters' dtype.
         likelihood: ``"classification"`` (softmax cross-entropy, default),
             ``"regression"`` (Gaussian, standard deviation ``noise_std``) or a callable
             ``log_likelihood(output, target)`` returning one value per example (its output
@@ -139,11 +314,20 @@ def ggn_vector_product(
         noise_std: σ for ``likelihood="regression"`` (default None: 1.0).
 
     Returns:
-        The product, in the form of ``v`` (dict or flat tensor).
+        The product, in the form of ``v`` (dict or flat tensor), in the parameters' dtype.
+
+    Raises:
+        TypeError: ``v`` (or one of its entries), ``targets`` or the model output has the
+            wrong type.
+        KeyError: ``v`` lacks a treated name.
+        ValueError: a wrong shape or non-finite values in ``v`` or ``targets``, class
+            indices out of range, a bad ``likelihood``/``noise_std``, or a non-finite
+            product (the message names the non-finite parameter, buffer or input, or says
+            that the computation overflowed).
     """
     like = make_likelihood(likelihood, noise_std)
     treated, params, tangent, flat = _as_params(model, v)
-    output = _output_fn(model, inputs)
+    output = _output_fn(model, inputs, like, targets)
     with torch.no_grad():
         out, jv = jvp(output, (params,), (tangent,))[:2]
         factor = like.hessian_factor(out.detach(), targets).to(out.dtype)  # (B, O, K)
@@ -151,7 +335,8 @@ def ggn_vector_product(
         hu = torch.einsum("bok,bk->bo", factor, torch.einsum("bok,bo->bk", factor, u))
         pullback = vjp(output, params)[1]
         (grads,) = pullback(hu.reshape(out.shape))
-    return _result(treated, grads, flat)  # type: ignore[return-value]
+    result = _result("ggn_vector_product", treated, grads, flat, model, inputs, targets)
+    return cast(Vector, result)
 
 
 def fisher_vector_product(
@@ -171,18 +356,22 @@ def fisher_vector_product(
 
     Args:
         model: the network; its output for ``inputs`` has the batch first.
-        inputs: a batch of inputs.
-        targets: the batch's targets.
-        v: a dict name -> tensor for every treated parameter, or the flat (P,) vector.
+        inputs: a batch of inputs (the model's one positional argument).
+        targets: the batch's targets, as in :func:`ggn_vector_product`.
+        v: a dict name -> tensor for every treated parameter (other names are ignored),
+            or the flat (P,) vector; real and finite, converted to the parameters' dtype.
         likelihood: as in :func:`ggn_vector_product`.
         noise_std: σ for ``likelihood="regression"`` (default None: 1.0).
 
     Returns:
-        The product, in the form of ``v`` (dict or flat tensor).
+        The product, in the form of ``v`` (dict or flat tensor), in the parameters' dtype.
+
+    Raises:
+        TypeError, KeyError, ValueError: as :func:`ggn_vector_product`.
     """
     like = make_likelihood(likelihood, noise_std)
     treated, params, tangent, flat = _as_params(model, v)
-    output = _output_fn(model, inputs)
+    output = _output_fn(model, inputs, like, targets)
 
     def losses(p: dict[str, Tensor]) -> Tensor:
         return like.nll(output(p), targets)
@@ -191,23 +380,176 @@ def fisher_vector_product(
         gv = jvp(losses, (params,), (tangent,))[1]
         pullback = vjp(losses, params)[1]
         (grads,) = pullback(gv)
-    return _result(treated, grads, flat)  # type: ignore[return-value]
+    result = _result("fisher_vector_product", treated, grads, flat, model, inputs, targets)
+    return cast(Vector, result)
 
 
-def _dot(a: Tensor | dict[str, Tensor], b: Tensor | dict[str, Tensor]) -> Tensor:
+# ---------------------------------------------------------------------------- conjugate gradient
+def _tensors(vector: _AnyVector) -> list[Tensor]:
+    return [vector] if isinstance(vector, Tensor) else list(vector.values())
+
+
+def _flat(tensor: Tensor) -> Tensor:
+    """Flattened, in float32 at least (a float16 sum of squares overflows at 65504)."""
+    flat = tensor.reshape(-1)
+    return flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
+
+
+def _dot(a: _AnyVector, b: _AnyVector) -> Tensor:
+    """``a^T b``; both have the same structure (checked by the callers)."""
     if isinstance(a, Tensor):
-        assert isinstance(b, Tensor)
-        return torch.dot(a.reshape(-1), b.reshape(-1))
-    assert isinstance(b, dict)
-    parts = [torch.dot(a[k].reshape(-1), b[k].reshape(-1)) for k in a]
+        return torch.dot(_flat(a), _flat(cast(Tensor, b)))
+    b_dict = cast(dict[str, Tensor], b)
+    parts = [torch.dot(_flat(a[k]), _flat(b_dict[k])) for k in a]
     return torch.stack(parts).sum()
 
 
-def _axpy(alpha: Tensor | float, x: Vector, y: Vector) -> Vector:
+def _axpy(alpha: Tensor | float, x: _AnyVector, y: _AnyVector) -> _AnyVector:
     """``y + alpha * x``."""
     if isinstance(x, Tensor):
-        return y + alpha * x
-    return {k: y[k] + alpha * x[k] for k in x}
+        return cast(Tensor, y) + alpha * x
+    y_dict = cast(dict[str, Tensor], y)
+    return {k: y_dict[k] + alpha * x[k] for k in x}
+
+
+def _exponent(vector: _AnyVector) -> int:
+    """The exponent e with max |vector| in [2^(e-1), 2^e) (0 for a zero vector)."""
+    maxima = [t.detach().abs().max() for t in _tensors(vector) if t.numel()]
+    largest = float(torch.stack(maxima).max()) if maxima else 0.0
+    return math.frexp(largest)[1] if largest > 0 else 0
+
+
+def _scale(vector: _AnyVector, exponent: int) -> _AnyVector:
+    """``vector * 2**exponent``, exactly (in steps whose factor the dtype represents)."""
+
+    def one(tensor: Tensor) -> Tensor:
+        limit = int(-math.log2(torch.finfo(tensor.dtype).tiny))
+        left = exponent
+        while left:
+            step = max(-limit, min(limit, left))
+            tensor = tensor * math.ldexp(1.0, step)
+            left -= step
+        return tensor
+
+    if exponent == 0:
+        return vector
+    if isinstance(vector, Tensor):
+        return one(vector)
+    return {k: one(t) for k, t in vector.items()}
+
+
+def _check_b(b: object) -> _AnyVector:
+    """``b``: a floating-point tensor or a non-empty dict of them, finite (a dict is copied)."""
+    expected = "a tensor or a dict name -> tensor, floating-point and finite"
+    if isinstance(b, Tensor):
+        items: list[tuple[str | None, Tensor]] = [(None, b)]
+    elif isinstance(b, Mapping):
+        if not b:
+            raise ValueError(
+                f"Invalid b: an empty dict (expected {expected}, with at least one entry)"
+            )
+        items = []
+        for key, value in b.items():
+            if not isinstance(value, Tensor):
+                raise TypeError(f"Invalid b: {key!r} is {_kind(value)} (expected {expected})")
+            items.append((key, value))
+    else:
+        raise TypeError(f"Invalid b: {type(b).__name__} (expected {expected})")
+    for key, value in items:
+        subject = "" if key is None else f"{key!r} has "
+        if not value.is_floating_point():
+            raise TypeError(
+                f"Invalid b: {subject}dtype {value.dtype} (expected {expected}: the solution "
+                "has b's dtype)"
+            )
+        kinds = _nonfinite(value)
+        if kinds:
+            raise ValueError(
+                f"Invalid b: {subject}non-finite values ({kinds}) (expected finite numbers)"
+            )
+    return b if isinstance(b, Tensor) else {cast(str, key): value for key, value in items}
+
+
+def _conform(value: object, like: _AnyVector, name: str, context: str, hint: str) -> _AnyVector:
+    """``value`` (x0 or a matvec result) checked to have the structure of ``like`` (b).
+
+    Same type, keys and shapes, real dtypes and finite values; converted to b's dtypes and
+    devices. ``context`` says which product a matvec result is (empty for x0); ``hint``
+    ends the message about non-finite values.
+    """
+    returned = "it returned " if context else ""
+    if isinstance(like, Tensor):
+        if not isinstance(value, Tensor):
+            raise TypeError(
+                f"Invalid {name}: {returned}{_kind(value)}{context} (expected a tensor "
+                f"of shape {tuple(like.shape)}, like b)"
+            )
+        return _conform_tensor(value, like, name, returned, context, hint, None)
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"Invalid {name}: {returned}{_kind(value)}{context} (expected a dict with "
+            f"the keys of b, {list(like)})"
+        )
+    missing = [key for key in like if key not in value]
+    extra = [key for key in value if key not in like]
+    if missing or extra:
+        differences = "; ".join(
+            ([f"missing {missing}"] if missing else []) + ([f"unexpected {extra}"] if extra else [])
+        )
+        raise ValueError(
+            f"Invalid {name}: {returned}a dict{context} whose keys differ from b's "
+            f"({differences}) (expected the keys of b)"
+        )
+    conformed = {}
+    for key, tensor in like.items():
+        entry = value[key]
+        if not isinstance(entry, Tensor):
+            raise TypeError(
+                f"Invalid {name}: {returned}{key!r} as {_kind(entry)}{context} "
+                f"(expected a tensor of shape {tuple(tensor.shape)}, like b[{key!r}])"
+            )
+        conformed[key] = _conform_tensor(entry, tensor, name, returned, context, hint, key)
+    return conformed
+
+
+def _conform_tensor(
+    value: Tensor,
+    like: Tensor,
+    name: str,
+    returned: str,
+    context: str,
+    hint: str,
+    key: str | None,
+) -> Tensor:
+    of = "" if key is None else f"{key!r} of "
+    target = "b" if key is None else f"b[{key!r}]"
+    if value.shape != like.shape:
+        raise ValueError(
+            f"Invalid {name}: {returned}{of}shape {tuple(value.shape)}{context} (expected "
+            f"{tuple(like.shape)}, the shape of {target})"
+        )
+    if value.is_complex() or value.dtype == torch.bool:
+        raise TypeError(
+            f"Invalid {name}: {returned}{of}dtype {value.dtype}{context} (expected a real "
+            f"tensor, converted to the dtype of {target}, {like.dtype})"
+        )
+    kinds = _nonfinite(value)
+    if kinds:
+        where = "" if key is None else f" in {key!r}"
+        raise ValueError(
+            f"Invalid {name}: {returned}non-finite values ({kinds}){where}{context} (expected "
+            f"finite numbers{hint})"
+        )
+    return value.to(dtype=like.dtype, device=like.device)
+
+
+def _breakdown(iteration: int, what: str, value: float, dtype: str) -> ValueError:
+    return ValueError(
+        f"Invalid matvec: conjugate gradient broke down at iteration {iteration}: {what} = "
+        f"{value:.3g} is not finite in {dtype} (expected a symmetric positive-definite "
+        "operator that is not nearly singular at this scale: add damping or a prior, or use "
+        "float64)"
+    )
 
 
 def conjugate_gradient(
@@ -229,61 +571,133 @@ def conjugate_gradient(
     posterior solve, wrap the curvature product with its damping/prior, e.g.
     ``lambda v: prior * v + (N / n) * ggn_vector_product(model, x, y, v)``.
 
+    The iteration runs on the correction :math:`x - x_0`, with the residual scaled by a
+    power of two to unit size (exact, and undone at the end), so that :math:`r^\top r`
+    neither overflows nor underflows however large or small b is; ``matvec`` therefore
+    sees vectors of that scale (A must be linear). Every product is checked: a result of
+    another structure than b, or with NaN or infinite values, is refused at the iteration
+    that produced it, as are a breakdown of the recurrence (a curvature
+    :math:`p^\top Ap \le 0`, or a step that overflows) and a solution that overflows
+    b's dtype; no NaN is ever returned.
+
     Args:
-        matvec: the product :math:`v\mapsto Av` (A symmetric positive definite).
-        b: the right-hand side: a tensor (any shape) or a dict of tensors.
-        maxiter: at most this many iterations (default None: the number of scalars in b).
+        matvec: the product :math:`v\mapsto Av` (A symmetric positive definite), returning
+            the structure of v (a tensor of its shape, or a dict with its keys and
+            shapes); results are converted to b's dtype.
+        b: the right-hand side: a floating-point tensor (any shape) or a non-empty dict of
+            them; finite.
+        maxiter: at most this many iterations, an integer >= 1 (default None: the number
+            of scalars in b).
         tol: relative residual tolerance, a finite number >= 0 (default 1e-6).
-        x0: the starting point (default None: zero).
+        x0: the starting point, finite, with b's structure (default None: zero).
 
     Returns:
         x, in the form of ``b``.
+
+    Raises:
+        TypeError: ``matvec`` is not callable; ``b``, ``x0`` or a product has the wrong
+            type or dtype; ``maxiter`` or ``tol`` is not a number.
+        ValueError: ``b`` is empty or not finite; ``x0`` or a product has other keys or
+            shapes than ``b`` or non-finite values; ``maxiter < 1``, ``tol`` negative or
+            NaN; the operator is not positive definite along a search direction, or the
+            iteration or its solution overflows.
     """
-    if isinstance(b, Mapping):
-        b = cast(Vector, dict(b))
-        size = sum(t.numel() for t in b.values())
-    elif isinstance(b, Tensor):
-        size = b.numel()
-    else:
+    if not callable(matvec):
         raise TypeError(
-            f"Invalid b: {type(b).__name__} (expected a tensor or a dict name -> tensor)"
+            f"Invalid matvec: {type(matvec).__name__} (expected a callable v -> A v returning "
+            "the structure of v)"
         )
-    if maxiter is None:
-        maxiter = max(size, 1)
-    maxiter = check_positive_int("maxiter", maxiter)
-    if (
-        isinstance(tol, bool)
-        or not isinstance(tol, (int, float))
-        or not (math.isfinite(tol) and tol >= 0)
-    ):
-        raise ValueError(f"Invalid tol: {tol!r} (expected a finite number >= 0)")
+    operator = cast(Callable[[_AnyVector], object], matvec)
+    rhs = _check_b(b)
+    size = sum(t.numel() for t in _tensors(rhs))
+    maxiter = check_positive_int("maxiter", max(size, 1) if maxiter is None else maxiter)
+    tol = check_nonnegative("tol", tol)
+    start: _AnyVector | None = None
     if x0 is None:
-        x: Vector = (
-            torch.zeros_like(b)
-            if isinstance(b, Tensor)
-            else cast(Vector, {k: torch.zeros_like(t) for k, t in b.items()})
-        )
-        r = b
+        r = rhs
     else:
-        x = x0
-        r = _axpy(-1.0, matvec(x0), b)
-    p = r
-    rr = _dot(r, r)
-    threshold = (tol**2) * float(_dot(b, b))
-    for _ in range(maxiter):
-        if float(rr) <= threshold:
-            break
-        ap = matvec(p)
-        curvature = _dot(p, ap)
-        if float(curvature) <= 0:
+        start = _conform(x0, rhs, "x0", "", "")
+        product = _conform(
+            operator(start),
+            rhs,
+            "matvec",
+            " for A x0",
+            ": x0 is finite, so the operator produced them",
+        )
+        r = _axpy(-1.0, product, rhs)
+        kinds = _nonfinite_vector(r)
+        if kinds:
             raise ValueError(
-                f"Invalid matvec: p^T A p = {float(curvature):.3g} <= 0 for a search direction "
-                "(expected a symmetric positive-definite operator; add damping or a prior)"
+                f"Invalid x0: the residual b - A x0 overflows b's dtype ({kinds}) (expected a "
+                "starting point at the scale of the solution)"
             )
-        alpha = rr / curvature
-        x = _axpy(alpha, p, x)
+    # Solve A d = r for the correction d = x - x0 with r scaled by 2^-e_r to unit size.
+    e_r = _exponent(r)
+    r = _scale(r, -e_r)
+    e_b = e_r if start is None else _exponent(rhs)
+    unit_b = r if start is None else _scale(rhs, -e_b)
+    norm_b = math.sqrt(float(_dot(unit_b, unit_b)))  # ||b|| / 2^e_b
+    if tol == 0 or norm_b == 0:
+        threshold = 0.0
+    else:
+        try:
+            bound = math.ldexp(tol * norm_b, e_b - e_r)  # tol ||b|| / 2^e_r
+        except OverflowError:
+            bound = math.inf
+        threshold = bound * bound
+    d: _AnyVector = (
+        torch.zeros_like(r)
+        if isinstance(r, Tensor)
+        else {k: torch.zeros_like(t) for k, t in r.items()}
+    )
+    p = r
+    rr_t = _dot(r, r)
+    rr = float(rr_t)
+    dtype = ", ".join(sorted({str(t.dtype) for t in _tensors(rhs)}))
+    for iteration in range(1, maxiter + 1):
+        if rr <= threshold:
+            break
+        ap = _conform(
+            operator(p),
+            rhs,
+            "matvec",
+            f" for A p at iteration {iteration}",
+            ": p is finite, so the operator produced them",
+        )
+        curvature_t = _dot(p, ap)
+        curvature = float(curvature_t)
+        if not math.isfinite(curvature):
+            raise _breakdown(iteration, "p^T A p", curvature, dtype)
+        if not (curvature > 0):
+            norm_p = float(_dot(p, p))
+            rayleigh = curvature / norm_p if norm_p > 0 else curvature
+            raise ValueError(
+                f"Invalid matvec: p^T A p / p^T p = {rayleigh:.3g} <= 0 for the search "
+                f"direction p at iteration {iteration} (expected a symmetric positive-definite "
+                "operator; add damping or a prior)"
+            )
+        alpha = rr_t / curvature_t
+        if not math.isfinite(float(alpha)):
+            raise _breakdown(iteration, "the step r^T r / p^T A p", float(alpha), dtype)
+        d = _axpy(alpha, p, d)
         r = _axpy(-alpha, ap, r)
-        rr_new = _dot(r, r)
-        p = _axpy(rr_new / rr, p, r)
-        rr = rr_new
-    return x
+        rr_new_t = _dot(r, r)
+        rr_new = float(rr_new_t)
+        if not math.isfinite(rr_new):
+            raise _breakdown(iteration, "the residual's r^T r", rr_new, dtype)
+        beta = rr_new_t / rr_t
+        if not math.isfinite(float(beta)):
+            raise _breakdown(iteration, "the ratio r_new^T r_new / r^T r", float(beta), dtype)
+        p = _axpy(beta, p, r)
+        rr_t, rr = rr_new_t, rr_new
+    x = _scale(d, e_r)
+    if start is not None:
+        x = _axpy(1.0, x, start)
+    kinds = _nonfinite_vector(x)
+    if kinds:
+        raise ValueError(
+            f"Invalid matvec: the solution x of A x = b overflows b's dtype ({kinds}) "
+            "(expected an operator that is not nearly singular at the scale of b: add damping "
+            "or a prior, or use float64)"
+        )
+    return cast(Vector, x)
