@@ -76,6 +76,45 @@ def _check_decay(decay: Any) -> float:
     return float(decay)
 
 
+def _factor(precision: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The symmetrised dense precision, its Cholesky factor and LAPACK's ``info`` (0: ok)."""
+    precision = 0.5 * (precision + precision.T)
+    cholesky, info = torch.linalg.cholesky_ex(precision)
+    return precision, cholesky, info
+
+
+def _not_positive_definite(dtype: torch.dtype) -> str:
+    return (
+        "Invalid precision: the filtered dense precision is not positive definite "
+        f"in {dtype} (expected prior_precision large enough to dominate "
+        "round-off; increase it or use float64)"
+    )
+
+
+def _may_be_non_finite(tensor: Tensor) -> bool:
+    """Whether ``tensor`` can hold NaN or ±inf at all (integer and bool tensors cannot)."""
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _non_finite_kind(tensor: Tensor) -> str | None:
+    """``"nan"``, ``"inf"`` or ``"-inf"``: the first kind of non-finite value present, if any.
+
+    Reads back to the host; for error messages only.
+    """
+    if not _may_be_non_finite(tensor):
+        return None
+    tensor = tensor.detach()
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    if bool(torch.isnan(tensor).any()):
+        return "nan"
+    if bool(torch.isposinf(tensor).any()):
+        return "inf"
+    if bool(torch.isneginf(tensor).any()):
+        return "-inf"
+    return None
+
+
 class ExtendedKalmanFilter(_Gaussian):
     r"""Online Gaussian posterior :math:`\mathcal N(\mu_t, T\Lambda_t^{-1})` by minibatch EKF.
 
@@ -162,14 +201,9 @@ class ExtendedKalmanFilter(_Gaussian):
             self._cholesky = None
 
     def _set_dense(self, precision: Tensor) -> None:
-        precision = 0.5 * (precision + precision.T)
-        cholesky, info = torch.linalg.cholesky_ex(precision)
+        precision, cholesky, info = _factor(precision)
         if info != 0:
-            raise ValueError(
-                "Invalid precision: the filtered dense precision is not positive definite "
-                f"in {precision.dtype} (expected prior_precision large enough to dominate "
-                "round-off; increase it or use float64)"
-            )
+            raise ValueError(_not_positive_definite(precision.dtype))
         self._precision, self._cholesky = precision, cholesky
 
     def _write_mean(self) -> None:
@@ -186,51 +220,144 @@ class ExtendedKalmanFilter(_Gaussian):
         first) with the model in eval mode (its mode is restored). Afterwards the model's
         treated parameters hold the new mean.
 
+        The update is atomic: it is computed aside and checked (one host synchronisation of
+        its own) before anything changes. A refused update leaves the filter (mean,
+        precision, ``steps``) and the model's parameters exactly as they were, so the next
+        update proceeds as if it had never been tried.
+
         Args:
             batch: a pair ``(inputs, targets)`` (moved to the parameters' device).
 
         Returns:
             :math:`\sum_{i\in B_t}\ell_i(\mu_{t-1})`, the batch's negative log-likelihood
             under the predicted mean (the prequential loss), detached.
+
+        Raises:
+            ValueError: the inputs or targets contain NaN or ±inf; or, from finite but huge
+                values, the new mean or precision or the returned negative log-likelihood
+                is non-finite; or (``"dense"``) the new precision is not positive definite.
         """
         inputs, targets = _split_batch(batch)
         ref = self._reference()
         inputs, targets = inputs.to(ref.device), targets.to(ref.device)
         mean, precision = self._fitted()
-        self._write_mean()
-        training = self.model.training
-        self.model.eval()
+        # Atomic: everything is computed into temporaries and checked (one host sync)
+        # before the filter's state or the model's weights change; on any failure the
+        # model's treated parameters are put back as they were.
+        saved = self.treated.current(self.model)
         try:
-            params = {name: mean[name].detach().requires_grad_(True) for name in mean}
-            with torch.enable_grad():
-                output = functional_call(self.model, params, (inputs,))
-                nll = self.likelihood.nll(output, targets).sum()
-                grads = torch.autograd.grad(nll, [params[n] for n in self.treated.names])
-            gradient = torch.cat([g.reshape(-1) for g in grads])
+            self._write_mean()
+            training = self.model.training
+            self.model.eval()
+            try:
+                params = {name: mean[name].detach().requires_grad_(True) for name in mean}
+                with torch.enable_grad():
+                    output = functional_call(self.model, params, (inputs,))
+                    nll = self.likelihood.nll(output, targets).sum()
+                    grads = torch.autograd.grad(nll, [params[n] for n in self.treated.names])
+                gradient = torch.cat([g.reshape(-1) for g in grads])
+                if self.structure == "dense":
+                    curv = dense_curvature(
+                        self.model, self.treated, inputs, targets, self.likelihood, self.curvature
+                    )
+                else:
+                    part = diag_curvature(
+                        self.model, self.treated, inputs, targets, self.likelihood, self.curvature
+                    )
+                    curv = self.treated.flatten(part)
+            finally:
+                self.model.train(training)
+            flat_mean = self.treated.flatten(mean)
+            cholesky: Tensor | None = None
             if self.structure == "dense":
-                curv = dense_curvature(
-                    self.model, self.treated, inputs, targets, self.likelihood, self.curvature
-                )
+                assert isinstance(precision, Tensor)
+                new_precision, cholesky, info = _factor(self.decay * precision + curv)
+                factored = info == 0
+                step = torch.cholesky_solve(gradient.unsqueeze(-1), cholesky).squeeze(-1)
             else:
-                part = diag_curvature(
-                    self.model, self.treated, inputs, targets, self.likelihood, self.curvature
-                )
-                curv = self.treated.flatten(part)
-        finally:
-            self.model.train(training)
-        flat_mean = self.treated.flatten(mean)
-        if self.structure == "dense":
-            assert isinstance(precision, Tensor)
-            self._set_dense(self.decay * precision + curv)
-            assert self._cholesky is not None
-            step = torch.cholesky_solve(gradient.unsqueeze(-1), self._cholesky).squeeze(-1)
+                assert isinstance(precision, dict)
+                new_precision = self.decay * self.treated.flatten(precision) + curv
+                factored = None
+                step = gradient / new_precision
+            new_flat_mean = (flat_mean - step).detach()
+            loss = nll.detach()
+            healthy = (
+                torch.isfinite(new_flat_mean).all()
+                & torch.isfinite(new_precision).all()
+                & torch.isfinite(loss)
+            )
+            for tensor in (inputs, targets):
+                if _may_be_non_finite(tensor):
+                    healthy = healthy & torch.isfinite(tensor).all()
+            if factored is not None:
+                healthy = healthy & factored
+            ok = bool(healthy)  # the one host synchronisation of a healthy update
+        except Exception as error:
+            self._restore(saved)
+            # An error raised while computing on a non-finite batch is reported as that.
+            self._check_batch(inputs, targets, cause=error)
+            raise
+        except BaseException:
+            self._restore(saved)
+            raise
+        if not ok:
+            self._restore(saved)
+            self._refuse(inputs, targets, new_precision, factored, new_flat_mean, loss)
+        # Commit.
+        if cholesky is not None:
+            self._precision, self._cholesky = new_precision, cholesky
         else:
-            assert isinstance(precision, dict)
-            diag = self.decay * self.treated.flatten(precision) + curv
-            self._precision = self.treated.unflatten(diag)
-            step = gradient / diag
-        new_mean = self.treated.unflatten(flat_mean - step)
-        self._mean = {name: value.detach().clone() for name, value in new_mean.items()}
+            self._precision = self.treated.unflatten(new_precision)
+        self._mean = {
+            name: value.clone() for name, value in self.treated.unflatten(new_flat_mean).items()
+        }
         self._write_mean()
         self.steps += 1
-        return nll.detach()
+        return loss
+
+    def _restore(self, saved: dict[str, Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name in self.treated.names:
+                params[name].copy_(saved[name])
+
+    def _check_batch(self, inputs: Tensor, targets: Tensor, cause: Exception | None = None) -> None:
+        """ValueError naming the first non-finite part of the batch, if any (host syncs)."""
+        for part, tensor in (("inputs", inputs), ("targets", targets)):
+            kind = _non_finite_kind(tensor)
+            if kind is not None:
+                raise ValueError(
+                    f"Invalid batch: {part} contain a non-finite value ({kind}) at update "
+                    f"{self.steps + 1} (expected finite inputs and targets; the filter and "
+                    "the model were left unchanged)"
+                ) from cause
+
+    def _refuse(
+        self,
+        inputs: Tensor,
+        targets: Tensor,
+        precision: Tensor,
+        factored: Tensor | None,
+        flat_mean: Tensor,
+        loss: Tensor,
+    ) -> None:
+        """Raise the ValueError explaining why the checked update is unhealthy."""
+        self._check_batch(inputs, targets)
+        dtype = flat_mean.dtype
+
+        def check(what: str, tensor: Tensor) -> None:
+            kind = _non_finite_kind(tensor)
+            if kind is not None:
+                raise ValueError(
+                    f"Invalid batch: its update is non-finite in {dtype} ({what}: {kind}) at "
+                    f"update {self.steps + 1} (expected inputs and targets on a scale the model "
+                    f"and the filter can represent in {dtype}; the filter and the model were "
+                    "left unchanged)"
+                )
+
+        check("new precision", precision)
+        if factored is not None and not bool(factored):
+            raise ValueError(_not_positive_definite(dtype))
+        check("new mean", flat_mean)
+        check("negative log-likelihood", loss)
+        raise AssertionError("unreachable: an unhealthy update with no culprit")  # pragma: no cover

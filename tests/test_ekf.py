@@ -244,3 +244,155 @@ def test_singular_dense_precision_is_refused():
         match=re.escape("Invalid precision: the filtered dense precision is not positive definite"),
     ):
         ekf.update((torch.randn(2, 10), torch.randn(2, 1)))
+
+
+# --------------------------------------------------------------- refused (non-finite) updates
+HUGE = {torch.float32: 1e20, torch.float64: 1e200}  # finite, but its square overflows
+NON_FINITE = "Invalid batch: {part} contain a non-finite value ({kind}) at update 2 (expected "
+NON_FINITE += "finite inputs and targets; the filter and the model were left unchanged)"
+OVERFLOW = "Invalid batch: its update is non-finite in {dtype} ({what}: "
+BAD_BATCHES = {
+    # name: (which of x / y, the value put in, the start of the message)
+    "y_inf": ("y", math.inf, re.escape(NON_FINITE.format(part="targets", kind="inf"))),
+    "y_neg_inf": ("y", -math.inf, re.escape(NON_FINITE.format(part="targets", kind="-inf"))),
+    "y_nan": ("y", math.nan, re.escape(NON_FINITE.format(part="targets", kind="nan"))),
+    "x_nan": ("x", math.nan, re.escape(NON_FINITE.format(part="inputs", kind="nan"))),
+    "x_inf": ("x", math.inf, re.escape(NON_FINITE.format(part="inputs", kind="inf"))),
+    "x_neg_inf": ("x", -math.inf, re.escape(NON_FINITE.format(part="inputs", kind="-inf"))),
+    "x_huge": ("x", "huge", "new precision"),
+    "y_huge": ("y", "huge", "negative log-likelihood"),
+}
+
+
+def make_filter(structure, dtype=torch.float64):
+    torch.manual_seed(7)
+    model = nn.Linear(3, 2).to(dtype)
+    ekf = ExtendedKalmanFilter(
+        model, likelihood="regression", noise_std=NOISE, structure=structure, prior_precision=PRIOR
+    )
+    return model, ekf
+
+
+def snapshot(ekf):
+    """Copies of every piece of the filter's own state (tensors, dicts of tensors, scalars)."""
+    state = {}
+    for key, value in vars(ekf).items():
+        if isinstance(value, torch.Tensor):
+            state[key] = value.clone()
+        elif isinstance(value, dict) and all(isinstance(v, torch.Tensor) for v in value.values()):
+            state[key] = {name: tensor.clone() for name, tensor in value.items()}
+        elif isinstance(value, (int, float, str, type(None))):
+            state[key] = value
+    assert {"_mean", "_precision", "_cholesky", "steps"} <= state.keys()
+    return state
+
+
+def assert_same(state, other):
+    assert state.keys() == other.keys()
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, other[key]), key
+        elif isinstance(value, dict):
+            assert value.keys() == other[key].keys(), key
+            assert all(torch.equal(value[n], other[key][n]) for n in value), key
+        else:
+            assert value == other[key], key
+
+
+def weights(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def assert_same_weights(model, expected):
+    now = dict(model.named_parameters())
+    assert now.keys() == expected.keys()
+    assert all(torch.equal(now[name].detach(), expected[name]) for name in expected)
+
+
+def spoil(x, y, bad, dtype):
+    which, value, _ = BAD_BATCHES[bad]
+    x, y = x.clone(), y.clone()
+    (x if which == "x" else y)[1, 0] = HUGE[dtype] if value == "huge" else value
+    return x, y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("bad", list(BAD_BATCHES))
+@pytest.mark.parametrize("structure", ["diag", "dense"])
+def test_non_finite_update_is_refused_and_changes_nothing(structure, bad, dtype):
+    x, y = blr_data(n=12)
+    x, y = x.to(dtype), torch.cat([y, -y], 1).to(dtype)
+    model, ekf = make_filter(structure, dtype)
+    reference_model, reference = make_filter(structure, dtype)  # never sees the bad batch
+    ekf.update((x[:6], y[:6]))
+    reference.update((x[:6], y[:6]))
+    state, params = snapshot(ekf), weights(model)
+    message = BAD_BATCHES[bad][2]
+    if message in ("new precision", "negative log-likelihood"):
+        message = re.escape(OVERFLOW.format(dtype=dtype, what=message)) + r"(inf|nan)\) at update 2"
+    with pytest.raises(ValueError, match=message):
+        ekf.update(spoil(x[6:], y[6:], bad, dtype))
+    assert ekf.steps == 1
+    assert_same(snapshot(ekf), state)
+    assert_same_weights(model, params)
+    # The next good update is exactly the one the untouched filter makes.
+    loss = ekf.update((x[6:], y[6:]))
+    assert torch.equal(loss, reference.update((x[6:], y[6:])))
+    assert ekf.steps == 2
+    assert_same(snapshot(ekf), snapshot(reference))
+    assert_same_weights(model, weights(reference_model))
+    assert torch.isfinite(flat(ekf.mean)).all()
+
+
+@pytest.mark.parametrize("bad", ["x_nan", "y_inf", "x_huge"])
+@pytest.mark.parametrize("structure", ["diag", "dense"])
+def test_refused_update_puts_back_weights_the_user_changed(structure, bad):
+    """update() writes the mean into the model to take the curvature; refused, it must put
+    back what the model held, not leave the filter's mean there."""
+    x, y = blr_data(n=12)
+    x, y = x.float(), torch.cat([y, -y], 1).float()
+    model, ekf = make_filter(structure, torch.float32)
+    ekf.update((x[:6], y[:6]))
+    with torch.no_grad():
+        model.weight.add_(10.0)
+    state, params = snapshot(ekf), weights(model)
+    with pytest.raises(ValueError, match=re.escape("Invalid batch: ")):
+        ekf.update(spoil(x[6:], y[6:], bad, torch.float32))
+    assert_same(snapshot(ekf), state)
+    assert_same_weights(model, params)
+
+
+class Broken(nn.Linear):
+    """A model whose forward raises once ``broken`` is set."""
+
+    broken = False
+
+    def forward(self, x):
+        if self.broken:
+            raise RuntimeError("Broken: refused")
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("structure", ["diag", "dense"])
+def test_error_inside_the_update_changes_nothing(structure):
+    x, y = blr_data(n=12)
+    torch.manual_seed(7)
+    model = Broken(3, 1)
+    ekf = ExtendedKalmanFilter(model, likelihood="regression", structure=structure)
+    ekf.update((x[:6], y[:6]))
+    with torch.no_grad():
+        model.bias.add_(1.0)
+    state, params = snapshot(ekf), weights(model)
+    model.broken = True
+    with pytest.raises(RuntimeError, match="Broken: refused"):  # propagated as it is
+        ekf.update((x[6:], y[6:]))
+    assert_same(snapshot(ekf), state)
+    assert_same_weights(model, params)
+    # On a non-finite batch, an error the model raises is reported as the batch's fault.
+    with pytest.raises(ValueError, match=re.escape("Invalid batch: inputs contain a non-finite")):
+        ekf.update(spoil(x[6:], y[6:], "x_inf", torch.float64))
+    assert_same(snapshot(ekf), state)
+    assert_same_weights(model, params)
+    model.broken = False
+    ekf.update((x[6:], y[6:]))
+    assert ekf.steps == 2
