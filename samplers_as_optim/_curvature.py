@@ -41,6 +41,14 @@ tests check one against the other.
 
 Examples must not interact (batch norm in training mode would make them): the wrappers
 run the model in eval mode while computing curvature.
+
+**Non-finite data.** Every path runs the batch through :func:`_forward`, which refuses
+(``ValueError``) a batch whose inputs, targets or model outputs hold NaN or ±inf: one NaN
+would otherwise turn every sum it enters into NaN (a NaN diagonal precision and NaN
+samples; a Kronecker factor whose eigendecomposition fails), and a target the curvature
+does not depend on (the GGN of a Gaussian or softmax likelihood) would pass unseen. What
+finite data can still overflow, the summed curvature, :func:`check_finite_curvature`
+refuses where the sums are complete.
 """
 
 from __future__ import annotations
@@ -57,7 +65,14 @@ from torch.func import functional_call, vjp, vmap
 from ._flat import Treated
 from ._likelihoods import Likelihood
 
-__all__ = ["DenseSum", "batch_factor", "dense_curvature", "diag_curvature"]
+__all__ = [
+    "DenseSum",
+    "batch_factor",
+    "check_finite_batch",
+    "check_finite_curvature",
+    "dense_curvature",
+    "diag_curvature",
+]
 
 # Bytes of per-example gradients held at once by the generic path and the conv path.
 _CHUNK_BYTES = 2**27
@@ -226,8 +241,83 @@ def _generic_diag(
     out.update(totals)
 
 
+def _locate_non_finite(tensor: Tensor) -> str:
+    """``"2 non-finite values, the first (nan) in example 3 of 8"`` (host syncs)."""
+    bad = ~torch.isfinite(tensor)
+    count = int(bad.sum())
+    first = tensor.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]].item()
+    values = "value" if count == 1 else "values"
+    where = f"{count} non-finite {values}, the first ({first})"
+    if tensor.dim() >= 1:
+        example = int(bad.reshape(bad.shape[0], -1).any(1).nonzero()[0, 0])
+        where += f" in example {example} of {tensor.shape[0]}"
+    return where
+
+
+def check_finite_batch(inputs: object, target: object, output: Tensor) -> None:
+    """Refuse a batch whose inputs, targets or model outputs hold NaN or ±inf.
+
+    Non-floating tensors (class indices, token ids) and non-tensors are not checked.
+    Costs one device synchronisation per batch (the entries are located only on failure).
+
+    Raises:
+        ValueError: naming which of the three is not finite, how many values, the first
+            one and its example.
+    """
+    checked = [
+        (what, value)
+        for what, value in (("inputs", inputs), ("targets", target), ("output", output))
+        if isinstance(value, Tensor) and (value.is_floating_point() or value.is_complex())
+    ]
+    if not checked:
+        return
+    finite = torch.stack([value.isfinite().all().to(output.device) for _, value in checked])
+    if bool(finite.all()):
+        return
+    for what, value in checked:
+        if bool(value.isfinite().all()):
+            continue
+        if what == "output":
+            raise ValueError(
+                f"Invalid model output: {_locate_non_finite(value)}, for finite inputs and "
+                "targets (expected finite outputs: check the weights for NaN or inf, and the "
+                f"forward pass for overflow in {value.dtype})"
+            )
+        raise ValueError(
+            f"Invalid batch: {what} contain {_locate_non_finite(value)} (expected finite "
+            "inputs and targets: drop or impute those examples)"
+        )
+
+
+def check_finite_curvature(parts: Iterable[Tensor], dtype: torch.dtype) -> None:
+    """Refuse a summed curvature (or the precision built from it) holding NaN or ±inf.
+
+    Every batch's inputs, targets and outputs passed :func:`check_finite_batch`, so this
+    is an overflow of the sums in ``dtype`` or a likelihood whose output gradient or
+    Hessian is not finite.
+
+    Raises:
+        ValueError: saying so, with the dtype.
+    """
+    finite = [part.isfinite().all() for part in parts]
+    if not finite or bool(torch.stack([flag.to(finite[0].device) for flag in finite]).all()):
+        return
+    raise ValueError(
+        f"Invalid curvature: the summed curvature holds NaN or inf in {dtype} although every "
+        "batch's inputs, targets and model outputs are finite (expected finite sums: it "
+        "overflowed, so rescale the inputs or fit in float64, or the likelihood's output "
+        "gradient or Hessian is not finite)"
+    )
+
+
 def _forward(model: nn.Module, x: Tensor, target: Tensor) -> Tensor:
-    return _check_output(model(x))
+    """The model's output for a curvature pass, refused if it or the data are not finite.
+
+    See :func:`check_finite_batch`; every curvature path (diag, dense, kron) runs this.
+    """
+    output = _check_output(model(x))
+    check_finite_batch(x, target, output)
+    return output
 
 
 def diag_curvature(

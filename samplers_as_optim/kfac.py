@@ -65,7 +65,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._curvature import _capture, _check_output, _fast_layers, batch_factor, diag_curvature
+from ._curvature import (
+    _capture,
+    _fast_layers,
+    _forward,
+    batch_factor,
+    check_finite_curvature,
+    diag_curvature,
+)
 from ._flat import Treated
 from ._likelihoods import Likelihood
 
@@ -157,11 +164,12 @@ def kron_curvature(
 
     Raises:
         ValueError: a layer is called more than once per forward, or on an input without
-            the batch first (its Kronecker factors would be wrong).
+            the batch first (its Kronecker factors would be wrong); the batch's inputs,
+            targets or model outputs hold NaN or inf.
     """
     batch = x.shape[0]
-    with _capture(layers) as records, torch.set_grad_enabled(True):
-        output = _check_output(model(x))
+    with _capture(layers) as records, torch.set_grad_enabled(bool(layers)):
+        output = _forward(model, x, target)
     factor = batch_factor(likelihood, kind, output.detach(), target)
     names = {module: name for name, module in model.named_modules()}
     for module in layers:
@@ -175,12 +183,17 @@ def kron_curvature(
     outputs = [records[module][0][2] for module in layers]
     columns = factor.shape[-1]
     grad_outputs = factor.permute(2, 0, 1).reshape(columns, *output.shape)
-    grads = torch.autograd.grad(
-        output,
-        outputs,
-        grad_outputs if columns > 1 else grad_outputs[0],
-        is_grads_batched=columns > 1,
-        allow_unused=True,
+    # No layer (a subset of, say, normalisation weights only): nothing to differentiate.
+    grads = (
+        torch.autograd.grad(
+            output,
+            outputs,
+            grad_outputs if columns > 1 else grad_outputs[0],
+            is_grads_batched=columns > 1,
+            allow_unused=True,
+        )
+        if outputs
+        else ()
     )
     sums = []
     for (module, entries), layer_out, grad in zip(layers.items(), outputs, grads, strict=True):
@@ -373,11 +386,23 @@ def build_precision(
     prior: float,
     shapes: Mapping[str, torch.Size],
 ) -> KronPrecision:
-    """Eigendecompose the summed factors: G scaled by ``scale``, A the mean over rows."""
+    """Eigendecompose the summed factors: G scaled by ``scale``, A the mean over rows.
+
+    Raises:
+        ValueError: a factor or the diagonal is not finite (overflow; see
+            :func:`~samplers_as_optim._curvature.check_finite_curvature`), before any
+            eigendecomposition fails on it.
+    """
+    factors = [
+        (0.5 * (item.g + item.g.T) * scale, 0.5 * (item.a + item.a.T) / max(item.rows, 1))
+        for item in sums
+    ]
+    diagonal = {name: prior + scale * value for name, value in diag.items()}
+    parts = [factor for pair in factors for factor in pair] + list(diagonal.values())
+    if parts:
+        check_finite_curvature(parts, parts[0].dtype)
     blocks = []
-    for item in sums:
-        g = 0.5 * (item.g + item.g.T) * scale
-        a = 0.5 * (item.a + item.a.T) / max(item.rows, 1)
+    for item, (g, a) in zip(sums, factors, strict=True):
         g_values, g_vectors = torch.linalg.eigh(g)
         a_values, a_vectors = torch.linalg.eigh(a)
         out_features = g.shape[0]
@@ -397,5 +422,4 @@ def build_precision(
                 prior,
             )
         )
-    diagonal = {name: prior + scale * value for name, value in diag.items()}
     return KronPrecision(treated, blocks, diagonal)

@@ -80,7 +80,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vmap
 
-from ._curvature import DenseSum, diag_curvature
+from ._curvature import DenseSum, check_finite_curvature, diag_curvature
 from ._flat import Treated
 from ._likelihoods import make_likelihood
 from ._memory import check_dense_fits
@@ -588,6 +588,12 @@ class Laplace(_Gaussian):
 
         Returns:
             ``self``, so that ``Laplace(...).fit(loader)`` chains.
+
+        Raises:
+            ValueError: a batch's inputs, targets or model outputs hold NaN or inf, or the
+                summed curvature overflowed (for every ``structure`` and ``subset``); the
+                loader yielded nothing; a dense precision is not positive definite. A
+                refused fit leaves the previous fit (or none) in place.
         """
         if self.structure == "kron":
             return self._fit_kron(loader)
@@ -624,6 +630,7 @@ class Laplace(_Gaussian):
         if dense:
             precision = prior + scale * total.result(ref)
             precision = 0.5 * (precision + precision.T)
+            check_finite_curvature([precision], precision.dtype)
             cholesky, info = torch.linalg.cholesky_ex(precision)
             if info != 0:
                 raise ValueError(
@@ -634,6 +641,7 @@ class Laplace(_Gaussian):
             self._precision, self._cholesky = precision, cholesky
         else:
             flat = prior + scale * self.treated.flatten(total)
+            check_finite_curvature([flat], flat.dtype)
             self._precision = self.treated.unflatten(flat)
             self._cholesky = None
         self._mean = mean

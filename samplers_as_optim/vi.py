@@ -94,6 +94,15 @@ finite and positive and the objective finite (a badly conditioned L does not cor
 closed form, and its draws are still draws of :math:`\mathcal N(\mu, LL^\top)`). Either
 failure raises ``FloatingPointError`` naming the smallest and largest :math:`L_{ii}`.
 
+**Half precision.** For float16 or bfloat16 variational parameters (a ``.half()``
+model) every sum over the P parameters (log-determinant, :math:`|\mu|^2`,
+:math:`\mathrm{tr}\,\Sigma`, :math:`|\theta|^2`, :math:`|z|^2`) is taken in float32 and
+:meth:`~MeanFieldVI.kl_loss` is returned in float32: in float16 the log-determinant of
+the 20010 weights of ``nn.Linear(2000, 10)`` at the default ``init_std`` is -138 000,
+past float16's 65504, and bfloat16 keeps 3 digits of terms that largely cancel. The
+guard checks :math:`L_{ii}` as the draws use it, in the parameters' dtype: a scale that
+underflows there (every draw is the mean) fails, a small but representable one does not.
+
 **Training.** Adam at a constant learning rate leaves every variational parameter
 jittering by several lr around the optimum, so the last iterate's standard deviations are
 noisy and their minimum over many weights is biased low; anneal the learning rate to 0
@@ -172,6 +181,24 @@ class _GaussianVI(nn.Module):
     def _flat_mean(self) -> Tensor:
         raise NotImplementedError
 
+    def _mean_parts(self) -> list[Tensor]:
+        """The mean's variational parameters (differentiable), for reductions over them."""
+        raise NotImplementedError
+
+    def _log_std_parts(self) -> list[Tensor]:
+        """The log standard deviations' variational parameters (differentiable)."""
+        raise NotImplementedError
+
+    def _reduction_dtype(self) -> torch.dtype:
+        """float32 for float16/bfloat16 variational parameters, their own dtype otherwise.
+
+        Sums over the P parameters (the log-determinant, |mu|^2, tr Sigma, |theta|^2) are
+        taken in it: in float16 the log-determinant of a 20010-weight layer at the default
+        ``init_std`` (-138 000) overflows, and bfloat16 keeps 3 significant digits of
+        terms that largely cancel.
+        """
+        return torch.promote_types(self._mean_parts()[0].dtype, torch.float32)
+
     def _flat_std(self) -> Tensor:
         """(P,) marginal standard deviations, differentiable."""
         raise NotImplementedError
@@ -185,15 +212,21 @@ class _GaussianVI(nn.Module):
         raise NotImplementedError
 
     def _scale_diagonal(self) -> Tensor:
-        """(P,) the diagonal of L (detached), for the guard's message."""
+        """(P,) the diagonal of L (detached) as the draws use it, in the parameters' dtype.
+
+        The guard's: 0 there means every draw is the mean.
+        """
         raise NotImplementedError
 
     def _log_det_scale(self) -> Tensor:
-        """Log det of the scale L, 0.5 * log det Sigma, differentiable."""
+        """Log det of the scale L, 0.5 * log det Sigma, differentiable, reduction dtype."""
         raise NotImplementedError
 
     def _trace_covariance(self) -> Tensor:
-        raise NotImplementedError
+        r""":math:`\mathrm{tr}\,\Sigma = \sum_i \sigma_i^2` in the reduction dtype."""
+        dtype = self._reduction_dtype()
+        parts = [part.to(dtype).mul(2).exp().sum() for part in self._log_std_parts()]
+        return torch.stack(parts).sum()
 
     def _noise(self, n: int, generator: torch.Generator | None) -> Tensor:
         mean = self._flat_mean()
@@ -216,7 +249,10 @@ class _GaussianVI(nn.Module):
         return self.treated.unflatten(self._flat_std().detach())
 
     def entropy(self) -> Tensor:
-        r""":math:`\mathcal H(q) = \tfrac12\log\det\Sigma + \tfrac P2\log(2\pi e)`."""
+        r""":math:`\mathcal H(q) = \tfrac12\log\det\Sigma + \tfrac P2\log(2\pi e)`.
+
+        In float32 for float16/bfloat16 parameters (see :meth:`kl_loss`).
+        """
         return self._log_det_scale() + 0.5 * self.treated.numel * (_LOG_2PI + 1.0)
 
     def forward(
@@ -267,8 +303,18 @@ class _GaussianVI(nn.Module):
         :math:`\mathbb E_q[-\log p] = \frac{|\mu|^2 + \mathrm{tr}\,\Sigma}{2\sigma_p^2} +
         \frac P2\log(2\pi\sigma_p^2)`.
 
+        Every sum over the P parameters is taken in float32 when the variational
+        parameters are float16 or bfloat16 (in float16 the log-determinant alone overflows
+        from about 10 000 weights at the default ``init_std``; bfloat16 keeps 3 digits of
+        terms that largely cancel), in their own dtype otherwise.
+
         Returns:
-            A scalar; add it to the mean NLL of the batch.
+            A scalar; add it to the mean NLL of the batch. Its dtype is float32 for
+            float16/bfloat16 parameters (the value, KL/N, can exceed float16's range on a
+            large model with little data), their dtype otherwise: ``nll + vi.kl_loss()``
+            then works for a ``.half()`` model or under autocast (a 0-dim half NLL plus it
+            is a float32 loss), and its gradient reaches the half-precision variational
+            parameters in their own dtype.
 
         Raises:
             RuntimeError: ``stl=True`` and no forward pass has drawn θ yet.
@@ -317,15 +363,18 @@ class _GaussianVI(nn.Module):
         )
 
     def _neg_log_prior(self, flat: Tensor) -> Tensor:
-        """(n,) -log p(theta) of the Gaussian prior at flat draws."""
+        """(n,) -log p(theta) of the Gaussian prior at flat draws, reduction dtype."""
         prior_std = cast(float, self.prior_std)  # called only with a prior
-        return 0.5 * flat.square().sum(-1) / prior_std**2 + self._prior_constant()
+        squares = flat.to(self._reduction_dtype()).square().sum(-1)
+        return 0.5 * squares / prior_std**2 + self._prior_constant()
 
     def _neg_log_prior_mean(self) -> Tensor:
         """E_q[-log p(theta)] in closed form (0 when the loss carries the prior)."""
+        dtype = self._reduction_dtype()
         if self.prior_std is None:
-            return self._flat_mean().new_zeros(())
-        second_moment = self._flat_mean().square().sum() + self._trace_covariance()
+            return self._mean_parts()[0].new_zeros((), dtype=dtype)
+        squares = torch.stack([part.to(dtype).square().sum() for part in self._mean_parts()])
+        second_moment = squares.sum() + self._trace_covariance()
         return 0.5 * second_moment / self.prior_std**2 + self._prior_constant()
 
     def _prior_constant(self) -> float:
@@ -473,6 +522,12 @@ class MeanFieldVI(_GaussianVI):
     def _flat_mean(self) -> Tensor:
         return torch.cat([loc.reshape(-1) for loc in self.loc])
 
+    def _mean_parts(self) -> list[Tensor]:
+        return list(self.loc)
+
+    def _log_std_parts(self) -> list[Tensor]:
+        return list(self.log_std)
+
     def _flat_log_std(self) -> Tensor:
         return torch.cat([log_std.reshape(-1) for log_std in self.log_std])
 
@@ -483,18 +538,17 @@ class MeanFieldVI(_GaussianVI):
         return self._flat_mean() + self._flat_log_std().exp() * noise
 
     def _standardise_stopped(self, flat: Tensor) -> tuple[Tensor, Tensor]:
-        log_std = self._flat_log_std().detach()
-        z = (flat - self._flat_mean().detach()) * torch.exp(-log_std)
+        dtype = self._reduction_dtype()
+        log_std = self._flat_log_std().detach().to(dtype)
+        z = (flat.to(dtype) - self._flat_mean().detach().to(dtype)) * torch.exp(-log_std)
         return z, log_std.sum()
 
     def _scale_diagonal(self) -> Tensor:
         return self._flat_log_std().detach().exp()
 
     def _log_det_scale(self) -> Tensor:
-        return self._flat_log_std().sum()
-
-    def _trace_covariance(self) -> Tensor:
-        return self._flat_log_std().mul(2).exp().sum()
+        dtype = self._reduction_dtype()
+        return torch.stack([part.to(dtype).sum() for part in self.log_std]).sum()
 
 
 class FullCovarianceVI(_GaussianVI):
@@ -559,21 +613,34 @@ class FullCovarianceVI(_GaussianVI):
     def _flat_mean(self) -> Tensor:
         return self.loc
 
+    def _mean_parts(self) -> list[Tensor]:
+        return [self.loc]
+
+    def _log_std_parts(self) -> list[Tensor]:
+        return [self.log_std]
+
     def _flat_std(self) -> Tensor:
         return self.log_std.exp()
 
     def _factors(self) -> tuple[Tensor, Tensor]:
-        """U = I + tril_-1(V) and log ||u_i|| = 0.5 log(1 + sum_j V_ij^2), differentiable."""
+        """U = I + tril_-1(V) and log ||u_i|| = 0.5 log(1 + sum_j V_ij^2), differentiable.
+
+        U in the parameters' dtype, the row sums log ||u_i|| in the reduction dtype.
+        """
         size = self.treated.numel
         rows, cols = torch.tril_indices(size, size, -1, device=self.loc.device)
         lower = self.loc.new_zeros(size, size).index_put((rows, cols), self.corr_offdiag)
-        log_norms = 0.5 * torch.log1p(lower.square().sum(1))
+        log_norms = 0.5 * torch.log1p(lower.to(self._reduction_dtype()).square().sum(1))
         return lower + torch.eye(size, dtype=lower.dtype, device=lower.device), log_norms
+
+    def _log_diagonal(self, log_norms: Tensor) -> Tensor:
+        """The log-diagonal of L, log_std_i - log ||u_i||, in the reduction dtype."""
+        return self.log_std.to(log_norms.dtype) - log_norms
 
     def scale_tril(self) -> Tensor:
         r"""The lower-triangular L with :math:`LL^\top = \Sigma`, differentiable."""
         unit, log_norms = self._factors()
-        return torch.exp(self.log_std - log_norms)[:, None] * unit
+        return torch.exp(self._log_diagonal(log_norms)).to(unit.dtype)[:, None] * unit
 
     @property
     def covariance(self) -> Tensor:
@@ -586,21 +653,21 @@ class FullCovarianceVI(_GaussianVI):
 
     def _standardise_stopped(self, flat: Tensor) -> tuple[Tensor, Tensor]:
         unit, log_norms = (t.detach() for t in self._factors())
-        log_diagonal = self.log_std.detach() - log_norms  # log L_ii
-        centred = (flat - self.loc.detach()) * torch.exp(-log_diagonal)
-        z = torch.linalg.solve_triangular(unit, centred.T, upper=False, unitriangular=True)
+        dtype = log_norms.dtype
+        log_diagonal = self._log_diagonal(log_norms).detach()  # log L_ii
+        centred = (flat.to(dtype) - self.loc.detach().to(dtype)) * torch.exp(-log_diagonal)
+        z = torch.linalg.solve_triangular(
+            unit.to(dtype), centred.T, upper=False, unitriangular=True
+        )
         return z.T, log_diagonal.sum()
 
     def _scale_diagonal(self) -> Tensor:
         _, log_norms = self._factors()
-        return torch.exp(self.log_std - log_norms).detach()
+        return torch.exp(self._log_diagonal(log_norms)).detach().to(self.loc.dtype)
 
     def _log_det_scale(self) -> Tensor:
         _, log_norms = self._factors()
-        return self.log_std.sum() - log_norms.sum()
-
-    def _trace_covariance(self) -> Tensor:
-        return self.log_std.mul(2).exp().sum()
+        return self._log_diagonal(log_norms).sum()
 
 
 for _cls in (MeanFieldVI, FullCovarianceVI):

@@ -17,6 +17,7 @@ from torch.func import functional_call, jacrev
 from torch.utils.data import DataLoader, TensorDataset
 
 from samplers_as_optim import _memory
+from samplers_as_optim.kfac import KronPrecision
 from samplers_as_optim.laplace import Laplace
 from samplers_as_optim.stacked import call_stacked
 
@@ -737,6 +738,124 @@ def test_fitted_precision_not_positive_definite():
         ),
     ):
         la.fit(loader(x, y))
+
+
+class Gain(nn.Module):
+    """Multiplies by a buffer (not a parameter, so no subset covers it): ``inf`` makes the
+    model output non-finite for finite data, ``1e200`` overflows the curvature (its square
+    in float64) while the output stays finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("gain", torch.tensor(1.0))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+def gained_mlp(outputs=2):
+    """Linear layers (fast paths, Kronecker blocks) and a LayerNorm (the generic path, and
+    the diagonal part of ``"kron"``)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Tanh(), Gain(), nn.Linear(6, outputs))
+
+
+def fitted_state(la):
+    """Every tensor a fit leaves behind, through the public API (cloned)."""
+    tensors = list(la.mean.values())
+    precision = la.precision
+    if isinstance(precision, dict):
+        tensors += list(precision.values())
+    elif isinstance(precision, KronPrecision):
+        for block in precision.blocks:
+            tensors += [block.g_eigenvalues, block.g_eigenvectors]
+            tensors += [block.a_eigenvalues, block.a_eigenvectors]
+        tensors += list(precision.diagonal.values())
+    else:
+        tensors.append(precision)
+    covariance = la.covariance
+    tensors += list(covariance.values()) if isinstance(covariance, dict) else [covariance]
+    tensors += list(la.sample(3, generator=torch.Generator().manual_seed(0)).values())
+    return [tensor.detach().clone() for tensor in tensors]
+
+
+def batch_message(part, kind):
+    return (
+        f"Invalid batch: {part} contain 1 non-finite value, the first ({kind}) in example 3 "
+        "of 7 (expected finite inputs and targets: drop or impute those examples)"
+    )
+
+
+NON_FINITE = [
+    ("inputs", math.nan, batch_message("inputs", "nan")),
+    ("inputs", math.inf, batch_message("inputs", "inf")),
+    ("inputs", -math.inf, batch_message("inputs", "-inf")),
+    ("targets", math.nan, batch_message("targets", "nan")),
+    ("targets", -math.inf, batch_message("targets", "-inf")),
+    ("probabilities", math.nan, batch_message("targets", "nan")),
+    ("output", math.inf, "Invalid model output: "),
+    (
+        "curvature",
+        1e200,
+        "Invalid curvature: the summed curvature holds NaN or inf in torch.float64 although "
+        "every batch's inputs, targets and model outputs are finite (expected finite sums: it "
+        "overflowed, so rescale the inputs or fit in float64, or the likelihood's output "
+        "gradient or Hessian is not finite)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "subset", [None, "last_layer", ["1.weight", "1.bias"]], ids=["all", "last_layer", "names"]
+)
+@pytest.mark.parametrize("structure", ["diag", "dense", "kron"])
+@pytest.mark.parametrize(
+    ("where", "value", "message"),
+    NON_FINITE,
+    ids=[f"{where}-{value}" for where, value, _ in NON_FINITE],
+)
+def test_non_finite_data_is_refused_and_the_fit_kept(where, value, message, structure, subset):
+    """NaN or inf in a batch's inputs or targets (regression targets, classification
+    probabilities: curvatures that do not even depend on them), a non-finite model output
+    or an overflowing curvature: every structure and subset refuses the fit with the same
+    ValueError (before: a NaN diagonal precision and NaN samples, an eigh _LinAlgError
+    for "kron", "not positive definite" for "dense", or a silent fit), and leaves a fresh
+    Laplace unfitted and a fitted one bit for bit as it was."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 4, generator=gen)
+    classification = where == "probabilities"
+    if classification:
+        y = torch.randn(20, 2, generator=gen).softmax(-1)
+    else:
+        y = torch.randn(20, 2, generator=gen)
+    bad_x, bad_y = x.clone(), y.clone()
+    if where == "inputs":
+        bad_x[10, 2] = value  # example 3 of the second batch of 7
+    elif where in ("targets", "probabilities"):
+        bad_y[10, 1] = value
+    model = gained_mlp()
+    kwargs = {
+        "num_data": 20,
+        "likelihood": "classification" if classification else "regression",
+        "structure": structure,
+        "subset": subset,
+    }
+    fresh = Laplace(model, **kwargs)
+    fitted = Laplace(model, **kwargs).fit(loader(x, y))
+    before = fitted_state(fitted)
+    if where in ("output", "curvature"):
+        model[3].gain.fill_(value)
+    model.train()
+    for la in (fresh, fitted):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            la.fit(loader(bad_x, bad_y))
+        assert model.training
+    with pytest.raises(RuntimeError, match=re.escape("Laplace is not fitted yet")):
+        fresh.mean  # noqa: B018
+    after = fitted_state(fitted)
+    assert len(after) == len(before)
+    for old, new in zip(before, after, strict=True):
+        assert old.dtype == new.dtype and torch.equal(old, new)
 
 
 def test_every_argument_is_documented():

@@ -513,6 +513,114 @@ def test_a_numerically_singular_factor_is_an_error():
     )
 
 
+HALF = [torch.float16, torch.bfloat16]
+
+
+def _variational(vi):
+    """The variational parameters in a fixed order."""
+    if isinstance(vi, FullCovarianceVI):
+        return [vi.loc, vi.log_std, vi.corr_offdiag]
+    return [*vi.loc, *vi.log_std]
+
+
+def half_and_reference(cls, dtype, stl=False):
+    """A half-precision wrapper beyond toy size (MeanFieldVI: the 20010 weights of
+    nn.Linear(2000, 10), where the float16 log-determinant at the default init_std is
+    -138 000 and overflows), and a float32 one holding the same variational parameters."""
+    torch.manual_seed(0)
+    model = nn.Linear(2000, 10) if cls is MeanFieldVI else nn.Linear(40, 4)
+    size = {"num_data": 60000 if cls is MeanFieldVI else 100, "prior_std": 1.0, "stl": stl}
+    low = cls(model.to(dtype), **size)
+    if cls is FullCovarianceVI:
+        with torch.no_grad():
+            low.corr_offdiag.normal_(0.0, 0.3)
+            low.log_std.uniform_(-7.0, -2.0)
+    reference = cls(nn.Linear(*model.weight.shape[::-1], dtype=torch.float32), **size)
+    with torch.no_grad():
+        for mine, theirs in zip(_variational(reference), _variational(low), strict=True):
+            mine.copy_(theirs.float())
+    return low, reference
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("cls", BOTH)
+def test_half_precision_kl_is_the_float32_kl(cls, dtype):
+    """Before: MeanFieldVI(nn.Linear(2000, 10).half(), num_data=60000, prior_std=1.0)
+    .kl_loss() raised "the variational scale has degenerated" (the float16 sums overflow;
+    float32 gives 2.137) and bfloat16 lost the digits of terms that cancel. Now every sum is
+    taken in float32: the same value as float32 on the same (cast) parameters, returned in
+    float32 so a half NLL can be added to it, and gradients reach the half parameters."""
+    low, reference = half_and_reference(cls, dtype)
+    kl = low.kl_loss()
+    expected = reference.kl_loss()
+    assert kl.dtype == torch.float32 and bool(torch.isfinite(kl))
+    torch.testing.assert_close(kl, expected, rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(low.entropy(), reference.entropy(), rtol=1e-5, atol=0.0)
+    if cls is MeanFieldVI:
+        # the float32 model itself (parameters not rounded to dtype): 2.137
+        torch.manual_seed(0)
+        plain = MeanFieldVI(nn.Linear(2000, 10, dtype=torch.float32), num_data=60000, prior_std=1.0)
+        assert abs(float(plain.kl_loss().detach()) - 2.137) < 5e-4
+        torch.testing.assert_close(kl, plain.kl_loss().detach(), rtol=1e-3, atol=0.0)
+    kl.backward()
+    expected.backward()
+    for mine, theirs in zip(_variational(low), _variational(reference), strict=True):
+        assert mine.grad is not None and mine.grad.dtype == dtype
+        assert bool(torch.isfinite(mine.grad).all())
+        torch.testing.assert_close(mine.grad.float(), theirs.grad, rtol=1e-2, atol=1e-7)
+    # the user's loss: a NLL in the model's dtype plus the KL
+    for param in _variational(low):
+        param.grad = None
+    x = torch.randn(8, low.model.in_features, dtype=dtype)
+    nll = low(x).square().mean()
+    assert nll.dtype == dtype
+    loss = nll + low.kl_loss()
+    assert loss.dtype == torch.float32 and bool(torch.isfinite(loss))
+    loss.backward()
+    assert all(
+        p.grad is not None and p.grad.dtype == dtype and bool(torch.isfinite(p.grad).all())
+        for p in _variational(low)
+    )
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["float16", "bfloat16"])
+def test_half_precision_stick_the_landing_estimate_is_finite(dtype):
+    """stl=True at the draws of a forward: before, inf in float16 (the sum of squares and
+    the log-determinant overflow) with no error; now within the estimate's noise of the
+    float32 closed form (its sd here ~ sqrt(P / 2) / N = 2e-3)."""
+    low, reference = half_and_reference(MeanFieldVI, dtype, stl=True)
+    low(torch.randn(4, 2000, dtype=dtype))
+    estimate = low.kl_loss()
+    assert estimate.dtype == torch.float32 and bool(torch.isfinite(estimate))
+    reference.stl = False
+    assert abs(float(estimate.detach()) - float(reference.kl_loss().detach())) < 0.02
+    estimate.backward()
+    assert all(p.grad is not None and p.grad.dtype == dtype for p in _variational(low))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("cls", BOTH)
+def test_half_precision_guard_fires_only_for_a_degenerate_scale(cls, dtype):
+    """Healthy at the default init_std (above); a scale that underflows to 0 in the
+    parameters' dtype (every draw is the mean) or a NaN one still refuses."""
+    for fill in (-800.0, math.nan):
+        low, _ = half_and_reference(cls, dtype)
+        with torch.no_grad():
+            if cls is MeanFieldVI:
+                low.log_std[0].view(-1)[0] = fill  # one weight of 20010
+            else:
+                low.log_std.fill_(fill)
+        with pytest.raises(FloatingPointError, match=re.escape(f"{cls.__name__}: {GUARD}")):
+            low.kl_loss()
+    if dtype is torch.float16:
+        low, _ = half_and_reference(cls, dtype)
+        with torch.no_grad():
+            for log_std in [low.log_std] if cls is FullCovarianceVI else list(low.log_std):
+                log_std.fill_(-20.0)  # exp(-20) = 2e-9 is 0 in float16
+        with pytest.raises(FloatingPointError, match=re.escape("spans [0, 0]")):
+            low.kl_loss()
+
+
 def test_every_argument_is_documented():
     for cls in BOTH:
         for function in (cls, cls.forward, cls.sample, cls.predict):
