@@ -301,6 +301,55 @@ def _member_rng(seed: int | None, index: int) -> Iterator[None]:
         yield
 
 
+#: what ``subset`` must be, for the messages
+_SUBSET_EXPECTED = (
+    "expected 'trainable', a sequence of parameter or buffer names, or a predicate "
+    "subset(name, tensor) -> bool"
+)
+
+
+def _check_subset(subset: Any) -> None:
+    """Check what of ``subset`` can be checked without a model: its kind, and not empty.
+
+    Raises:
+        ValueError: ``subset`` is not None, "trainable", names or a predicate, or it is an
+            empty sequence of names.
+    """
+    if subset is None or callable(subset):
+        return
+    if isinstance(subset, str):
+        if subset != "trainable":
+            raise ValueError(f"Invalid subset: {subset!r} ({_SUBSET_EXPECTED})")
+        return
+    if not (isinstance(subset, Sequence) and all(isinstance(name, str) for name in subset)):
+        raise ValueError(f"Invalid subset: {subset!r} ({_SUBSET_EXPECTED})")
+    if not subset:
+        raise ValueError(
+            f"Invalid subset: {subset!r} (expected at least one parameter or buffer name)"
+        )
+
+
+@contextlib.contextmanager
+def _global_rng_kept_on_error() -> Iterator[None]:
+    """Put torch's global RNG back as it was if the body raises.
+
+    A construction with ``seed=None`` draws its members from the global RNG; one refused
+    on what it finds in a member (a layout, a shared tensor, a subset's names) leaves the
+    RNG as if it had not been tried. The CPU generator, and the CUDA generators when CUDA
+    is already initialised.
+    """
+    cpu = torch.random.get_rng_state()
+    initialised = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # unannotated
+    cuda = torch.cuda.get_rng_state_all() if initialised else None
+    try:
+        yield
+    except BaseException:
+        torch.random.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        raise
+
+
 def _select(module: nn.Module, subset: Any) -> list[str]:
     """The names ``subset`` picks among ``module``'s parameters and buffers, in their order.
 
@@ -309,10 +358,7 @@ def _select(module: nn.Module, subset: Any) -> list[str]:
             nothing is selected.
     """
     tensors = _tensors(module)
-    expected = (
-        "expected 'trainable', a sequence of parameter or buffer names, or a predicate "
-        "subset(name, tensor) -> bool"
-    )
+    expected = _SUBSET_EXPECTED
     if isinstance(subset, str):
         if subset != "trainable":
             raise ValueError(f"Invalid subset: {subset!r} ({expected})")
@@ -438,7 +484,9 @@ class ParallelEnsemble(nn.Module):
     :meth:`from_modules`). With ``seed=None`` the draws come from torch's global RNG in
     member order, exactly as ``[factory() for _ in range(K)]`` would make them; with an
     integer seed, member k is drawn under its own seed derived from ``(seed, k)`` and the
-    global RNG is left untouched.
+    global RNG is left untouched. Every argument is checked before the factory is first
+    called; a construction refused on what only a member shows (its layout, a subset's
+    names) puts the global RNG back as it was.
 
     Train on :meth:`loss` (the sum over members of each member's mean loss): with
     ``torch.optim.SGD`` this is a deep ensemble, with ``SGHMC(num_data=N)`` parallel SGHMC
@@ -518,9 +566,21 @@ class ParallelEnsemble(nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
+        # every argument first: nothing is built and the global RNG is not touched for a
+        # construction that is refused
         num_members = check_positive_int("num_members", num_members)
         seed = check_seed(seed)
+        check_chunk_size(chunk_size)
+        check_choice("randomness", randomness, RANDOMNESS)
         check_choice("backend", backend, BACKENDS)
+        _check_subset(subset)
+        if not isinstance(module_or_factory, nn.Module) and not callable(module_or_factory):
+            raise TypeError(
+                f"Invalid module_or_factory: {module_or_factory!r} (expected an nn.Module or "
+                "a callable that returns one)"
+            )
+        if isinstance(module_or_factory, nn.Module) and subset is not None:
+            _select(module_or_factory, subset)  # its names, against the module itself
         start, count = _share(num_members, process_group)
         first_index = 0 if seed is None else start  # seed None: the global RNG's order
         members: Iterator[Any]
@@ -528,15 +588,11 @@ class ParallelEnsemble(nn.Module):
             members = itertools.repeat(module_or_factory)  # the subset's values, K times
         elif isinstance(module_or_factory, nn.Module):
             members = self._reset_copies(module_or_factory, seed, first_index)
-        elif callable(module_or_factory):
-            members = self._factory_calls(module_or_factory, seed, first_index)
         else:
-            raise TypeError(
-                f"Invalid module_or_factory: {module_or_factory!r} (expected an nn.Module or "
-                "a callable that returns one)"
-            )
+            members = self._factory_calls(module_or_factory, seed, first_index)
         members = itertools.islice(members, start - first_index, None)
-        first, storage = _stack_members(members, count, "module_or_factory", subset)
+        with _global_rng_kept_on_error():
+            first, storage = _stack_members(members, count, "module_or_factory", subset)
         self._setup(_template(first, storage), count, chunk_size, randomness, storage, backend)
         self.process_group = process_group
         self.member_indices = list(range(start, start + count))
@@ -627,7 +683,10 @@ class ParallelEnsemble(nn.Module):
             raise ValueError(
                 f"Invalid modules: {modules!r} (expected a non-empty sequence of nn.Modules)"
             )
+        check_chunk_size(chunk_size)
+        check_choice("randomness", randomness, RANDOMNESS)
         check_choice("backend", backend, BACKENDS)
+        _check_subset(subset)
         ensemble = cls.__new__(cls)
         nn.Module.__init__(ensemble)
         first, storage = _stack_members(iter(modules), len(modules), "modules", subset)

@@ -26,6 +26,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_equality import assert_same_up_to_kernels
 from peak_memory import peak_tensor_bytes
 from torch import nn
 from torch.testing import assert_close
@@ -203,7 +204,7 @@ def test_shared_and_per_member_inputs(device):
         assert_close(out_shared[i], member(shared))
         assert_close(out_per_member[i], member(per_member[i]))
     chunked = ParallelEnsemble.from_modules(ensemble.members(), chunk_size=3)
-    assert torch.equal(chunked(shared), out_shared)
+    assert_same_up_to_kernels(chunked(shared), out_shared)
     assert "chunk_size=3" in repr(chunked)
 
 
@@ -522,6 +523,159 @@ def test_error_messages(device):
         ensemble.backward(F.cross_entropy, x, targets=y, chunk_size=2, per_member_targets=True)
     with pytest.raises(ValueError, match=r"Invalid input 0: shape \(3, 5\) \(expected a leading"):
         ensemble.backward(F.cross_entropy, x, targets=y, chunk_size=2, per_member_inputs=True)
+
+
+class CountingFactory:
+    """A factory that counts its calls (each draws from torch's global RNG)."""
+
+    def __init__(self, make=mlp):
+        self.make = make
+        self.calls = 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.make()
+
+
+INTEGER = r"\(expected an integer >= 1\)$"
+CHUNK = r"\(expected None or an integer >= 1\)$"
+SEED = r"\(expected None or an integer in \[0, 2\*\*64\)\)$"
+SUBSET = (
+    r"\(expected 'trainable', a sequence of parameter or buffer names, or a predicate "
+    r"subset\(name, tensor\) -> bool\)$"
+)
+REFUSED_ARGUMENTS = [
+    ({"num_members": 0}, ValueError, r"^Invalid num_members: 0 " + INTEGER),
+    ({"num_members": -1}, ValueError, r"^Invalid num_members: -1 " + INTEGER),
+    ({"num_members": 2.5}, TypeError, r"^Invalid num_members: 2.5 " + INTEGER),
+    ({"num_members": True}, TypeError, r"^Invalid num_members: True " + INTEGER),
+    ({"num_members": "4"}, TypeError, r"^Invalid num_members: '4' " + INTEGER),
+    ({"chunk_size": 0}, ValueError, r"^Invalid chunk_size: 0 " + CHUNK),
+    ({"chunk_size": -1}, ValueError, r"^Invalid chunk_size: -1 " + CHUNK),
+    ({"chunk_size": 1.5}, TypeError, r"^Invalid chunk_size: 1.5 " + CHUNK),
+    ({"chunk_size": False}, TypeError, r"^Invalid chunk_size: False " + CHUNK),
+    (
+        {"randomness": "foo"},
+        ValueError,
+        r"^Invalid randomness: 'foo' \(expected one of 'different', 'same', 'error'\)$",
+    ),
+    ({"randomness": None}, ValueError, r"^Invalid randomness: None \(expected one of"),
+    ({"backend": "jit"}, ValueError, r"^Invalid backend: 'jit' \(expected one of 'auto',"),
+    ({"seed": "0"}, TypeError, r"^Invalid seed: '0' " + SEED),
+    ({"seed": 1.0}, TypeError, r"^Invalid seed: 1.0 " + SEED),
+    ({"seed": -1}, ValueError, r"^Invalid seed: -1 " + SEED),
+    ({"seed": 2**64}, ValueError, r"^Invalid seed: 18446744073709551616 " + SEED),
+    ({"subset": "lora"}, ValueError, r"^Invalid subset: 'lora' " + SUBSET),
+    ({"subset": 3}, ValueError, r"^Invalid subset: 3 " + SUBSET),
+    ({"subset": [0, 1]}, ValueError, r"^Invalid subset: \[0, 1\] " + SUBSET),
+    ({"subset": {"0.weight"}}, ValueError, r"^Invalid subset: \{'0.weight'\} " + SUBSET),
+    (
+        {"subset": []},
+        ValueError,
+        r"^Invalid subset: \[\] \(expected at least one parameter or buffer name\)$",
+    ),
+    (
+        {"process_group": "world"},
+        ValueError,
+        r"^Invalid process_group: 'world' \(expected a group of an initialised",
+    ),
+]
+
+
+@pytest.mark.parametrize("seed", [None, 0])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [pytest.param(*case, id=repr(case[0])) for case in REFUSED_ARGUMENTS],
+)
+def test_every_argument_is_checked_before_the_factory_is_called_or_the_rng_moves(
+    kwargs, error, message, seed
+):
+    """A refused construction calls no factory and draws nothing from the global RNG.
+    (chunk_size, randomness and a subset's kind were checked after the K factory calls.)"""
+    torch.manual_seed(11)
+    before = torch.random.get_rng_state()
+    factory = CountingFactory()
+    with pytest.raises(error, match=message):
+        ParallelEnsemble(factory, **{"num_members": K, "seed": seed, **kwargs})
+    assert factory.calls == 0
+    assert torch.equal(torch.random.get_rng_state(), before)
+    module = mlp()
+    values = flat(module)
+    before = torch.random.get_rng_state()
+    with pytest.raises(error, match=message):
+        ParallelEnsemble(module, **{"num_members": K, "seed": seed, **kwargs})
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert torch.equal(flat(module), values)
+
+
+def test_a_module_or_factory_of_the_wrong_kind_is_refused_before_the_rng_moves():
+    torch.manual_seed(11)
+    before = torch.random.get_rng_state()
+    with pytest.raises(TypeError, match=r"^Invalid module_or_factory: 3 \(expected an nn.Module"):
+        ParallelEnsemble(3, K, chunk_size=2)
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_subset_names_are_checked_against_a_given_module_before_anything_is_drawn():
+    torch.manual_seed(11)
+    module = mlp()
+    values = flat(module)
+    before = torch.random.get_rng_state()
+    with pytest.raises(ValueError, match=r"^Invalid subset: names \['9.weight'\] are not"):
+        ParallelEnsemble(module, K, subset=["9.weight"])
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert torch.equal(flat(module), values)
+
+
+def test_a_member_refused_after_the_factory_ran_leaves_the_global_rng_as_it_was():
+    """What only a member can tell (its names, layout, class): the factory has run, with
+    seed=None on the global RNG, which is put back as it was when the construction fails."""
+    widths = iter([16, 16, 8, 16])
+    cases = [
+        (CountingFactory(), {"subset": ["9.weight"]}, r"^Invalid subset: names \['9.weight'\]", 1),
+        (
+            CountingFactory(lambda: mlp(next(widths))),
+            {},
+            r"^Invalid module_or_factory: member 2 has '0.weight' with shape \(8, 5\)",
+            3,
+        ),
+        (CountingFactory(lambda: "net"), {}, r"^Invalid module_or_factory: it produced a str", 1),
+        (CountingFactory(lambda: nn.LazyLinear(3)), {}, r"uninitialized \(lazy\) parameters", 1),
+    ]
+    for factory, kwargs, message, calls in cases:
+        torch.manual_seed(11)
+        before = torch.random.get_rng_state()
+        with pytest.raises((ValueError, TypeError), match=message):
+            ParallelEnsemble(factory, K, **kwargs)
+        assert factory.calls == calls
+        assert torch.equal(torch.random.get_rng_state(), before)
+
+    class Custom(nn.Module):  # no reset_parameters(): refused after the first resets
+        def __init__(self):
+            super().__init__()
+            self.first = nn.Linear(2, 2)
+            self.own = nn.Parameter(torch.zeros(2))
+
+    torch.manual_seed(11)
+    module = Custom()
+    before = torch.random.get_rng_state()
+    with pytest.raises(ValueError, match=r"^Invalid module_or_factory: the module itself"):
+        ParallelEnsemble(module, K)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    # and a construction that succeeds draws from it, as [factory() for _ in range(K)]
+    torch.manual_seed(11)
+    before = torch.random.get_rng_state()
+    ParallelEnsemble(mlp, K)
+    assert not torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_from_modules_checks_its_arguments_before_copying():
+    with pytest.raises(ValueError, match=r"^Invalid chunk_size: 0 " + CHUNK):
+        ParallelEnsemble.from_modules([mlp(), mlp()], chunk_size=0)
+    with pytest.raises(ValueError, match=r"^Invalid randomness: 'foo' \(expected one of"):
+        ParallelEnsemble.from_modules([mlp(), mlp()], randomness="foo")
+    with pytest.raises(ValueError, match=r"^Invalid subset: 3 " + SUBSET):
+        ParallelEnsemble.from_modules([mlp(), mlp()], subset=3)
 
 
 def test_a_process_group_needs_torch_distributed_initialised():

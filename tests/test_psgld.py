@@ -210,6 +210,168 @@ def test_transform_and_optimizer_with_one_seed_take_identical_steps(correction):
     assert state.count == 5 and len(state.previous_param) == (2 if correction else 0)
 
 
+# ---------------------------------------------------------------- half precision
+def dead_unit_grads(dtype, steps=4, seed=0):
+    """Gradients of a [2, 64] weight whose first row is a dead unit (exactly 0), with tiny
+    (float16: (1 - alpha) g^2 underflows) and ordinary entries in the second row."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        live = torch.randn(64, generator=generator)
+        live[:16] *= 1e-4
+        out.append([torch.stack([torch.zeros(64), live]).to(dtype)])
+    return out
+
+
+@pytest.mark.parametrize("correction", [False, True])
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_with_a_zero_gradient_at_positive_temperature_stays_finite(
+    dtype, foreach, correction
+):
+    """The defaults (eps=1e-8, which float16 rounds to 0) on a dead unit: no NaN, and the
+    Optimizer and the transform take one chain, bit for bit. (float16 was NaN: 0/0.)"""
+    init = [torch.randn(2, 64, generator=torch.Generator().manual_seed(1)).to(dtype)]
+    grads = dead_unit_grads(dtype)
+    hyper = {"num_data": 50_000, "seed": 5, "foreach": foreach, "correction": correction}
+    theirs = transform_tests.run_optimizer(PSGLD, {"lr": 1e-3, **hyper}, init, grads)
+    for inplace in (True, False):
+        tx = transforms.psgld(1e-3, **hyper)
+        ours, state = transform_tests.run_transform(tx, init, grads, inplace=inplace)
+        transform_tests.assert_trajectories_equal(ours, theirs)
+        assert state.square_avg[0].dtype == dtype
+    for params in theirs:
+        assert params[0].dtype == dtype and torch.isfinite(params[0]).all()
+    assert not torch.equal(theirs[-1][0][0], init[0][0])  # the dead unit's noise moves it
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 1e-2])
+@pytest.mark.parametrize("foreach", [False, True])
+def test_float16_at_positive_temperature_is_the_float32_step_rounded_once(foreach, weight_decay):
+    """V, a, the noise and the direction in float32 (V stored rounded): the float32 kernel
+    on the same numbers, its direction and V rounded to float16."""
+    generator = torch.Generator().manual_seed(3)
+    params = [torch.randn(2, 64, generator=generator).half()]
+    grads = dead_unit_grads(torch.float16)[0]
+    squares = [torch.zeros(2, 64, dtype=torch.float16)]
+    noise = [torch.randn(2, 64, generator=generator).half()]
+    hyper = {"lr": 1e-3, "alpha": 0.99, "eps": 1e-8, "temperature": 1.0, "num_data": 50_000}
+    hyper |= {"weight_decay": weight_decay, "maximize": False, "foreach": foreach}
+
+    def as32(tensors):
+        return [t.float() for t in tensors]
+
+    ours, state = psgld_direction(params, grads, squares, noise, inplace=False, **hyper)
+    wide, wide_state = psgld_direction(
+        as32(params), as32(grads), as32(squares), as32(noise), inplace=False, **hyper
+    )
+    assert torch.equal(ours[0], wide[0].half()) and torch.isfinite(ours[0]).all()
+    assert torch.equal(state["square_avg"][0], wide_state["square_avg"][0].half())
+    assert torch.equal(squares[0], torch.zeros_like(squares[0]))  # not in place
+    in_place = [squares[0].clone()]
+    again, _ = psgld_direction(params, grads, in_place, noise, inplace=True, **hyper)
+    assert torch.equal(again[0], ours[0]) and torch.equal(in_place[0], state["square_avg"][0])
+    # |g'/a| <= 1/sqrt(1 - alpha) = 10 on a first step, although for the tiny gradients
+    # (1 - alpha) g'^2 underflows in float16 (where g'/a was g'/eps, up to 1e4)
+    quiet, _ = psgld_direction(
+        params, grads, squares, [torch.zeros_like(noise[0])], inplace=False, **hyper
+    )
+    assert quiet[0].abs().max() <= 10
+    if weight_decay == 0:
+        assert state["square_avg"][0][1, :16].eq(0).all() and quiet[0][0].eq(0).all()
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_float16_at_temperature_zero_refuses_an_eps_that_rounds_to_zero(foreach):
+    """Where RMSprop makes a NaN of a zero gradient (eps rounds to 0 in float16), PSGLD at
+    temperature 0 refuses before any group changes; with an eps float16 represents it is
+    RMSprop, bit for bit, and finite."""
+    init = [torch.randn(3, 2), torch.randn(2, 64).half()]
+    grads = [torch.ones(3, 2), dead_unit_grads(torch.float16)[0][0]]
+    rmsprop = transform_tests.run_optimizer(
+        torch.optim.RMSprop, {"lr": 0.01, "foreach": foreach}, init, [grads]
+    )
+    assert rmsprop[0][1][0].isnan().all()  # RMSprop: 0 / (0 + 0)
+
+    ours = [torch.nn.Parameter(p.clone()) for p in init]
+    opt = PSGLD(
+        [{"params": ours[:1]}, {"params": ours[1:]}], lr=0.01, num_data=10, temperature=0.0,
+        foreach=foreach,
+    )  # fmt: skip
+    for param, grad in zip(ours, grads, strict=True):
+        param.grad = grad.clone()
+    message = (
+        "Invalid eps in param group 1: 1e-08 (expected a value above 2.98e-08 for "
+        "torch.float16 parameters at temperature 0, where PSGLD is torch.optim.RMSprop, "
+        "computed in the parameters' dtype: torch.float16 rounds 1e-08 to 0, and an element "
+        "whose gradient is 0 would become NaN)"
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        opt.step()
+    assert all(torch.equal(p.detach(), q) for p, q in zip(ours, init, strict=True))
+    assert not opt.state and opt.steps_taken == 0
+
+    for eps in (3e-8, 1e-4):
+        hyper = {"lr": 0.01, "eps": eps, "foreach": foreach}
+        theirs = transform_tests.run_optimizer(torch.optim.RMSprop, hyper, init, [grads] * 3)
+        sampler = transform_tests.run_optimizer(
+            PSGLD, {**hyper, "num_data": 10, "temperature": 0.0}, init, [grads] * 3
+        )
+        transform_tests.assert_trajectories_equal(sampler, theirs)
+        assert all(torch.isfinite(p).all() for params in sampler for p in params)
+
+
+def test_the_transform_refuses_the_same_eps_and_changes_nothing():
+    grad = dead_unit_grads(torch.float16)[0][0]
+    params = [torch.ones(2, 64, dtype=torch.float16)]
+    tx = transforms.psgld(0.01, num_data=10, temperature=0.0, seed=0)
+    state = tx.init(params)
+    updates = [grad.clone()]
+    message = (
+        "Invalid eps: 1e-08 (expected a value above 2.98e-08 for torch.float16 parameters at "
+        "temperature 0, where PSGLD is torch.optim.RMSprop"
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        tx.update(updates, state, params=params, inplace=True)
+    assert torch.equal(updates[0], grad) and torch.equal(
+        state.square_avg[0], torch.zeros_like(grad)
+    )
+    assert state.count == 0
+    # bfloat16 represents 1e-8: RMSprop's update, finite, 0 where the gradient is 0
+    tx = transforms.psgld(0.01, num_data=10, temperature=0.0, seed=0)
+    half = [torch.ones(2, 64, dtype=torch.bfloat16)]
+    update, _ = tx.update([grad.to(torch.bfloat16)], tx.init(half), params=half)
+    assert torch.isfinite(update[0]).all() and update[0][0].eq(0).all()
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_a_noise_scale_that_would_overflow_float16_where_the_gradient_vanishes_is_refused(
+    foreach,
+):
+    """The noise of an element whose gradient and V are 0 is sqrt(2 T / (N lr)) / sqrt(eps)
+    times a standard normal: 4.47e4 here, which overflowed float16 (inf) for every draw
+    beyond 1.5 standard deviations. Refused before anything changes, by both front ends."""
+    param = torch.nn.Parameter(torch.ones(2, 64, dtype=torch.float16))
+    opt = PSGLD([param], lr=1e-3, eps=1e-6, num_data=1, seed=0, foreach=foreach)
+    param.grad = dead_unit_grads(torch.float16)[0][0]
+    message = (
+        "Invalid temperature in param group 0: 1.0 (expected a value whose largest noise "
+        "scale sqrt(2 T / (N lr)) / sqrt(eps) = 4.47e+04, that of an element whose gradient "
+        "is 0, fits torch.float16 with room for 10 standard deviations, at most 6.55e+03; a "
+        "larger eps also lowers it)"
+    )
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        opt.step()
+    assert torch.equal(param.detach(), torch.ones_like(param)) and not opt.state
+    tx = transforms.psgld(1e-3, eps=1e-6, num_data=1, seed=0, foreach=foreach)
+    with pytest.raises(ValueError, match="^" + re.escape(message.replace(" in param group 0", ""))):
+        tx.update([param.grad.clone()], tx.init([param.detach()]))
+    # a larger eps, or a larger N lr / T, fits: a step, finite
+    opt.param_groups[0]["eps"] = 1e-4
+    opt.step()
+    assert torch.isfinite(param).all() and not torch.equal(param.detach(), torch.ones_like(param))
+
+
 # ---------------------------------------------------------------- generic properties
 @pytest.mark.parametrize("seed", [7, None])
 @pytest.mark.parametrize("foreach", [False, True])

@@ -57,11 +57,29 @@ gradient noise and adapts less to the position).
 
 Changing the learning rate needs no re-expression: :math:`V` is in the units of the
 squared gradient, not of ``lr``.
+
+float16. Its range is too narrow for the preconditioner: ``eps=1e-8`` rounds to 0 in
+float16 (so :math:`a = 0` where the gradient and :math:`V` are 0, a dead unit, and the
+step is :math:`0/0`), :math:`(1-\alpha)\,g'^2` underflows for :math:`|g'| \lesssim
+10^{-3}`, and :math:`1/\sqrt{a}` reaches :math:`10^4`. At temperature > 0 a float16
+parameter's step is therefore computed in float32 (the gradient, :math:`V`, :math:`a`,
+the noise and the correction), :math:`V` is stored rounded to float16, and the direction
+is rounded to float16 once, at the end; the rest of the chain (the noise draw, the step
+``p.add_(d * -lr)``) is unchanged, and the Optimizer and the transform still agree bit
+for bit. At temperature 0 the step stays ``torch.optim.RMSprop``'s, computed in float16;
+there an ``eps`` that rounds to 0 in float16 (below about :math:`3 \cdot 10^{-8}`, the
+default included) is refused, before anything changes, rather than making a NaN of every
+element whose gradient is 0, which RMSprop does. Also refused, at temperature > 0: a
+noise scale whose largest value :math:`\sqrt{2T/(N\,lr)}/\sqrt{\epsilon}` (that of an
+element whose gradient and :math:`V` vanish) does not fit the parameters' dtype ten
+times over (ten standard deviations of the noise): the direction would overflow to
+infinity. bfloat16 has float32's range and needs none of this.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -71,7 +89,7 @@ from torchopt.base import GradientTransformation
 from .._validation import _fail, check_bool, check_nonnegative
 from . import _docs, _transform
 from ._common import buckets, default_foreach, effective_grad, effective_grads
-from ._optimizer import SamplerOptimizer
+from ._optimizer import SamplerOptimizer, _at_group
 from ._transform import KernelInput, KernelOutput, ScalarOrSchedule, pick, sampler_transformation
 
 __all__ = ["PSGLD", "PSGLDState", "psgld", "psgld_direction", "psgld_noise_scale"]
@@ -98,6 +116,70 @@ def _check_eps(value: Any, where: str) -> float:
     if not (math.isfinite(value) and value > 0):
         _fail("eps", value, expected, where)
     return float(value)
+
+
+#: the largest noise scale must fit the parameters' dtype this many times over: room for
+#: draws of that many standard deviations before the direction overflows
+_NOISE_ROOM = 10.0
+
+
+def _computed_in(dtype: torch.dtype, temperature: float) -> torch.dtype:
+    """The dtype the preconditioner of a ``dtype`` parameter is computed in (module doc)."""
+    return torch.float32 if temperature > 0 and dtype == torch.float16 else dtype
+
+
+def _lift(tensor: Tensor, upcast: bool) -> Tensor:
+    """``tensor`` in float32 where a float16 step is computed in float32, else itself."""
+    return tensor.float() if upcast and tensor.dtype == torch.float16 else tensor
+
+
+def _check_dtypes(
+    dtypes: Iterable[torch.dtype],
+    *,
+    eps: float,
+    lr: float,
+    temperature: float,
+    num_data: int,
+    where: str = "",
+) -> None:
+    r"""Raise ``ValueError`` unless PSGLD's step stays finite in the parameters' dtypes.
+
+    Refused: an ``eps`` that rounds to 0 in the dtype the preconditioner is computed in
+    (an element whose gradient is 0 would become :math:`0/0`, NaN), and at temperature
+    > 0 a largest noise scale :math:`\sqrt{2T/(N\,lr)}/\sqrt{\epsilon}` above the
+    dtype's largest number over ``_NOISE_ROOM``. Called before anything changes, by
+    :class:`PSGLD`'s step for every param group and by :func:`psgld_direction`.
+    """
+    for dtype in dtypes:
+        if not dtype.is_floating_point:
+            continue
+        computed = _computed_in(dtype, temperature)
+        info = torch.finfo(computed)
+        # at or below half the smallest subnormal, eps rounds to 0 (ties to even)
+        lowest = info.smallest_normal * info.eps / 2
+        if not eps > lowest:
+            at = ""
+            if temperature == 0 and _computed_in(dtype, 1.0) != dtype:
+                at = (
+                    " at temperature 0, where PSGLD is torch.optim.RMSprop, computed in the "
+                    "parameters' dtype"
+                )
+            raise ValueError(
+                f"Invalid eps{where}: {eps!r} (expected a value above {lowest:.3g} for "
+                f"{dtype} parameters{at}: {computed} rounds {eps!r} to 0, and an element "
+                "whose gradient is 0 would become NaN)"
+            )
+        if temperature > 0 and lr > 0:
+            largest = torch.finfo(dtype).max / _NOISE_ROOM
+            scale = psgld_noise_scale(lr, temperature, num_data) / math.sqrt(eps)
+            if not scale <= largest:
+                raise ValueError(
+                    f"Invalid temperature{where}: {temperature!r} (expected a value whose "
+                    f"largest noise scale sqrt(2 T / (N lr)) / sqrt(eps) = {scale:.3g}, that "
+                    f"of an element whose gradient is 0, fits {dtype} with room for "
+                    f"{_NOISE_ROOM:g} standard deviations, at most {largest:.3g}; a larger eps "
+                    "also lowers it)"
+                )
 
 
 def _preconditioner(
@@ -197,7 +279,8 @@ def psgld_direction(
         noise: standard-normal :math:`\xi` per parameter; None exactly when T is 0.
         lr: learning rate, > 0 when ``temperature`` > 0.
         alpha: :math:`\alpha \in [0, 1)`.
-        eps: :math:`\epsilon > 0`.
+        eps: :math:`\epsilon > 0`, which the dtype the step is computed in must not
+            round to 0 (float16 at temperature > 0 is computed in float32).
         temperature: T >= 0.
         num_data: N.
         weight_decay: as in ``torch.optim.RMSprop``.
@@ -218,9 +301,22 @@ def psgld_direction(
         ``(directions, state)`` with state entries ``"square_avg"``, ``"grad_avg"``,
         ``"momentum_buffer"``, ``"previous_param"``, ``"previous_grad"`` (lists, or
         None where unused).
+
+    Raises:
+        ValueError: ``noise`` is given at temperature 0 or missing above it; ``eps``
+            rounds to 0 in the dtype the step is computed in, or at temperature > 0 the
+            largest noise scale does not fit the dtype (module docstring). Raised before
+            anything changes.
     """
     if (noise is None) != (temperature == 0):
         raise ValueError("noise must be given exactly when temperature > 0")
+    _check_dtypes(
+        {tensor.dtype for tensor in (*params, *grads)},
+        eps=eps,
+        lr=lr,
+        temperature=temperature,
+        num_data=num_data,
+    )
     grad_avgs = [None] * len(grads) if grad_avgs is None else grad_avgs
     scale = psgld_noise_scale(lr, temperature, num_data)
     directions: list[Tensor] = list(grads)
@@ -236,22 +332,29 @@ def psgld_direction(
     if previous is not None:
         state["previous_param"], state["previous_grad"] = list(previous[0]), list(previous[1])
     for index in buckets(params) if foreach else [[i] for i in range(len(params))]:
+        # float16 at temperature > 0: computed in float32, rounded once at the end (module doc)
+        upcast = temperature > 0 and any(
+            tensor.dtype == torch.float16 for i in index for tensor in (params[i], grads[i])
+        )
+        lifted = [_lift(params[i], upcast and weight_decay != 0) for i in index]
         if foreach:
             gs, _ = effective_grads(
-                [grads[i] for i in index],
-                [params[i] for i in index],
+                [_lift(grads[i], upcast) for i in index],
+                lifted,
                 weight_decay=weight_decay,
                 maximize=maximize,
             )
             gs = list(gs)
         else:
             gs = [
-                effective_grad(grads[i], params[i], weight_decay=weight_decay, maximize=maximize)
-                for i in index
+                effective_grad(
+                    _lift(grads[i], upcast), param, weight_decay=weight_decay, maximize=maximize
+                )
+                for i, param in zip(index, lifted, strict=True)
             ]
         avgs, squares, means = _preconditioner(
             gs,
-            [square_avgs[i] for i in index],
+            [_lift(square_avgs[i], upcast) for i in index],
             [grad_avgs[i] for i in index],
             alpha=alpha,
             eps=eps,
@@ -260,7 +363,12 @@ def psgld_direction(
             inplace=inplace,
         )
         for position, i in enumerate(index):
-            state["square_avg"][i] = squares[position]
+            square = squares[position]
+            if square.dtype != square_avgs[i].dtype:  # computed in float32, kept rounded
+                square = (
+                    square_avgs[i].copy_(square) if inplace else square.to(square_avgs[i].dtype)
+                )
+            state["square_avg"][i] = square
             state["grad_avg"][i] = means[position]
         if temperature == 0 and momentum > 0:
             assert momentum_buffers is not None
@@ -289,11 +397,11 @@ def psgld_direction(
             # the noise variance follows the preconditioner: xi * scale / sqrt(a)
             if foreach:
                 roots = torch._foreach_sqrt(avgs)
-                scaled = torch._foreach_div([noise[i] for i in index], roots)
+                scaled = torch._foreach_div([_lift(noise[i], upcast) for i in index], roots)
                 torch._foreach_add_(ds, scaled, alpha=scale)
             else:
                 for d, avg, i in zip(ds, avgs, index, strict=True):
-                    d.add_(noise[i].div(avg.sqrt()), alpha=scale)
+                    d.add_(_lift(noise[i], upcast).div(avg.sqrt()), alpha=scale)
         if previous is not None and temperature > 0:
             squares_now = [state["square_avg"][i] for i in index]
             ds = _correct(
@@ -314,9 +422,13 @@ def psgld_direction(
                     state["previous_grad"][i].copy_(gs[position])
                 else:
                     state["previous_param"][i] = params[i].detach().clone()
-                    state["previous_grad"][i] = gs[position].detach().clone()
+                    kept = gs[position].detach()
+                    dtype = previous[1][i].dtype
+                    kept = kept.to(dtype) if kept.dtype != dtype else kept.clone()
+                    state["previous_grad"][i] = kept
         for position, i in enumerate(index):
-            directions[i] = ds[position]
+            direction = ds[position]
+            directions[i] = direction.to(grads[i].dtype) if upcast else direction
     return directions, state
 
 
@@ -408,6 +520,19 @@ class PSGLD(SamplerOptimizer):
         cls._reject_at_positive_temperature(
             "centered", group["centered"], False, temperature, where
         )
+
+    def _gather(self, group: dict[str, Any], index: int) -> tuple[list[Tensor], list[Tensor]]:
+        # checked with every group's hyperparameters, before any group changes
+        params, grads = super()._gather(group, index)
+        _check_dtypes(
+            {param.dtype for param in params},
+            eps=float(group["eps"]),
+            lr=float(group["lr"]),
+            temperature=float(group["temperature"]),
+            num_data=group["num_data"],
+            where=_at_group(index),
+        )
+        return params, grads
 
     def _state_fields(self, group: dict[str, Any]) -> tuple[str, ...]:
         return _fields_of(group)
@@ -542,7 +667,11 @@ PSGLD.__doc__ = rf"""Preconditioned SGLD (Li et al., 2016), a drop-in for ``torc
             (default: 0.99; in [0, 1)). Closer to 1: a preconditioner that adapts more
             slowly and a smaller bias from its adaptation.
         eps: :math:`\epsilon`, added to :math:`\sqrt{{V}}` (default: 1e-8; a finite number
-            > 0). It bounds the preconditioner by :math:`1/\epsilon`.
+            > 0). It bounds the preconditioner by :math:`1/\epsilon`. float16 parameters
+            at temperature 0 (RMSprop, computed in float16) need one that float16 does not
+            round to 0, above 2.98e-8: the default is refused there, before anything
+            changes (at temperature > 0 their step is computed in float32; see the module
+            docstring, which also gives the noise scale a dtype must hold).
         {_docs.weight_decay_doc}
         momentum: RMSprop's momentum (default: 0). Has no sampling meaning: a value
             other than 0 requires temperature 0.
@@ -680,7 +809,8 @@ psgld.__doc__ = rf"""Preconditioned SGLD (Li et al., 2016) as a torchopt transfo
     Args:
         {_transform.lr_doc}
         alpha: :math:`\alpha` (default: 0.99; in [0, 1)).
-        eps: :math:`\epsilon` (default: 1e-8; a finite number > 0).
+        eps: :math:`\epsilon` (default: 1e-8; a finite number > 0; for float16 at
+            temperature 0, above 2.98e-8: see :class:`PSGLD`).
         {_docs.weight_decay_doc}
         momentum: RMSprop's momentum (default: 0; temperature 0 only).
         centered: RMSprop's centred variant (default: False; temperature 0 only).
