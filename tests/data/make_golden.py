@@ -1,0 +1,133 @@
+"""Record the golden trajectories and checkpoints that ``tests/test_golden.py`` checks.
+
+Run from the repository root::
+
+    python tests/data/make_golden.py
+
+It runs every case of ``tests/golden_cases.py`` (the code the test runs too) and writes
+
+* ``tests/data/golden_trajectories.json``: each trajectory case's record, and each
+  checkpoint case's continuation, every number as ``float.hex()`` (exact);
+* ``tests/data/golden_checkpoints.pt``: one ``torch.save``'d dict, per checkpoint case the
+  parameters and the ``state_dict()`` (optimizer, scheduler) or the transform state's
+  fields after ``CHECKPOINT_AT`` steps. It holds tensors and builtins only (checked
+  below), so ``torch.load(weights_only=True)`` reads it whatever the package's modules.
+
+Record a commit, not work in progress: run it in a clean clone, with that clone's package
+first on the path (the JSON notes the commit, and whether the package had uncommitted
+changes)::
+
+    git clone . /tmp/golden && cd /tmp/golden
+    PYTHONPATH=$PWD python tests/data/make_golden.py   # then copy tests/data/golden_* back
+
+Regenerating replaces the recorded behaviour: do it only for a deliberate, documented
+change of behaviour (see ``tests/test_golden.py``). Running it twice on the same code gives
+the same JSON, byte for byte.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickletools
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import samplers_as_optim
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import golden_cases  # tests/ is put on the path just above
+
+#: the checkout of the package being recorded (its commit goes into the JSON)
+REPO = Path(samplers_as_optim.__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str:
+    try:
+        result = subprocess.run(
+            ["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return result.stdout.strip()
+
+
+def _dumps(golden: dict[str, Any]) -> str:
+    """JSON with one line per recorded list (diffable, about one line per entry)."""
+
+    def write(value: Any, indent: int) -> str:
+        if isinstance(value, dict):
+            pad = " " * (indent + 1)
+            items = [f"{pad}{json.dumps(k)}: {write(v, indent + 1)}" for k, v in value.items()]
+            return "{\n" + ",\n".join(items) + "\n" + " " * indent + "}"
+        return json.dumps(value, separators=(", ", ": "))
+
+    return write(golden, 0) + "\n"
+
+
+def _check_builtins_only(path: Path) -> None:
+    """Refuse a checkpoint that pickles a class of the package (private paths move)."""
+    with zipfile.ZipFile(path) as archive:
+        pickle = next(name for name in archive.namelist() if name.endswith("data.pkl"))
+        data = archive.read(pickle)
+    out = io.StringIO()
+    pickletools.dis(data, out=out)
+    if "samplers_as_optim" in out.getvalue():
+        raise RuntimeError(f"{path} pickles a samplers_as_optim class; keep it to builtins")
+    torch.load(path, weights_only=True)
+
+
+def main() -> None:
+    dirty = _git("status", "--porcelain", "--", "samplers_as_optim") not in ("", "unknown")
+    golden: dict[str, Any] = {
+        "about": (
+            "Golden trajectories of samplers_as_optim, recorded by tests/data/make_golden.py "
+            "from tests/golden_cases.py and checked bit for bit by tests/test_golden.py. "
+            "Numbers are float.hex() strings. Regenerate only for a deliberate, documented "
+            "change of behaviour."
+        ),
+        "recorded_from": {
+            "commit": _git("log", "-1", "--format=%h"),
+            "commit_date": _git("log", "-1", "--format=%cs"),
+            "uncommitted_changes_in_package": dirty,
+            "torch": torch.__version__.split("+")[0],
+        },
+        "trajectories": {},
+        "continuations": {},
+    }
+    seed = golden_cases.RECORD_GLOBAL_SEED
+    for name in golden_cases.TRAJECTORY_CASES:
+        record = golden_cases.run_trajectory(name, seed)
+        golden["trajectories"][name] = golden_cases.to_hex(record)
+    checkpoints = {}
+    for name in golden_cases.CHECKPOINT_CASES:
+        saved, continuation = golden_cases.record_checkpoint(name, seed)
+        checkpoints[name] = saved
+        golden["continuations"][name] = golden_cases.to_hex(continuation)
+
+    golden_cases.GOLDEN_JSON.write_text(_dumps(golden))
+    torch.save(checkpoints, golden_cases.GOLDEN_CHECKPOINTS)
+    _check_builtins_only(golden_cases.GOLDEN_CHECKPOINTS)
+    count = sum(
+        len(values)
+        for section in ("trajectories", "continuations")
+        for record in golden[section].values()
+        for values in record.values()
+    )
+    print(
+        f"recorded {REPO} at {golden['recorded_from']['commit']}"
+        f"{' with uncommitted changes' if dirty else ''}: "
+        f"{len(golden['trajectories'])} trajectory cases, {len(checkpoints)} checkpoint cases, "
+        f"{count} numbers; {golden_cases.GOLDEN_JSON.stat().st_size} bytes of JSON, "
+        f"{golden_cases.GOLDEN_CHECKPOINTS.stat().st_size} bytes of checkpoints"
+    )
+
+
+if __name__ == "__main__":
+    main()
