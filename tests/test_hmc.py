@@ -761,3 +761,249 @@ def test_cached_start_follows_a_changed_weight_decay() -> None:
         assert torch.equal(p, q)
     for key in ("energy_error", "accept_prob"):
         assert torch.equal(opt.diagnostics[key], twin.diagnostics[key])
+
+
+# ---------------------------------------------------------------- failed steps
+class Interrupt(BaseException):
+    """A KeyboardInterrupt-like BaseException (not an Exception: no ``except Exception``)."""
+
+
+def assert_same(a, b, where: str = "") -> None:
+    """Nested dicts, lists and tensors equal bit for bit (dtype, shape and values)."""
+    if isinstance(a, Tensor):
+        assert isinstance(b, Tensor) and a.dtype == b.dtype, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (where, a, b)
+        for key in a:
+            assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def snapshot(opt: HMC, params) -> tuple:
+    """Everything a step may change: values, gradients (or None), state, diagnostics."""
+    return (
+        [p.detach().clone() for p in params],
+        [None if p.grad is None else p.grad.clone() for p in params],
+        copy.deepcopy(opt.state_dict()),
+        copy.deepcopy(opt.diagnostics),
+    )
+
+
+def failing_closure(opt: HMC, params, make_closure, how: str, at: int = 3):
+    """The problem's closure, failing ``how`` at its ``at``-th call (counted from 1)."""
+    good = make_closure(opt)
+    calls = [0]
+
+    def closure():
+        calls[0] += 1
+        if calls[0] != at:
+            return good()
+        if how == "shape":  # the loss's shape changes mid-trajectory
+            losses = good().detach()
+            return losses.expand(2, *losses.shape)
+        if how == "missing gradient":  # a parameter's gradient goes missing
+            losses = good()
+            params[1].grad = None
+            return losses
+        if how == "exception":
+            good()
+            raise RuntimeError("the closure failed")
+        good()
+        raise Interrupt
+
+    return closure
+
+
+FAILURES = {
+    "shape": (ValueError, r"Invalid loss returned by the closure: shape \(2,"),
+    "missing gradient": (ValueError, "had a gradient at the start of the transition but"),
+    "exception": (RuntimeError, "the closure failed"),
+    "interrupt": (Interrupt, None),
+}
+
+
+@pytest.mark.parametrize("k", [None, 3])
+@pytest.mark.parametrize("done", [0, 2])
+@pytest.mark.parametrize("how", list(FAILURES))
+def test_failed_closure_step_leaves_everything_as_before(how: str, done: int, k) -> None:
+    """A closure failing mid-trajectory (at its third call of the step: the second or third
+    leapfrog step of four, as the start is cached or evaluated) leaves the
+    parameters, their gradients, the state (random counters, adaptation, mass draws) and
+    the diagnostics bit for bit as before the step; the chain then continues exactly as
+    one that never failed: the retried step draws the same momentum."""
+    options = {
+        "lr": 0.05,
+        "num_steps": 4,
+        "num_data": 40,
+        "seed": 4,
+        "jitter": 0.2,
+        "target_accept": 0.7,
+        "mass": "adapt",
+    }
+    params, make_closure = _linear_problem(k=k)
+    twin_params, make_twin_closure = _linear_problem(k=k)
+    opt, twin = HMC(params, **options), HMC(twin_params, **options)
+    closure, twin_closure = make_closure(opt), make_twin_closure(twin)
+    for _ in range(done):
+        opt.step(closure)
+        twin.step(twin_closure)
+    before = snapshot(opt, params)
+    error, match = FAILURES[how]
+    with pytest.raises(error, match=match):
+        opt.step(failing_closure(opt, params, make_closure, how))
+    assert_same(snapshot(opt, params), before)
+    assert opt.steps_taken == done
+    for _ in range(3):
+        assert torch.equal(opt.step(closure), twin.step(twin_closure))
+        assert_same(snapshot(opt, params), snapshot(twin, twin_params))
+
+
+def test_failed_step_restores_gradients_zeroed_in_place() -> None:
+    """A closure that zeroes ``.grad`` in place (``zero_grad(set_to_none=False)``) and then
+    fails: the gradient tensors get their values back (the same tensor objects)."""
+    params, make_closure = _linear_problem()
+    opt = HMC(params, lr=0.05, num_steps=4, num_data=40, seed=2)
+    opt.step(make_closure(opt))
+    grads = [p.grad for p in params]
+    before = snapshot(opt, params)
+    calls = [0]
+
+    def closure():
+        calls[0] += 1
+        opt.zero_grad(set_to_none=False)
+        if calls[0] == 2:
+            raise Interrupt
+        return make_closure(opt)()
+
+    with pytest.raises(Interrupt):
+        opt.step(closure)
+    assert all(p.grad is g for p, g in zip(params, grads, strict=True))
+    assert_same(snapshot(opt, params), before)
+
+
+# ---------------------------------------------------------------- clear errors
+def _counting(closure):
+    calls = [0]
+
+    def counted():
+        calls[0] += 1
+        return closure()
+
+    return counted, calls
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"lr": 1e300},
+            r"Invalid lr: 1e\+300 \(expected a value that fits torch\.float32, at most",
+        ),
+        (
+            {"weight_decay": 1e300},
+            r"Invalid weight_decay: 1e\+300 \(expected a value that fits torch\.float32",
+        ),
+        ({"num_data": 10**39}, r"Invalid num_data: 10{39} \(expected a value that fits torch\."),
+    ],
+)
+def test_scalars_that_overflow_the_parameters_dtype_are_refused(kwargs, match) -> None:
+    """HMC passes its step (as ``alpha``), weight decay and N to torch as scalars of the
+    parameters' dtype: one that overflows float32 is refused by name, at construction, at
+    the step after a change (before the closure runs), and in a new param group."""
+    match = match.replace("10{39}", str(10**39))
+    params, make_closure = _linear_problem(dtype=torch.float32)
+    arguments = {"lr": 0.05, "num_steps": 3, "num_data": 40, "seed": 0}
+    with pytest.raises(ValueError, match=match):
+        HMC(params, **{**arguments, **kwargs})
+    HMC(_linear_problem()[0], **{**arguments, **kwargs})  # float64 holds them
+    opt = HMC(params, **arguments)
+    closure, calls = _counting(make_closure(opt))
+    opt.step(closure)
+    before, count = snapshot(opt, params), calls[0]
+    ((name, value),) = kwargs.items()
+    opt.param_groups[0][name] = value
+    with pytest.raises(ValueError, match=match.replace(":", " in param group 0:", 1)):
+        opt.step(closure)
+    assert calls[0] == count  # refused before the closure ran
+    opt.param_groups[0][name] = arguments.get(name, 0.0)
+    assert_same(snapshot(opt, params), before)
+    extra = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match=match.replace(":", " in param group 1:", 1)):
+        opt.add_param_group({"params": [extra], name: value})
+    assert len(opt.param_groups) == 1
+
+
+def test_float_leapfrog_step_beyond_the_dtype_is_a_divergence_not_a_crash() -> None:
+    """An adapted step multiplier can grow past float32 (where lr alone fits): the float
+    step of a single chain then diverges and is rejected, as a tensor step (which rounds
+    to infinity) is, instead of torch refusing the ``alpha``."""
+    params, make_closure = _linear_problem(dtype=torch.float32)
+    opt = HMC(params, lr=0.05, num_steps=2, num_data=40, seed=0, target_accept=0.8)
+    closure = make_closure(opt)
+    opt.step(closure)
+    before = [p.detach().clone() for p in params]
+    opt._hmc_state["log_step"] = torch.tensor(100.0, dtype=torch.float64)  # s = e^100
+    opt.step(closure)
+    assert not bool(opt.diagnostics["accepted"]) and bool(opt.diagnostics["divergent"])
+    for p, p0 in zip(params, before, strict=True):
+        assert torch.equal(p, p0)
+
+
+@pytest.mark.parametrize("done", [0, 2])
+def test_closure_returning_none_is_refused_with_nothing_changed(done: int) -> None:
+    params, make_closure = _linear_problem()
+    opt = HMC(params, lr=0.05, num_steps=3, num_data=40, seed=0, target_accept=0.8)
+    good = make_closure(opt)
+    for _ in range(done):
+        opt.step(good)
+    before = snapshot(opt, params)
+
+    def forgets_to_return():
+        good()  # zero_grad and backward, but no `return loss`
+
+    with pytest.raises(
+        TypeError, match=r"Invalid loss returned by the closure: None \(expected the full-batch"
+    ):
+        opt.step(forgets_to_return)
+    assert_same(snapshot(opt, params), before)
+    with pytest.raises(TypeError, match="Invalid loss returned by the closure: 'a'"):
+        opt.step(lambda: (good(), "a")[1])
+    assert_same(snapshot(opt, params), before)
+
+
+def test_closure_or_loss_fn_that_is_not_callable_is_refused() -> None:
+    params, make_closure = _linear_problem()
+    opt = HMC(params, lr=0.05, num_steps=3, num_data=40, seed=0, target_accept=0.8)
+    opt.step(make_closure(opt))
+    before = snapshot(opt, params)
+    with pytest.raises(TypeError, match=r"Invalid loss_fn: 3\.0 \(expected a callable: the full"):
+        opt.step(loss_fn=3.0)
+    with pytest.raises(TypeError, match=r"Invalid closure: 3\.0 \(expected a callable that zero"):
+        opt.step(3.0)
+    with pytest.raises(TypeError, match=r"Invalid loss_fn: 'loss' \(expected a callable"):
+        opt.warmup(num_steps=5, loss_fn="loss")
+    assert_same(snapshot(opt, params), before)
+
+
+def test_warmup_interrupted_by_a_failed_step_leaves_the_state_as_that_step_found_it() -> None:
+    """warmup() sets whether a step adds its draw to the mass estimate; a step failing
+    inside it leaves that setting (and everything else) as it was before that step."""
+    options = {"lr": 0.05, "num_steps": 3, "num_data": 40, "seed": 0, "mass": "adapt"}
+    params, make_closure = _linear_problem()
+    twin_params, make_twin_closure = _linear_problem()
+    opt, twin = HMC(params, **options), HMC(twin_params, **options)
+    opt.step(make_closure(opt))
+    twin.step(make_twin_closure(twin))
+    before = snapshot(opt, params)
+    with pytest.raises(Interrupt):  # in the first 15% of the warm-up: no mass draws
+        opt.warmup(failing_closure(opt, params, make_closure, "interrupt", at=2), 40)
+    assert_same(snapshot(opt, params), before)
+    opt.step(make_closure(opt))
+    twin.step(make_twin_closure(twin))
+    assert_same(snapshot(opt, params), snapshot(twin, twin_params))

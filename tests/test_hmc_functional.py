@@ -429,3 +429,245 @@ def test_frozen_parameters_stay_put_with_a_loss_fn_as_with_a_closure(named: bool
         runs.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*runs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- failed steps, resume
+class Interrupt(BaseException):
+    """A KeyboardInterrupt-like BaseException."""
+
+
+def _assert_same(a, b, where: str = "") -> None:
+    """Nested dicts, lists and tensors equal bit for bit."""
+    if isinstance(a, Tensor):
+        assert isinstance(b, Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (where, set(a), set(b))
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def _snapshot(opt: HMC, params) -> tuple:
+    return (
+        [p.detach().clone() for p in params],
+        [None if p.grad is None else p.grad.clone() for p in params],
+        copy.deepcopy(opt.state_dict()),
+        copy.deepcopy(opt.diagnostics),
+    )
+
+
+def _failing_loss_fn(loss_fn, how: str, at: int = 3):
+    calls = [0]
+
+    def failing(params):
+        calls[0] += 1
+        loss = loss_fn(params)
+        if calls[0] != at:
+            return loss
+        if how == "shape":
+            return loss.expand(2, *loss.shape)
+        if how == "exception":
+            raise RuntimeError("the loss failed")
+        raise Interrupt
+
+    return failing
+
+
+@pytest.mark.parametrize("k", [None, 3])
+@pytest.mark.parametrize("done", [0, 2])
+@pytest.mark.parametrize(
+    ("how", "error", "match"),
+    [
+        ("shape", ValueError, r"Invalid loss returned by loss_fn: (shape )?\(2,"),
+        ("exception", RuntimeError, "the loss failed"),
+        ("interrupt", Interrupt, None),
+    ],
+)
+def test_failed_loss_fn_step_leaves_everything_as_before(how, error, match, done, k) -> None:
+    """As with a closure (test_hmc.py): a loss_fn failing mid-trajectory changes nothing,
+    not even on the chain's first step (which creates the adaptation state), and the
+    chain then continues as one that never failed."""
+    x, y = _data()
+    options = {"jitter": 0.2, "target_accept": 0.7, "mass": "adapt"}
+    params, twin_params = _params(k), _params(k)
+    opt, twin = _optimizer(params, options), _optimizer(twin_params, options)
+    loss_fn = _loss_fn(x, y)
+    for _ in range(done):
+        opt.step(loss_fn=loss_fn)
+        twin.step(loss_fn=loss_fn)
+    before = _snapshot(opt, params)
+    with pytest.raises(error, match=match):
+        opt.step(loss_fn=_failing_loss_fn(loss_fn, how))
+    _assert_same(_snapshot(opt, params), before)
+    for _ in range(3):
+        assert torch.equal(opt.step(loss_fn=loss_fn), twin.step(loss_fn=loss_fn))
+        _assert_same(_snapshot(opt, params), _snapshot(twin, twin_params))
+
+
+@pytest.mark.parametrize(("done", "at"), [(0, 1), (0, 2), (2, 2)])
+@pytest.mark.parametrize("how", ["in place", "under no_grad", "through the module"])
+def test_loss_fn_writing_into_its_parameters_is_refused(how: str, done: int, at: int) -> None:
+    """A loss_fn that writes into its parameters in place is refused by name, with the
+    parameters and the state as before: whether autograd sees the write (it refuses one
+    into a leaf that requires grad, or into a captured tensor) or not (under no_grad, the
+    write went through and would corrupt the chain silently); at the start of a chain
+    (call 1 of its first step) or in a trajectory."""
+    x, y = _data()
+    params = _params()
+    opt = HMC(params, lr=0.05, num_steps=3, num_data=N, seed=0, target_accept=0.8)
+    loss_fn = _loss_fn(x, y)
+    for _ in range(done):
+        opt.step(loss_fn=loss_fn)
+    before = _snapshot(opt, params)
+    calls = [0]
+
+    def writes(ps):
+        calls[0] += 1
+        if calls[0] == at:
+            if how == "in place":
+                ps[0].clamp_(-0.01, 0.01)
+            elif how == "under no_grad":
+                with torch.no_grad():
+                    ps[0].mul_(0.5)
+            else:
+                with torch.no_grad():
+                    params[0].mul_(0.5)
+        return loss_fn(ps)
+
+    match = (
+        "modifies a tensor in place that it does not create.* a parameter written through"
+        if how == "through the module"
+        else r"Invalid loss_fn: it writes in place into the parameters it receives"
+    )
+    with pytest.raises(ValueError, match=match):
+        opt.step(loss_fn=writes)
+    _assert_same(_snapshot(opt, params), before)
+
+
+@pytest.mark.parametrize("how", ["state_dict", "deepcopy"])
+@pytest.mark.parametrize("path", ["closure", "loss_fn"])
+def test_single_chain_resumes_bit_for_bit(path: str, how: str) -> None:
+    """Eager paths: a single chain (whose start U and grad U are cached between steps)
+    continues bit for bit after a save, from the state_dict or a deep copy."""
+    x, y = _data()
+    options = {"jitter": 0.3, "target_accept": 0.75, "weight_decay": 0.1}
+    params = _params()
+    opt = _optimizer(params, options)
+    loss_fn = _loss_fn(x, y)
+
+    def run(o, ps, steps):
+        closure = _closure(o, ps, x, y)
+        out = []
+        for _ in range(steps):
+            loss = o.step(closure) if path == "closure" else o.step(loss_fn=loss_fn)
+            out.append((loss.clone(), [p.detach().clone() for p in ps], dict(o.diagnostics)))
+        return out
+
+    run(opt, params, 4)
+    if how == "state_dict":
+        saved, values = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in params]
+    else:
+        other_params, other = copy.deepcopy((params, opt))
+    reference = run(opt, params, 6)
+    if how == "state_dict":
+        other_params = [torch.nn.Parameter(v.clone()) for v in values]
+        other = _optimizer(other_params, options)
+        other.load_state_dict(saved)
+    resumed = run(other, other_params, 6)
+    assert any(bool(d["accepted"]) for _, _, d in reference)
+    _assert_same(reference, resumed)
+
+
+def _compile_closure_optimizer(params, **extra) -> HMC:
+    """compile=True with a closure: eager transitions, but the state carries the start."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return HMC(params, lr=0.05, num_steps=3, num_data=N, seed=6, compile=True, **extra)
+
+
+def test_carried_start_is_used_only_at_the_parameters_it_was_made_at() -> None:
+    """With compile=True the state_dict carries the next step's start (loss, gradients
+    and a digest of the parameters): loaded at the same parameters it is used (the first
+    step evaluates no start), at any other parameters it is evaluated again."""
+    x, y = _data()
+    params = _params()
+    opt = _compile_closure_optimizer(params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            opt.step(_closure(opt, params, x, y))
+    saved = copy.deepcopy(opt.state_dict())
+    assert set(saved["state"]["hmc"]["start"]) == {"params", "loss", "gradients", "fingerprint"}
+    assert (
+        "start" not in HMC(_params(), lr=0.05, num_steps=3, num_data=N).state_dict()["state"]["hmc"]
+    )  # only with compile=True
+    for shift, calls_expected in ((0.0, 3), (1e-3, 4)):
+        other_params = [torch.nn.Parameter(p.detach() + shift) for p in params]
+        other = _compile_closure_optimizer(other_params)
+        other.load_state_dict(saved)
+        calls = [0]
+        closure = _closure(other, other_params, x, y)
+
+        def counted(closure=closure, calls=calls):
+            calls[0] += 1
+            return closure()
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            other.step(counted)
+        assert calls[0] == calls_expected
+    bad = copy.deepcopy(saved)
+    bad["state"]["hmc"]["start"] = {"params": [0], "loss": 1.0}
+    with pytest.raises(ValueError, match=r"Invalid state_dict: its 'hmc' entry's 'start' is"):
+        _compile_closure_optimizer(_params()).load_state_dict(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["state_dict", "deepcopy"])
+def test_compiled_chain_resumes_bit_for_bit(how: str) -> None:
+    """compile=True: a chain saved and resumed equals the uninterrupted one bit for bit,
+    over several accepted transitions. The compiled graph's gradient at an accepted point
+    differs from an eager evaluation there in the last place (for this small tanh network
+    it does), so the start of the next step is carried in the state, not evaluated again."""
+    torch._dynamo.reset()
+    x, y = _data(torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    params = [
+        torch.nn.Parameter(torch.randn(3, 4, generator=generator)),
+        torch.nn.Parameter(torch.randn(4, generator=generator)),
+    ]
+
+    def loss_fn(ps) -> Tensor:
+        w, v = ps
+        return torch.nn.functional.binary_cross_entropy_with_logits(torch.tanh(x @ w) @ v, y)
+
+    def make(ps) -> HMC:
+        return HMC(ps, lr=0.05, num_steps=2, num_data=N, seed=0, compile=True)
+
+    def run(o, ps, steps):
+        out = []
+        for _ in range(steps):
+            loss = o.step(loss_fn=loss_fn).clone()
+            out.append((loss, [p.detach().clone() for p in ps], [p.grad.clone() for p in ps]))
+            out.append(dict(o.diagnostics))
+        return out
+
+    opt = make(params)
+    run(opt, params, 2)
+    if how == "state_dict":
+        saved, values = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in params]
+    else:
+        other_params, other = copy.deepcopy((params, opt))
+    reference = run(opt, params, 4)
+    if how == "state_dict":
+        other_params = [torch.nn.Parameter(v.clone()) for v in values]
+        other = make(other_params)
+        other.load_state_dict(saved)
+    resumed = run(other, other_params, 4)
+    assert sum(bool(d["accepted"]) for d in reference[1::2]) >= 3
+    _assert_same(reference, resumed)

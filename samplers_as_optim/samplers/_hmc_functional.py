@@ -51,6 +51,25 @@ class Transition(NamedTuple):
     diagnostics: dict[str, Tensor]  #: see ``HMC.diagnostics``
 
 
+#: what autograd and torch.func say of a function that writes in place into its inputs
+#: (leaves that require grad) or into a tensor it captured
+_LEAF_IN_PLACE = "leaf Variable that requires grad is being used in an in-place operation"
+_CAPTURED_IN_PLACE = "mutate a captured Tensor"
+_WRITES_ITS_INPUTS = (
+    "Invalid loss_fn: it writes in place into the parameters it receives (expected a pure "
+    "function of the parameters that leaves them unchanged: out-of-place operations, such as "
+    "w * 0.5 rather than w.mul_(0.5) or w.clamp_(...))"
+)
+_WRITES_CAPTURED = (
+    "Invalid loss_fn: it modifies a tensor in place that it does not create, such as a "
+    "BatchNorm running statistic in train mode, or a parameter written through its module "
+    "(model.weight.mul_(...), .data) instead of the tensors it receives (expected a pure "
+    "function of the parameters: give functional_call copies of the buffers, "
+    "{**params, **{k: b.clone() for k, b in model.named_buffers()}}, put the model in "
+    "eval mode, or use step(closure))"
+)
+
+
 def pack_parameters(names: Sequence[str] | None, tensors: Sequence[Tensor]) -> Any:
     """What ``loss_fn`` receives: ``{name: tensor}`` when named, else a tuple."""
     if names is None:
@@ -76,7 +95,10 @@ def value_and_gradients(
 
     Raises:
         ValueError: ``loss_fn`` returned something other than a scalar, or one loss per
-            member (shape ``[K]``) for an ensemble.
+            member (shape ``[K]``) for an ensemble; or it wrote in place into the tensors
+            it received, or into one it captured (a parameter written through its module,
+            a BatchNorm running statistic). Checked in eager mode only; a compiled chain's
+            start is evaluated eagerly, so its first step checks ``loss_fn`` too.
     """
 
     def total(*tensors: Tensor) -> tuple[Tensor, Tensor]:
@@ -93,8 +115,12 @@ def value_and_gradients(
             )
         return loss.sum(), loss
 
-    argnums = tuple(range(len(positions)))
-    grads, loss = torch.func.grad(total, argnums=argnums, has_aux=True)(*positions)
+    gradient = torch.func.grad(total, argnums=tuple(range(len(positions))), has_aux=True)
+    if torch.compiler.is_compiling():  # traced: no Python checks in the graph
+        grads, loss = gradient(*positions)
+    else:
+        constants = [c for c in fixed or () if c is not None]
+        grads, loss = _without_writes(gradient, positions, constants)
     loss = loss.detach()
     if not check:
         return loss, list(grads)
@@ -108,6 +134,32 @@ def value_and_gradients(
             )
         )
     return loss, list(grads)
+
+
+def _without_writes(
+    gradient: Callable[..., tuple[Any, Tensor]],
+    positions: Sequence[Tensor],
+    constants: Sequence[Tensor],
+) -> tuple[Any, Tensor]:
+    """``gradient(*positions)``, refusing a ``loss_fn`` that writes into its inputs.
+
+    Autograd refuses an in-place write into a position (a leaf that requires grad) or into
+    a captured tensor; one under ``torch.no_grad()`` it lets through, which the tensors'
+    version counters show (the positions and the frozen parameters given as constants).
+    """
+    watched = [*positions, *constants]
+    versions = [t._version for t in watched]
+    try:
+        result = gradient(*positions)
+    except RuntimeError as error:
+        if _LEAF_IN_PLACE in str(error):
+            raise ValueError(_WRITES_ITS_INPUTS) from error
+        if _CAPTURED_IN_PLACE in str(error):
+            raise ValueError(_WRITES_CAPTURED) from error
+        raise
+    if any(t._version != version for t, version in zip(watched, versions, strict=True)):
+        raise ValueError(_WRITES_ITS_INPUTS)
+    return result
 
 
 def transition(

@@ -83,7 +83,9 @@ References:
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
+import reprlib
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
@@ -109,6 +111,7 @@ from ._dual_averaging import (
     dual_averaging_init,
     dual_averaging_update,
 )
+from ._optimizer import _check_representable as _check_scalars_fit
 
 __all__ = [
     "HMC",
@@ -129,6 +132,8 @@ _ACCEPT_KEY = derive_seed(0x484D43, 1)
 _JITTER_KEY = derive_seed(0x484D43, 2)
 #: the optimizer-level entry of ``self.state``: adaptation and diagnostics
 _STATE_KEY = "hmc"
+#: the entry of a saved state holding the start of the next step (see ``HMC.state_dict``)
+_START_KEY = "start"
 POOLED_ADAPTATION = True
 #: hyperparameters that one Metropolis test needs to be the same in every group
 _SHARED = ("num_data", "temperature", "num_steps", "jitter", "target_accept")
@@ -460,13 +465,114 @@ def transition_diagnostics(
 
 
 def _check_one_of(closure: Any, loss_fn: Any, *, where: str, expected: str) -> None:
-    """Exactly one of ``closure`` and ``loss_fn`` (the two ways to evaluate the loss)."""
+    """Exactly one of ``closure`` and ``loss_fn`` (the two ways to evaluate the loss), callable."""
     if (closure is None) == (loss_fn is None):
         raise ValueError(
             f"{where} needs a closure or a loss_fn, not "
             + ("neither" if closure is None else "both")
             + f" (expected {expected})"
         )
+    if closure is not None and not callable(closure):
+        raise TypeError(
+            f"Invalid closure: {reprlib.repr(closure)} (expected a callable that zeroes the "
+            "gradients, computes the full-batch mean loss, calls backward() and returns the loss)"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            f"Invalid loss_fn: {reprlib.repr(loss_fn)} (expected a callable: the full-batch "
+            "mean loss as a function of the parameters)"
+        )
+
+
+def _closure_loss(value: Any) -> Tensor:
+    """What the closure returned, as a detached tensor (a number or array: float64)."""
+    if isinstance(value, Tensor):
+        return value.detach()
+    if value is not None and not isinstance(value, (bool, str, bytes)):
+        try:
+            return torch.as_tensor(value, dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    raise TypeError(
+        f"Invalid loss returned by the closure: {reprlib.repr(value)} (expected the full-batch "
+        "mean loss, a tensor: a scalar, or one loss per ensemble member, shape [K]; the "
+        "closure must end with `return loss`)"
+    )
+
+
+#: the largest finite value of each dtype met so far (``torch.finfo`` costs a call per step)
+_LARGEST: dict[torch.dtype, float] = {}
+
+
+def _in_range(step: float, dtype: torch.dtype) -> float:
+    """A float leapfrog step, infinite where it overflows ``dtype``.
+
+    Torch refuses an ``alpha`` beyond the tensor's dtype, while a tensor step rounds to
+    infinity there; either way the trajectory diverges and the proposal is rejected, which
+    a float step now does too (``lr`` itself is checked to fit, see
+    ``HMC._check_representable``: only an adapted multiplier can get this far).
+    """
+    largest = _LARGEST.get(dtype)
+    if largest is None:
+        largest = _LARGEST[dtype] = float(torch.finfo(dtype).max)
+    return step if abs(step) <= largest else math.copysign(math.inf, step)
+
+
+def _fingerprint(tensors: Sequence[Tensor]) -> str | None:
+    """A digest of the tensors' shapes, dtypes and bytes (None where torch has no numpy).
+
+    Says whether a start carried in a state dict (``HMC.state_dict``) was computed at the
+    parameters it is loaded into: equal digests, equal bits.
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1).contiguous().cpu()
+        digest.update(f"{tuple(tensor.shape)} {tensor.dtype};".encode())
+        try:
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
+        except (RuntimeError, TypeError):  # torch built or installed without numpy
+            return None
+    return digest.hexdigest()
+
+
+def _check_start(start: Any) -> None:
+    """Raise unless ``start`` is None or the start of a step as ``HMC.state_dict`` saves it."""
+    if start is None:
+        return
+    valid = (
+        isinstance(start, dict)
+        and isinstance(start.get("params"), list)
+        and len(start["params"]) > 0
+        and all(type(i) is int for i in start["params"])
+        and isinstance(start.get("loss"), Tensor)
+        and isinstance(start.get("gradients"), list)
+        and len(start["gradients"]) == len(start["params"])
+        and all(isinstance(g, Tensor) for g in start["gradients"])
+        and isinstance(start.get("fingerprint"), str)
+    )
+    if not valid:
+        raise ValueError(
+            f"Invalid state_dict: its 'hmc' entry's {_START_KEY!r} is {reprlib.repr(start)} "
+            "(expected None or what HMC.state_dict() saves there: a dict of 'params', "
+            "'loss', 'gradients' and 'fingerprint')"
+        )
+
+
+class _Undo:
+    """What a step may change, as it was before the step (``HMC._save``, ``HMC._restore``)."""
+
+    def __init__(self) -> None:
+        #: (parameter, its .grad, a copy of the values or None, the .grad's version)
+        self.grads: list[tuple[Tensor, Tensor | None, Tensor | None, int]] = []
+        #: (parameter, a copy of its values, its version), added before the step moves it
+        self.values: list[tuple[Tensor, Tensor, int]] = []
+        self.steps: list[Any] = []
+        self.hmc: dict[str, Any] = {}
+        self.param_state: dict[Tensor, dict[str, Any]] | None = None
+        self.cache: tuple[list[int], list[int], Tensor, list[Tensor]] | None = None
+        self.cache_valid = False
+        self.start: tuple[tuple[Any, ...], Tensor, list[Tensor]] | None = None
+        self.loaded: dict[str, Any] | None = None
 
 
 def _members_of(loss: Tensor, chain: Sequence[Tensor], source: str) -> int:
@@ -493,7 +599,8 @@ class HMC(Optimizer):
     returns the loss, as for ``torch.optim.LBFGS``; it is called ``num_steps`` times per
     step (plus once when the parameters were changed from outside since the last step).
     After a step each parameter holds the chain's new state and ``.grad`` the gradient of
-    the mean loss there (exactly the values before the step when it was rejected).
+    the mean loss there (exactly the values before the step when it was rejected). A step
+    that raises (a failing closure or loss function, an interrupt) changes nothing at all.
 
     ``step(loss_fn=...)`` is the functional alternative to the closure: the mean loss as
     a function of the parameters (a dict by name, as ``torch.func.functional_call``
@@ -578,6 +685,8 @@ class HMC(Optimizer):
     _checked: tuple[Any, ...] | None
     #: whether step(closure) has said that compile=True does not apply to it
     _warned_compile: bool
+    #: the start carried by a loaded state (see ``_portable_start``), until the next step
+    _loaded_start: dict[str, Any] | None
 
     def __init__(
         self,
@@ -622,6 +731,9 @@ class HMC(Optimizer):
         defaults["step"] = 0
         super().__init__(params, defaults)
         self._reset_runtime()
+        for index, group in enumerate(self.param_groups):
+            where = "" if len(self.param_groups) == 1 else f" in param group {index}"
+            self._check_representable(group, where=where)
         all_params = [p for group in self.param_groups for p in group["params"]]
         for p in all_params:
             if is_dtensor(p) or parameter_layout(p) not in (None, (0, p.numel())):
@@ -667,6 +779,7 @@ class HMC(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Validate a param group (shared hyperparameters must match), then add it."""
+        where = ""
         if isinstance(param_group, dict) and hasattr(self, "param_groups"):
             where = f" in param group {len(self.param_groups)}"
             if self.param_groups:
@@ -677,13 +790,38 @@ class HMC(Optimizer):
             check_seed(candidate["seed"], where=where)
         super().add_param_group(param_group)
         self._keys = None
+        if hasattr(self, "_checked"):  # after the constructor (which checks every group)
+            try:
+                self._check_representable(self.param_groups[-1], where=where)
+            except ValueError:
+                self.param_groups.pop()
+                raise
+
+    def _check_representable(self, group: dict[str, Any], *, where: str) -> None:
+        r"""Raise unless ``lr``, ``weight_decay`` and ``num_data`` fit the group's dtypes.
+
+        The samplers' check (``_optimizer._check_representable``) without its noise scale
+        (HMC has none: its momentum is drawn at scale :math:`\sqrt{T M}`). The leapfrog
+        step :math:`\sqrt{lr/N}\,(1 + j) < 2\sqrt{lr}` then fits too, and a step passes
+        it (as ``alpha``) and N to torch as scalars of the parameters' dtype.
+        """
+        params = [p for p in group["params"] if p.is_floating_point()]
+        _check_scalars_fit({**group, "temperature": 0.0}, params, where=where)
+        for dtype in {p.dtype for p in params}:
+            largest = torch.finfo(dtype).max
+            if not group["num_data"] <= largest:
+                raise ValueError(
+                    f"Invalid num_data{where}: {group['num_data']!r} (expected a value that "
+                    f"fits {dtype}, at most {largest:.3g})"
+                )
 
     def _check_groups(self) -> None:
         # validated once per distinct setting: a step re-checks only what changed
         names = ("lr", "num_steps", "num_data", "temperature", "weight_decay", *_SHARED)
         values = tuple((type(g[n]), g[n]) for g in self.param_groups for n in names)
         plain = all(kind in (int, float, type(None)) for kind, _ in values)
-        if plain and values == self._checked:
+        dtypes = tuple(p.dtype for g in self.param_groups for p in g["params"])
+        if plain and (values, dtypes) == self._checked:
             return
         self._checked = None
         first = self.param_groups[0]
@@ -696,7 +834,8 @@ class HMC(Optimizer):
                         f"Invalid {name}{where}: {group[name]!r} (expected the value of param "
                         f"group 0, {first[name]!r}: one Metropolis test covers every group)"
                     )
-        self._checked = values if plain else None
+            self._check_representable(group, where=where)
+        self._checked = (values, dtypes) if plain else None
 
     def _set_mass(self, params: list[Tensor], masses: list[Any]) -> None:
         if len(masses) != len(params):
@@ -751,11 +890,21 @@ class HMC(Optimizer):
         self._start = None
         self._checked = None
         self._warned_compile = False
+        self._loaded_start = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """``torch.optim``'s pickled state, and the start of the next step (see ``state_dict``)."""
+        state: dict[str, Any] = super().__getstate__()
+        start = self._portable_start()
+        return state if start is None else {**state, _START_KEY: start}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore a pickled or deep-copied optimizer: the same chain continues."""
+        state = dict(state)
+        start = state.pop(_START_KEY, None)
         super().__setstate__(state)
         self._reset_runtime()
+        self._loaded_start = start
 
     def _stream(self, seed: int) -> NoiseStream:
         stream = self._streams.get(seed)
@@ -813,10 +962,22 @@ class HMC(Optimizer):
         return {} if found is None else dict(found)
 
     def state_dict(self) -> dict[str, Any]:
-        """``torch.optim``'s state dict; the adaptation and diagnostics travel as ``"hmc"``."""
+        """``torch.optim``'s state dict; the adaptation and diagnostics travel as ``"hmc"``.
+
+        With ``compile=True`` the ``"hmc"`` entry also carries the start of the next step
+        (``"start"``: the loss and its gradient at the current parameters, as the last
+        compiled transition computed them, with a digest of the parameters). The start is
+        otherwise evaluated again after loading; eagerly that gives the same bits, but a
+        compiled graph's fused arithmetic may differ from eager in the last place, and a
+        resumed chain would then drift from the uninterrupted one. The loaded start is used
+        only at parameters with the same digest (the same bits), else evaluated again.
+        """
         state_dict = super().state_dict()
         state = dict(state_dict["state"])
         state[_STATE_KEY] = copy.deepcopy(state[_STATE_KEY])
+        start = self._portable_start()
+        if start is not None:
+            state[_STATE_KEY][_START_KEY] = start
         state_dict["state"] = state
         return state_dict
 
@@ -834,25 +995,90 @@ class HMC(Optimizer):
                     "Invalid state_dict: its param groups lack the chain's random state "
                     "('seed' and 'step') (expected the state_dict() of an HMC optimizer)"
                 )
+        saved = copy.deepcopy(saved)
+        start = saved.pop(_START_KEY, None)
+        _check_start(start)
         super().load_state_dict(state_dict)
-        cast(Any, self.state)[_STATE_KEY] = copy.deepcopy(saved)
+        cast(Any, self.state)[_STATE_KEY] = saved
         self._reset_runtime()
+        self._loaded_start = start
+
+    def _portable_start(self) -> dict[str, Any] | None:
+        """The cached start of the next step, by parameter position, for a saved state.
+
+        Only with ``compile=True`` (see :meth:`state_dict`); None without a valid cache.
+        """
+        if not self.param_groups[0].get("compile", False):
+            return None
+        cache = self._cache
+        if cache is None or self._versions_of(cache[0]) != cache[1]:
+            return self._loaded_start  # loaded and not used yet (checked when it is)
+        position = {
+            id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])
+        }
+        chain = self._params_by_id(cache[0])
+        fingerprint = _fingerprint(chain)
+        if fingerprint is None:
+            return None
+        return {
+            "params": [position[id(p)] for p in chain],
+            "loss": cache[2],
+            "gradients": list(cache[3]),
+            "fingerprint": fingerprint,
+        }
+
+    def _loaded_start_here(
+        self, functional: bool
+    ) -> tuple[list[Tensor], Tensor, list[Tensor]] | None:
+        """The loaded start (chain, loss, raw gradients) if made at the current parameters.
+
+        ``functional``: for ``loss_fn``, whose chain is the parameters that require grad
+        (a closure's is those its ``backward()`` reaches, as when the start was saved).
+        """
+        start = self._loaded_start
+        if start is None:
+            return None
+        params = [p for g in self.param_groups for p in g["params"]]
+        if not all(0 <= i < len(params) for i in start["params"]):
+            return None
+        chain = [params[i] for i in start["params"]]
+        if functional:
+            sampled = [p for p in params if p.requires_grad]
+            if len(sampled) != len(chain) or any(
+                a is not b for a, b in zip(sampled, chain, strict=True)
+            ):
+                return None
+        shapes = all(g.shape == p.shape for g, p in zip(start["gradients"], chain, strict=True))
+        if not shapes or _fingerprint(chain) != start["fingerprint"]:
+            return None
+        loss = start["loss"].to(chain[0].device)
+        grads = [g.to(p.device) for g, p in zip(start["gradients"], chain, strict=True)]
+        return chain, loss, grads
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(
         self, closure: Callable[[], Any], chain: list[Tensor] | None, members: int | None
     ) -> tuple[list[Tensor], Tensor, list[Tensor], int | None]:
-        """Call the closure; return the chain's parameters, the loss, the raw gradients."""
+        """Call the closure; return the chain's parameters, the loss, the raw gradients.
+
+        ``chain`` None: the start of a transition, which decides the chain (and ``members``
+        from the loss's shape); otherwise the loss must have the start's shape.
+        """
         with torch.enable_grad():
-            loss = closure()
-        if not isinstance(loss, Tensor):
-            loss = torch.as_tensor(loss, dtype=torch.float64)
-        loss = loss.detach()
-        if loss.dim() > 1 or (members is not None and loss.shape != (members,)):
+            loss = _closure_loss(closure())
+        if chain is None:
+            wrong = loss.dim() > 1
+            expected = "a scalar, or one loss per ensemble member, shape [K])"
+        elif members is None:
+            wrong = loss.dim() != 0
+            expected = "a scalar, as at the start of the transition)"
+        else:
+            wrong = loss.shape != (members,)
+            expected = f"one loss per ensemble member, shape [{members}], as at the start)"
+        if wrong:
             raise ValueError(
-                f"Invalid loss returned by the closure: shape {tuple(loss.shape)} (expected a "
-                "scalar, or one loss per ensemble member, shape [K]"
-                + (f" with K = {members})" if members is not None else ")")
+                f"Invalid loss returned by the closure: shape {tuple(loss.shape)} (expected "
+                + expected
             )
         if chain is None:
             chain = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
@@ -881,11 +1107,8 @@ class HMC(Optimizer):
     ) -> tuple[Tensor, list[Tensor]]:
         """:meth:`_evaluate` inside a trajectory (the chain known): the loss, the gradients."""
         with torch.enable_grad():
-            loss = closure()
-        if not isinstance(loss, Tensor):
-            loss = torch.as_tensor(loss, dtype=torch.float64)
-        loss = loss.detach()
-        if loss.dim() > 1 or (members is not None and loss.shape != (members,)):
+            loss = _closure_loss(closure())
+        if loss.shape != (() if members is None else (members,)):
             return self._evaluate(lambda: loss, chain, members)[1:3]  # raises the error
         grads = [p.grad for p in chain]
         for g in grads:
@@ -941,7 +1164,15 @@ class HMC(Optimizer):
 
         Raises:
             ValueError: neither or both of ``closure`` and ``loss_fn``, an invalid
-                hyperparameter, or a loss of the wrong shape.
+                hyperparameter, a loss of the wrong shape, or a ``loss_fn`` that writes
+                into its parameters.
+            TypeError: a ``closure`` or ``loss_fn`` that is not callable, or a closure
+                that returns something other than a loss (such as None).
+
+        A step that raises -- whatever the exception, ``KeyboardInterrupt`` included, and
+        wherever in the trajectory -- leaves everything as it was before the step, bit for
+        bit: the parameters, their ``.grad``, the optimizer's state (the random counters
+        among it: a retried step draws the same momentum) and the diagnostics.
         """
         _check_one_of(
             closure,
@@ -952,6 +1183,80 @@ class HMC(Optimizer):
             "of the parameters",
         )
         self._check_groups()
+        undo = self._save(clone_grads=closure is not None)
+        try:
+            return self._step(closure, loss_fn, undo)
+        except BaseException:
+            self._restore(undo)
+            raise
+
+    def _save(self, *, clone_grads: bool) -> _Undo:
+        """What a step may change, as it is now (see :meth:`_restore`).
+
+        The gradients' tensors are kept, and with ``clone_grads`` (a closure, which may
+        zero them in place) their values too; the parameters' values are added by the step
+        before it moves them (``undo.values``).
+        """
+        undo = _Undo()
+        for group in self.param_groups:
+            undo.steps.append(group["step"])
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    undo.grads.append((p, None, None, 0))
+                else:
+                    saved = grad.clone() if clone_grads else None
+                    undo.grads.append((p, grad, saved, grad._version))
+        hmc = self._hmc_state
+        undo.hmc = dict(hmc)  # a step replaces the entries, never changes them in place
+        if hmc["adapt_mass"] and hmc["collect_mass"]:  # the step adds a draw to the estimate
+            undo.param_state = {
+                p: dict(self.state[p])
+                for group in self.param_groups
+                for p in group["params"]
+                if p in self.state
+            }
+        cache = self._cache
+        undo.cache = cache
+        undo.cache_valid = cache is not None and self._versions_of(cache[0]) == cache[1]
+        undo.start = self._start
+        undo.loaded = self._loaded_start
+        return undo
+
+    def _restore(self, undo: _Undo) -> None:
+        """Put back what :meth:`_save` saved: the state before a step that failed."""
+        for p, value, version in undo.values:
+            if p._version != version:
+                p.copy_(value)
+        for p, grad, saved, version in undo.grads:
+            p.grad = grad
+            if grad is not None and saved is not None and grad._version != version:
+                grad.copy_(saved)
+        hmc = self._hmc_state
+        hmc.clear()
+        hmc.update(undo.hmc)
+        if undo.param_state is not None:
+            for p, *_ in undo.grads:
+                if p in undo.param_state:
+                    self.state[p] = undo.param_state[p]
+                elif p in self.state:
+                    del self.state[p]
+        for group, step in zip(self.param_groups, undo.steps, strict=True):
+            group["step"] = step
+        cache = undo.cache
+        if cache is not None and undo.cache_valid:  # still the start (the versions moved on)
+            cache = (cache[0], self._versions_of(cache[0]), cache[2], cache[3])
+        self._cache = cache
+        self._start = undo.start
+        self._loaded_start = undo.loaded
+
+    def _step(
+        self,
+        closure: Callable[[], Any] | None,
+        loss_fn: Callable[[Any], Tensor] | None,
+        undo: _Undo,
+    ) -> Tensor:
+        """The transition of :meth:`step` (which undoes it, from ``undo``, if it raises)."""
         hmc = self._hmc_state
         first = self.param_groups[0]
         num_data = int(first["num_data"])
@@ -967,14 +1272,21 @@ class HMC(Optimizer):
                 root_lr[id(p)] = math.sqrt(float(group["lr"]) / num_data)
                 group_of[id(p)] = group
 
-        # the start: (U, grad U) at the current parameters, cached from the last step
+        # the start: (U, grad U) at the current parameters, cached from the last step (or
+        # loaded with the state)
         cache = self._cache
         start_cache = self._start
         self._start = None
-        if cache is not None and self._versions_of(cache[0]) == cache[1]:
+        loaded = None if undo.cache_valid else self._loaded_start_here(loss_fn is not None)
+        self._loaded_start = None
+        if cache is not None and undo.cache_valid:
             chain = [p for p in self._params_by_id(cache[0])]
             loss0, raw0 = cache[2], cache[3]
             members = None if loss0.dim() == 0 else int(loss0.shape[0])
+        elif loaded is not None:
+            chain, loss0, raw0 = loaded
+            members = None if loss0.dim() == 0 else int(loss0.shape[0])
+            start_cache = None
         elif loss_fn is not None:
             chain, loss0, raw0, members = self._evaluate_function(loss_fn)
             start_cache = None
@@ -1003,7 +1315,7 @@ class HMC(Optimizer):
         step_sizes: list[StepSize]
         if members is None and loss_fn is None:  # Python floats, for updates with alpha
             scale = float(multiplier)
-            step_sizes = [scale * root_lr[id(p)] for p in chain]
+            step_sizes = [_in_range(scale * root_lr[id(p)], p.dtype) for p in chain]
         elif loss_fn is None:
             step_sizes = list(
                 tensor_step_sizes(multiplier, [root_lr[id(p)] for p in chain], chain, members)
@@ -1058,6 +1370,7 @@ class HMC(Optimizer):
                 num_steps=num_steps,
                 members=members,
             )
+            undo.values = [(p, p.clone(), p._version) for p in chain]
             for p, new, g in zip(chain, result.positions, result.gradients, strict=True):
                 p.copy_(new)
                 p.grad = g.clone()
@@ -1074,9 +1387,12 @@ class HMC(Optimizer):
                     UserWarning,
                     stacklevel=4,
                 )
+            start = [p.clone() for p in chain]
+            undo.values = [(p, p0, p._version) for p, p0 in zip(chain, start, strict=True)]
             energy_error, log_accept, accepted, loss, raw = self._closure_trajectory(
                 closure,
                 chain,
+                start,
                 momenta,
                 step_sizes,
                 inverse_mass,
@@ -1115,6 +1431,7 @@ class HMC(Optimizer):
         self,
         closure: Callable[[], Any],
         chain: list[Tensor],
+        start: list[Tensor],
         momenta: list[Tensor],
         step_sizes: list[StepSize],
         inverse_mass: list[Tensor | None],
@@ -1128,8 +1445,9 @@ class HMC(Optimizer):
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:
         """The trajectory and test in place, the closure filling ``.grad`` at each step.
 
-        ``start_cache``: U and grad U at the start, as the last step left them (reused when
-        made with the same N and weight decays). Returns ``(energy error, log acceptance,
+        ``start``: copies of the parameters' values at the start. ``start_cache``: U and
+        grad U at the start, as the last step left them (reused when made with the same N
+        and weight decays). Returns ``(energy error, log acceptance,
         accepted, loss, raw gradients)`` at the chain's next state, which the parameters
         (and their ``.grad``) then hold.
         """
@@ -1141,7 +1459,6 @@ class HMC(Optimizer):
         else:
             potential0, gradients0 = self._potential(chain, loss0, raw0, members, decay, num_data)
         energy0 = potential0 + kinetic_energy(momenta, inverse_mass, members)
-        start = [p.clone() for p in chain]
         last: dict[str, Any] = {}
         gradient = _gradient_map(chain, [decay[id(p)] for p in chain], num_data)
 
@@ -1226,22 +1543,12 @@ class HMC(Optimizer):
                 "HMC.step: no parameter requires grad (expected at least one parameter "
                 "with requires_grad=True to sample)"
             )
-        positions = [p.detach() for p in chain]
+        # copies: a loss_fn writing into what it receives is refused with nothing changed
+        positions = [p.detach().clone() for p in chain]
+        frozen = self._frozen()
+        fixed = None if frozen is None else [None if c is None else c.clone() for c in frozen]
         names = self._loss_fn_names()
-        try:
-            loss, grads = value_and_gradients(
-                loss_fn, names, positions, None, fixed=self._frozen(), check=False
-            )
-        except RuntimeError as error:
-            if "mutate a captured Tensor" not in str(error):
-                raise
-            raise ValueError(
-                "Invalid loss_fn: it modifies a tensor in place that it does not create, such "
-                "as a BatchNorm running statistic in train mode (expected a pure function of "
-                "the parameters: give functional_call copies of the buffers, "
-                "{**params, **{k: b.clone() for k, b in model.named_buffers()}}, put the "
-                "model in eval mode, or use step(closure))"
-            ) from error
+        loss, grads = value_and_gradients(loss_fn, names, positions, None, fixed=fixed, check=False)
         members = _members_of(loss, chain, "loss_fn") if loss.dim() == 1 else None
         return chain, loss, grads, members
 
@@ -1392,12 +1699,17 @@ class HMC(Optimizer):
                 ends.add(nxt)
                 position, window = nxt, 2 * window
             ends.add(init + slow)
+        collect = hmc["collect_mass"]
         for t in range(num_steps):
             hmc["collect_mass"] = hmc["adapt_mass"] and init <= t < num_steps - term
-            if loss_fn is None:
-                self.step(closure)
-            else:
-                self.step(loss_fn=loss_fn)
+            try:
+                if loss_fn is None:
+                    self.step(closure)
+                else:
+                    self.step(loss_fn=loss_fn)
+            except BaseException:  # the failed step changed nothing; nor does the schedule
+                hmc["collect_mass"] = collect
+                raise
             if t + 1 in ends:
                 self.update_mass()
         hmc["collect_mass"] = False
