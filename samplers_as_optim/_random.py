@@ -6,7 +6,10 @@ the parameter (:func:`parameter_key` of its name, or of its index among the opti
 parameters when it has no name) and ``position`` is the element's index in the flattened
 parameter. Elements are drawn in blocks of :data:`BLOCK`: block ``b`` (elements
 ``[b BLOCK, (b + 1) BLOCK)``) is ``torch.randn`` of its size from a generator re-seeded
-with :func:`derive_seed` ``(seed, step, key, b)``. Consequences:
+with :func:`derive_seed` ``(seed, step, key, b)``. An Optimizer derives the key once and
+keeps it in the parameter's state (``state["noise_key"]``, :func:`key_to_int64`), so a
+loaded state draws with the keys it was drawn with, whatever names or positions the
+loading optimizer gives its parameters. Consequences:
 
 * the whole random state of a chain is two integers, ``seed`` and the step counter, so a
   ``state_dict`` round trip resumes the chain bit for bit, and a state can be saved
@@ -40,6 +43,8 @@ __all__ = [
     "NoiseStream",
     "block_bounds",
     "derive_seed",
+    "key_from_int64",
+    "key_to_int64",
     "parameter_key",
     "seed_from_global_rng",
 ]
@@ -109,6 +114,17 @@ def parameter_key(identity: str | int) -> int:
         digest = hashlib.blake2b(identity.encode(), digest_size=8).digest()
         return derive_seed(_NAME_DOMAIN, int.from_bytes(digest, "little"))
     return derive_seed(identity)
+
+
+def key_to_int64(key: int) -> int:
+    """A 64-bit key in [0, 2**64) as the int64 that holds its bits (for a tensor)."""
+    key &= _MASK64
+    return key - (1 << 64) if key >= 1 << 63 else key
+
+
+def key_from_int64(value: int) -> int:
+    """The key in [0, 2**64) whose bits the int64 ``value`` holds (:func:`key_to_int64`)."""
+    return value & _MASK64
 
 
 def block_bounds(numel: int, block: int | None = None) -> list[tuple[int, int]]:

@@ -8,6 +8,11 @@ only tensors and builds each rank's optimizer over its share of them, so there t
 names must come with the tensors themselves. :func:`name_parameters` writes each
 parameter's name on the tensor (an attribute); the samplers read it when their param
 group has no ``param_names``.
+
+The key is derived once: from its first step at a positive temperature on, a
+parameter's state holds the key its noise is drawn with (``state["noise_key"]``), and a
+state loaded into another optimizer keeps drawing with it, whatever names (given, written
+on the tensors, or none) that optimizer has.
 """
 
 from __future__ import annotations

@@ -212,12 +212,24 @@ def test_an_sgd_or_sghmc_checkpoint_loads_into_sgnht_with_a_fresh_thermostat(sou
 
 
 def test_loading_an_unnamed_state_into_a_named_optimizer_warns_that_the_noise_changes():
+    """Only for a state without noise keys: one the samplers wrote before storing them.
+
+    A state that holds them continues its chain exactly whatever the naming
+    (``tests/test_torch_optim_contract.py``), and loads silently.
+    """
     model = make_model()
     unnamed = SGHMC(model.parameters(), lr=0.01, num_data=100, seed=1)
     train(model, unnamed, batches(2))
     named = SGHMC(model.named_parameters(), lr=0.01, num_data=100, seed=1)
-    with pytest.warns(UserWarning, match=r"the noise is now keyed by name, not by position"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         named.load_state_dict(copy.deepcopy(unnamed.state_dict()))
+    old_layout = copy.deepcopy(unnamed.state_dict())
+    for entries in old_layout["state"].values():
+        del entries["noise_key"]
+    named = SGHMC(model.named_parameters(), lr=0.01, num_data=100, seed=1)
+    with pytest.warns(UserWarning, match=r"the noise is now keyed by name, not by position"):
+        named.load_state_dict(old_layout)
     # the other way round the names come with the state: exact, and silent
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -18,12 +18,15 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "HostScalars",
     "all_finite",
     "apply_step_",
     "buckets",
     "default_foreach",
     "effective_grad",
     "effective_grads",
+    "host_scalar",
+    "host_value",
     "may_be_non_finite",
 ]
 
@@ -161,3 +164,50 @@ def apply_step_(
             torch._foreach_add_(bucket_params, bucket_directions, alpha=-lr)
         else:
             torch._foreach_add_(bucket_params, torch._foreach_mul(bucket_directions, -lr))
+
+
+def host_scalar(value: float) -> Tensor:
+    """``value`` as a 0-d float64 tensor on the CPU: a number kept in per-parameter state.
+
+    ``torch.optim`` keeps every entry of a parameter's state a tensor (its step counters
+    are 0-d CPU tensors); float64 holds a Python float exactly, and on the CPU reading it
+    back costs no device synchronisation.
+    """
+    return torch.tensor(value, dtype=torch.float64)
+
+
+def host_value(stored: Tensor | float | None) -> float | None:
+    """The number a state entry holds: a 0-d tensor's value, a float as is, None for None."""
+    return None if stored is None else float(stored)
+
+
+class HostScalars:
+    """The values of 0-d state tensors (:func:`host_scalar`) a step reads, known to Python.
+
+    A step that needs such a number in Python (to decide whether, and by how much, to
+    rescale a buffer) would otherwise read the tensor back every step: a host round trip
+    per parameter in eager mode and a graph break under ``torch.compile``. This remembers,
+    per parameter, the tensor last written or read and its value, and trusts the value
+    while the state still holds that very tensor: a loaded or replaced entry is a new
+    tensor, read once. The samplers replace such entries, never modify them in place.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[Tensor, float]] = {}
+
+    def value(self, param: Tensor, stored: Tensor | float | None) -> float | None:
+        """The number ``stored`` (``param``'s state entry) holds."""
+        if not isinstance(stored, Tensor):
+            return host_value(stored)
+        known = self._known.get(id(param))
+        if known is not None and known[0] is stored:
+            return known[1]
+        value = float(stored)
+        self._known[id(param)] = (stored, value)
+        return value
+
+    def tensor(self, param: Tensor, value: float) -> Tensor:
+        """A new entry holding ``value`` for ``param``'s state (:func:`host_scalar`)."""
+        stored = host_scalar(value)
+        self._known[id(param)] = (stored, value)
+        return stored

@@ -14,6 +14,30 @@ because every wrapper that saves an optimizer keeps its param groups:
 them to each rank's optimizer on load, Lightning and the HF ``Trainer`` save
 ``state_dict()`` as is, and ``copy.deepcopy``/``pickle`` go through ``__getstate__``,
 which holds only ``defaults``, ``state`` and ``param_groups``.
+
+What identifies a parameter's noise travels with the parameter's own state instead:
+``state["noise_key"]``, a 0-d int64 tensor on the CPU holding the key it is drawn with
+(``samplers_as_optim._random``), written at the parameter's first step at a positive
+temperature (the noise is drawn only then). The key is derived once, from the parameter's
+name or its position among the optimizer's parameters; once stored it is used as is, so
+a state saved by an optimizer built from ``parameters()`` and loaded into one built from
+``named_parameters()`` (or the reverse, or onto tensors that carry other names) goes on
+drawing the numbers it drew. Per-parameter state, unlike a list in a param group, is
+what every wrapper moves with its parameter (``ZeroRedundancyOptimizer`` hands each
+rank its parameters' states, FSDP's and DCP's state dicts key it by the parameter's
+name). A parameter whose state holds no key (a checkpoint written before they were
+stored; a parameter that has not drawn noise yet: frozen, which has no state as in
+torch.optim, or only stepped at temperature 0, whose state stays ``torch.optim.SGD``'s)
+is keyed by this optimizer's names or positions, as before. Nor is a key stored where
+the ranks of a sharded optimizer key unnamed parameters by their place in the rank's
+share and the rank (``samplers_as_optim._distributed``): such a key identifies a
+parameter on that rank only.
+
+Every per-parameter entry is a tensor, as ``torch.optim`` keeps them (its generic tests
+compare states through ``.detach()``); numbers kept there (the keys, the learning rate a
+momentum buffer was written at) are 0-d CPU tensors in their own dtype, restored as saved
+by ``load_state_dict``, whereas torch casts the rest to the parameter's dtype. Checkpoints
+that hold such a number as a float are migrated on load.
 """
 
 from __future__ import annotations
@@ -31,7 +55,14 @@ from .. import _random
 from .._distributed import agree_across_ranks
 from .._dtensor import is_dtensor, local_layout, wrap_like
 from .._noise_op import COMPILED_DRAW
-from .._random import NoiseStream, block_bounds, parameter_key, seed_from_global_rng
+from .._random import (
+    NoiseStream,
+    block_bounds,
+    key_from_int64,
+    key_to_int64,
+    parameter_key,
+    seed_from_global_rng,
+)
 from .._validation import (
     check_bool,
     check_choice,
@@ -44,7 +75,14 @@ from .._validation import (
     check_temperature,
 )
 from ..names import parameter_layout, parameter_name
-from ._common import all_finite, apply_step_, default_foreach, may_be_non_finite
+from ._common import (
+    HostScalars,
+    all_finite,
+    apply_step_,
+    default_foreach,
+    host_scalar,
+    may_be_non_finite,
+)
 from ._prefetch import NoisePrefetcher, NoiseRequest
 
 __all__ = ["SamplerOptimizer"]
@@ -55,6 +93,10 @@ _LEGACY_SAMPLER_KEY = "sampler"
 _CHAIN_KEYS = ("seed", "step")
 #: param-group entries that only a sampler (not torch.optim.SGD) writes
 _SAMPLER_ONLY_KEYS = ("num_data", "temperature")
+#: the per-parameter entry that holds the key of the parameter's noise
+NOISE_KEY = "noise_key"
+#: the per-parameter entry that holds the learning rate its momentum buffer was written at
+MOMENTUM_RATE = "momentum_lr"
 
 #: what a step does with a non-finite gradient: refuse it (an error, after a host sync) or
 #: skip it (a no-op, counted in ``group["skipped_steps"]``, without a sync)
@@ -136,6 +178,8 @@ class SamplerOptimizer(Optimizer):
         """
         self._streams: dict[int, NoiseStream] = {}
         self._keys: dict[int, int] = {}  # empty: not computed yet
+        #: the values of the 0-d rate tensors in the state (see ``HostScalars``)
+        self._host_scalars = HostScalars()
         self._prefetcher = NoisePrefetcher() if self._overlap_noise else None
         self._seed_given = seed_given
         self._runtime: dict[str, Any] = {"agreed": False, "shard": None, "all_named": True}
@@ -159,11 +203,14 @@ class SamplerOptimizer(Optimizer):
 
         ``torch.optim.Optimizer.__getstate__`` keeps ``defaults``, ``state`` and
         ``param_groups``, which hold the whole chain (the seeds and step counters are in
-        the param groups); the generator caches are rebuilt here.
+        the param groups); the generator caches are rebuilt here. torch's
+        ``load_state_dict`` installs a loaded state through this method too, with
+        ``state`` and ``param_groups`` only: the runtime options stay as they are.
         """
-        state.setdefault("_overlap_noise", True)
-        state.setdefault("_nonfinite", "raise")
+        state.setdefault("_overlap_noise", getattr(self, "_overlap_noise", True))
+        state.setdefault("_nonfinite", getattr(self, "_nonfinite", "raise"))
         super().__setstate__(state)
+        self._migrate_host_state()
         self._reset_runtime(seed_given=True)
 
     # ------------------------------------------------------------------ validation
@@ -183,29 +230,64 @@ class SamplerOptimizer(Optimizer):
             self.check_hyperparameters(candidate, where=where)
             self._check_chain_state(candidate, where=where)
         super().add_param_group(param_group)
-        if hasattr(self, "_keys"):
-            self._keys.clear()
 
     def _noise_keys(self, params: list[Tensor]) -> list[int]:
         """Each parameter's noise key (see ``samplers_as_optim._random``).
 
-        From its name where the optimizer was given names (``named_parameters()``) or the
-        tensor carries one (:func:`~samplers_as_optim.name_parameters`), else from its
-        index among all the optimizer's parameters, in group order.
+        The key its state holds (``state["noise_key"]``, see the module docstring); for a
+        parameter whose state holds none, from its name where the optimizer was given
+        names (``named_parameters()``) or the tensor carries one
+        (:func:`~samplers_as_optim.name_parameters`), else from its index among all the
+        optimizer's parameters, in group order. Derived once per parameter (the step
+        reads no tensor back once they are known).
         """
-        if not self._keys:
-            self._runtime["all_named"] = True
-            index = 0
-            for group in self.param_groups:
-                names = group.get("param_names")
-                for position, param in enumerate(group["params"]):
+        keys = self._keys
+        if not keys or any(id(param) not in keys for param in params):
+            self._derive_noise_keys()
+        return [keys[id(param)] for param in params]
+
+    def _derive_noise_keys(self) -> None:
+        """Key every parameter not keyed yet; note whether every key is unique.
+
+        A key is unique across the ranks of a sharded optimizer when it comes from a name,
+        or from a state: a key is stored only where it is unique (see
+        ``_record_noise_keys``).
+        """
+        unique = True
+        index = 0
+        for group_index, group in enumerate(self.param_groups):
+            names = group.get("param_names")
+            for position, param in enumerate(group["params"]):
+                state = self.state.get(param)
+                stored = None if state is None else state.get(NOISE_KEY)
+                if stored is not None:
+                    key = stored_noise_key(
+                        stored, where=f"{_at_group(group_index)}, parameter {position}"
+                    )
+                else:
                     identity = names[position] if names else parameter_name(param)
                     if identity is None:
                         identity = index
-                        self._runtime["all_named"] = False
-                    self._keys[id(param)] = parameter_key(identity)
-                    index += 1
-        return [self._keys[id(param)] for param in params]
+                        unique = False
+                    key = parameter_key(identity)
+                self._keys.setdefault(id(param), key)
+                index += 1
+        self._runtime["all_named"] = unique
+
+    def _record_noise_keys(self, params: list[Tensor]) -> None:
+        """Keep each parameter's noise key in its state, from its first noisy step on.
+
+        Not at temperature 0, whose state stays ``torch.optim.SGD``'s, nor for a
+        parameter without a gradient (frozen), which has no state, as in torch.optim;
+        not where the ranks of a sharded optimizer key unnamed parameters by their place
+        in the rank's share (with the rank): such a key does not identify the parameter
+        outside that rank.
+        """
+        if self._shard is not None:
+            return
+        missing = [param for param in params if NOISE_KEY not in self.state[param]]
+        for param, key in zip(missing, self._noise_keys(missing), strict=True):
+            self.state[param][NOISE_KEY] = torch.tensor(key_to_int64(key), dtype=torch.int64)
 
     @staticmethod
     def _check_chain_state(group: dict[str, Any], *, where: str) -> None:
@@ -356,6 +438,8 @@ class SamplerOptimizer(Optimizer):
             if temperature > 0 and lr == 0:
                 continue  # a step of length zero: no time passes, nothing changes
             self._update_group(group, params, grads, lr=lr, temperature=temperature, keep=keep)
+            if temperature > 0:  # the keys the noise was drawn with (module docstring)
+                self._record_noise_keys(params)
         for group in self.param_groups:
             group["step"] += 1
         if prefetcher is not None:
@@ -461,7 +545,9 @@ class SamplerOptimizer(Optimizer):
             if not all(name in state for name in fields):  # new, or loaded from another kind
                 self._init_state(group, param, state)
         if fields:  # state in lr's units follows a change of lr (DESIGN §1)
-            self._reexpress_state(group, states, lr=lr, temperature=temperature, foreach=foreach)
+            self._reexpress_state(
+                group, params, states, lr=lr, temperature=temperature, foreach=foreach
+            )
         buffers = [[state.get(name) for state in states] for name in fields]
         noise_of = None
         if temperature > 0:
@@ -583,6 +669,7 @@ class SamplerOptimizer(Optimizer):
     def _reexpress_state(
         self,
         group: dict[str, Any],
+        params: list[Tensor],
         states: list[dict[str, Any]],
         *,
         lr: float,
@@ -591,9 +678,10 @@ class SamplerOptimizer(Optimizer):
     ) -> None:
         """Re-express state kept in lr's units when lr has changed (default: none is).
 
-        Called before the kernel with this step's ``lr``; SGHMC and SGNHT rescale their
-        momentum buffers at T > 0 (DESIGN §1: the chain's state is the continuous-time
-        state).
+        Called before the kernel with this step's ``lr`` and the states of ``params``;
+        SGHMC and SGNHT rescale their momentum buffers at T > 0 (DESIGN §1: the chain's
+        state is the continuous-time state), reading the rate each buffer was written at
+        through ``self._host_scalars``.
         """
 
     def _kernel(
@@ -626,24 +714,68 @@ class SamplerOptimizer(Optimizer):
         return max(int(group["step"]) for group in self.param_groups)
 
     def _restore_own_dtype_state(self, state_dict: dict[str, Any]) -> None:
+        """Undo torch's cast of some saved entries to the parameter's dtype and device.
+
+        ``own_dtype_state`` (a thermostat) keeps its dtype on the parameter's device; the
+        noise key and the rate of a momentum buffer keep theirs on the CPU (a float rate,
+        as checkpoints wrote it before, becomes a tensor; None, an unknown rate, none).
+        """
         saved_state = state_dict.get("state", {})
         for group, saved_group in zip(self.param_groups, state_dict["param_groups"], strict=True):
             for param, param_id in zip(group["params"], saved_group["params"], strict=True):
+                saved = saved_state.get(param_id) or {}
                 for key in self.own_dtype_state:
-                    value = saved_state.get(param_id, {}).get(key)
+                    value = saved.get(key)
                     if isinstance(value, Tensor):
                         self.state[param][key] = value.to(device=param.device, copy=True)
+                for key in (NOISE_KEY, MOMENTUM_RATE):
+                    if key not in saved:
+                        continue
+                    value = saved[key]
+                    if value is None:
+                        self.state[param].pop(key, None)
+                    elif isinstance(value, Tensor):
+                        self.state[param][key] = value.detach().to(device="cpu", copy=True)
+                    else:
+                        self.state[param][key] = host_scalar(float(value))
+
+    def _migrate_host_state(self) -> None:
+        """A rate kept as a float (or None) by an earlier version becomes a tensor (or none)."""
+        for state in self.state.values():
+            if not isinstance(state, dict) or MOMENTUM_RATE not in state:
+                continue
+            rate = state[MOMENTUM_RATE]
+            if rate is None:
+                del state[MOMENTUM_RATE]
+            elif not isinstance(rate, Tensor):
+                state[MOMENTUM_RATE] = host_scalar(float(rate))
+
+    def _prime_runtime(self) -> None:
+        """Read the stored keys and rates now, so that the next step reads no tensor back.
+
+        (Under ``torch.compile`` a value read back from a tensor breaks the graph.)
+        """
+        self._noise_keys([])
+        for group in self.param_groups:
+            for param in group["params"]:
+                state = self.state.get(param)
+                if state and MOMENTUM_RATE in state:
+                    self._host_scalars.value(param, state[MOMENTUM_RATE])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by a sampler (or a wrapper of one), or by ``torch.optim.SGD``.
 
         A sampler's ``state_dict()`` holds the chain's random state in its param groups
-        (``"seed"`` and ``"step"``), so loading it continues the chain bit for bit; so
-        does the consolidated ``state_dict()`` of a ``ZeroRedundancyOptimizer`` over a
-        sampler. A genuine ``torch.optim.SGD`` checkpoint (no ``num_data`` or
-        ``temperature`` in its groups) loads too: its groups keep this optimizer's
-        ``num_data``, ``temperature``, seed and step counter. Everything is checked
-        before anything changes.
+        (``"seed"`` and ``"step"``) and each parameter's noise key in its state, so
+        loading it continues the chain bit for bit, whether this optimizer names its
+        parameters as the saved one did or not; so does the consolidated
+        ``state_dict()`` of a ``ZeroRedundancyOptimizer`` over a sampler. A state
+        without keys (written before they were stored) keys the noise by this
+        optimizer's names or positions, and warns where that is not what the saved one
+        did (names now, none then). A genuine ``torch.optim.SGD`` checkpoint (no
+        ``num_data`` or ``temperature`` in its groups) loads too: its groups keep this
+        optimizer's ``num_data``, ``temperature``, seed and step counter. Everything is
+        checked before anything changes.
 
         Raises:
             ValueError: the groups hold sampler hyperparameters but no chain state (a
@@ -668,18 +800,32 @@ class SamplerOptimizer(Optimizer):
                     "silently restart the noise (expected a sampler's state_dict(), or a "
                     "torch.optim.SGD checkpoint, which has neither)"
                 )
+        saved_state = state_dict.get("state", {})
+        _refuse_non_finite_state(saved_state)
         named_now = any("param_names" in group for group in self.param_groups)
         named_then = any("param_names" in group for group in saved_groups)
-        if named_now and not named_then and all("seed" in group for group in saved_groups):
+        keyless = sum(
+            NOISE_KEY not in (saved_state.get(param_id) or {})
+            for group in saved_groups
+            for param_id in group.get("params", [])
+        )
+        if (
+            named_now
+            and not named_then
+            and keyless
+            and all("seed" in group for group in saved_groups)
+        ):
             warnings.warn(
                 f"{type(self).__name__}.load_state_dict: this optimizer was given parameter "
                 "names and the saved one was not, so the noise is now keyed by name, not "
-                "by position: the chain goes on with other (equally valid) noise than the "
-                "saved run would have drawn. For an exact resume, build the optimizer as the "
+                f"by position, for the {keyless} parameter(s) whose saved state holds no "
+                "noise key (a checkpoint written before the samplers stored the keys, or "
+                "parameters that have not drawn noise yet: frozen, or only stepped at "
+                "temperature 0): they go on with other (equally valid) noise than the saved "
+                "run would have drawn. For an exact resume, build the optimizer as the "
                 "saved one was built (model.parameters() rather than named_parameters()).",
                 stacklevel=2,
             )
-        _refuse_non_finite_state(state_dict.get("state", {}))
         if len(saved_groups) == len(self.param_groups):
             saved_groups = [
                 {**{k: v for k, v in current.items() if k != "params"}, **saved}
@@ -692,6 +838,7 @@ class SamplerOptimizer(Optimizer):
         super().load_state_dict(state_dict)
         self._restore_own_dtype_state(state_dict)
         self._reset_runtime(seed_given=True)
+        self._prime_runtime()
 
 
 if not COMPILED_DRAW:
@@ -740,21 +887,56 @@ def _check_representable(group: dict[str, Any], params: list[Tensor], *, where: 
                 )
 
 
+def stored_noise_key(value: Any, *, where: str = "") -> int:
+    """The key a state's ``"noise_key"`` holds (a 0-d int64 tensor); ValueError otherwise."""
+    if not _valid_noise_key(value):
+        raise ValueError(
+            f"Invalid state{where}: 'noise_key' is {value!r} (expected a 0-dim int64 tensor, "
+            "the key of the parameter's noise; a loader that casts per-parameter state to "
+            "the parameter's dtype loses it: load with this optimizer's load_state_dict, or "
+            "delete the entry to key the noise by this optimizer's names or positions)"
+        )
+    return key_from_int64(int(value))
+
+
+def _valid_noise_key(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.dtype == torch.int64 and value.dim() == 0
+
+
+def _valid_rate(value: Any) -> bool:
+    """None, or a finite number > 0 (a float, or a 0-d floating tensor)."""
+    if value is None:
+        return True
+    if isinstance(value, Tensor):
+        if value.dim() != 0 or not value.is_floating_point():
+            return False
+        value = float(value)
+    elif not isinstance(value, float):
+        return False
+    return math.isfinite(value) and value > 0
+
+
 def _refuse_non_finite_state(saved_state: dict[Any, Any]) -> None:
     """Raise if a saved per-parameter buffer holds NaN or infinity (before loading it).
 
     Also checks the learning rate recorded with a momentum buffer (``"momentum_lr"``):
-    None or a finite number > 0, since the next change of lr rescales the buffer by it.
+    None or a finite number > 0, since the next change of lr rescales the buffer by it;
+    and the noise key (``"noise_key"``): a 0-d int64 tensor.
     """
     for param_id, entries in saved_state.items():
         for key, value in (entries or {}).items():
-            if key == "momentum_lr" and not (
-                value is None or (isinstance(value, float) and math.isfinite(value) and value > 0)
-            ):
+            if key == MOMENTUM_RATE and not _valid_rate(value):
                 raise ValueError(
                     f"Invalid state_dict: 'momentum_lr' of parameter {param_id} is "
                     f"{value!r} (expected None or a finite number > 0: the learning rate "
                     "its momentum buffer was written at)"
+                )
+            if key == NOISE_KEY and not _valid_noise_key(value):
+                raise ValueError(
+                    f"Invalid state_dict: 'noise_key' of parameter {param_id} is {value!r} "
+                    "(expected a 0-dim int64 tensor: the key of the parameter's noise, as "
+                    "the samplers store it; delete the entry to key the noise by this "
+                    "optimizer's names or positions)"
                 )
             if (
                 isinstance(value, Tensor)

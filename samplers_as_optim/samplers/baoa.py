@@ -219,13 +219,21 @@ class BAOA(SamplerOptimizer):
     def _reexpress_state(
         self,
         group: dict[str, Any],
+        params: list[Tensor],
         states: list[dict[str, Any]],
         *,
         lr: float,
         temperature: float,
         foreach: bool,
     ) -> None:
-        rescale_momentum_state(states, lr=lr, temperature=temperature, foreach=foreach)
+        rescale_momentum_state(
+            states,
+            lr=lr,
+            temperature=temperature,
+            foreach=foreach,
+            params=params,
+            known=self._host_scalars,
+        )
 
     def _kernel(
         self,

@@ -59,7 +59,8 @@ stationary buffer variance is :math:`\sigma^2/(1-\mu^2) = 2T/(N\, lr\,(1+\mu))
 :math:`lr_1`; with a gradient it does so up to the step-size bias
 (``tests/test_lr_change.py`` propagates the exact law through jumps). At :math:`T = 0`
 the buffer is ``torch.optim.SGD``'s and is never rescaled. The rate is recorded with
-each buffer (``"momentum_lr"`` in an Optimizer's per-parameter state, the field
+each buffer (``"momentum_lr"`` in an Optimizer's per-parameter state, a 0-d float64
+tensor on the CPU as ``torch.optim`` keeps every state entry a tensor; the field
 ``momentum_lr`` of a transform's state), once the chain has taken a step at
 :math:`T > 0`; a buffer without a record (one that has only been SGD's, or loaded from
 a ``torch.optim.SGD`` checkpoint) is taken to be in the current units. A step of
@@ -78,7 +79,14 @@ from torchopt.base import GradientTransformation
 
 from .._validation import check_bool, check_finite, check_momentum
 from . import _docs, _transform
-from ._common import buckets, effective_grad, effective_grads
+from ._common import (
+    HostScalars,
+    buckets,
+    effective_grad,
+    effective_grads,
+    host_scalar,
+    host_value,
+)
 from ._optimizer import SamplerOptimizer
 from ._transform import (
     KernelInput,
@@ -304,23 +312,52 @@ def sghmc_direction(
 
 
 def rescale_momentum_state(
-    states: list[dict[str, Any]], *, lr: float, temperature: float, foreach: bool
+    states: list[dict[str, Any]],
+    *,
+    lr: float,
+    temperature: float,
+    foreach: bool,
+    params: Sequence[Tensor] | None = None,
+    known: HostScalars | None = None,
 ) -> None:
     """:func:`rescale_momentum` on an Optimizer's per-parameter states, in place.
 
-    Reads ``"momentum_buffer"`` and its recorded rate ``"momentum_lr"`` (a float, absent
-    from a ``torch.optim.SGD`` state) and writes the rate of the coming step.
+    Reads ``"momentum_buffer"`` and its recorded rate ``"momentum_lr"`` (absent from a
+    ``torch.optim.SGD`` state) and records the rate of the coming step. The rate is a 0-d
+    float64 tensor on the CPU, as ``torch.optim`` keeps every per-parameter state entry a
+    tensor (checkpoints written before it was one hold a float, read alike and replaced);
+    an entry is replaced when its rate changes, never modified in place.
+
+    Args:
+        states: the per-parameter states.
+        lr: this step's learning rate.
+        temperature: this step's temperature.
+        foreach: multi-tensor path; both paths give the same numbers.
+        params: the parameters of ``states``, with ``known``: the rates ``known``
+            remembers are not read back from their tensors (an Optimizer's step).
+        known: the Optimizer's :class:`~._common.HostScalars` of its rates.
     """
-    _, buffer_lrs = rescale_momentum(
+    records = [state.get("momentum_lr") for state in states]
+    if params is not None and known is not None:
+        rates = [known.value(p, r) for p, r in zip(params, records, strict=True)]
+    else:
+        rates = [host_value(record) for record in records]
+    _, new_rates = rescale_momentum(
         [state.get("momentum_buffer") for state in states],
-        [state.get("momentum_lr") for state in states],
+        rates,
         lr=lr,
         temperature=temperature,
         foreach=foreach,
     )
-    for state, buffer_lr in zip(states, buffer_lrs, strict=True):
-        if buffer_lr is not None:
-            state["momentum_lr"] = buffer_lr
+    for i, (state, record, rate, new) in enumerate(
+        zip(states, records, rates, new_rates, strict=True)
+    ):
+        if new is None or (new == rate and isinstance(record, Tensor)):
+            continue  # unchanged: the same tensor, whose value ``known`` remembers
+        if params is not None and known is not None:
+            state["momentum_lr"] = known.tensor(params[i], new)
+        else:
+            state["momentum_lr"] = host_scalar(new)
 
 
 class SGHMC(SamplerOptimizer):
@@ -372,13 +409,21 @@ class SGHMC(SamplerOptimizer):
     def _reexpress_state(
         self,
         group: dict[str, Any],
+        params: list[Tensor],
         states: list[dict[str, Any]],
         *,
         lr: float,
         temperature: float,
         foreach: bool,
     ) -> None:
-        rescale_momentum_state(states, lr=lr, temperature=temperature, foreach=foreach)
+        rescale_momentum_state(
+            states,
+            lr=lr,
+            temperature=temperature,
+            foreach=foreach,
+            params=params,
+            known=self._host_scalars,
+        )
 
     def _kernel(
         self,
