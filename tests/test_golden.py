@@ -48,6 +48,13 @@ from golden_cases import (
     run_trajectory,
 )
 
+#: the recordings are torch 2.13.0's on the CPU: another torch rounds some kernels (and
+#: draws some noise) differently, which is not a change of this package's behaviour
+pytestmark = pytest.mark.skipif(
+    torch.__version__.split("+")[0] != "2.13.0",
+    reason="golden trajectories were recorded with torch 2.13.0 (CPU)",
+)
+
 
 @pytest.fixture(scope="module")
 def golden() -> dict:

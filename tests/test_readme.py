@@ -36,9 +36,10 @@ def test_every_readme_python_block_runs_as_pasted(capsys):
         torch.set_num_threads(threads)  # the tour sets one thread, as it advises
     assert namespace["samples"]["0.weight"].shape == (20, 32, 64)
     printed = capsys.readouterr().out
-    # the BMA of 20 samples of a 64-32-10 MLP on digits classifies well
+    # the BMA of 20 samples of a 64-32-10 MLP on digits classifies well (seen: 0.94-0.95
+    # over three seeds of the loader and the weights)
     accuracy = float(re.search(r"validation accuracy ([0-9.]+)", printed).group(1))
-    assert accuracy > 0.85
+    assert accuracy > 0.9
     assert "R-hat over 2410 quantities (0 NaN)" in printed  # weight space: the MLP's weights
     assert "R-hat over 297 quantities (0 NaN)" in printed  # function space: 297 test images
     # the chains moved (16 members of the ensemble, 20 draws each): finite, modest R-hats
