@@ -92,7 +92,17 @@ def test_measured_bias_of_each_estimate(kinetic_energy, fixed_point, largest_bia
     )
     se = covariance_standard_errors(covariance, K)
     np.testing.assert_array_less(np.abs(np.cov(samples.T) - covariance), Z * se)
-    bias = np.abs(covariance - SIGMA).max() / SIGMA.max()
+
+    # the estimate's bias is that of the law at its fixed point, a number, not of the law
+    # at the thermostat's last value (within 2% of it, by chance): a friction 2% off
+    # already moves the covariance by more than the symmetric estimate's 0.1%
+    def settled(lam, **kwargs):
+        return sghmc_mode(lam, friction=fixed_point, **kwargs)
+
+    _, settled_covariance, _ = position_moments(
+        PRECISION, settled, start_offset=np.full(D, 2.0), steps=800, **hyper
+    )
+    bias = np.abs(settled_covariance - SIGMA).max() / SIGMA.max()
     assert largest_bias[0] <= bias <= largest_bias[1], bias
 
 
