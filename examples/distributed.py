@@ -1,6 +1,7 @@
 """SGHMC on several processes with torch.distributed: DDP, ZeRO, and parallel chains.
 
-Run it with torchrun (gloo on the CPU, NCCL on GPUs, chosen automatically)::
+Run it with torchrun (NCCL when each process has a GPU of its own, gloo on the CPU
+otherwise, chosen automatically)::
 
     torchrun --standalone --nproc-per-node 2 examples/distributed.py --quick
 
@@ -38,6 +39,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
@@ -91,13 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     quick, seed, _ = example_arguments(
         argv, __doc__, quick="a few epochs (CI)", figure="distributed.png"
     )
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # NCCL needs a GPU of its own for each process on a machine; with fewer GPUs than
+    # local processes (2 ranks, 1 GPU) the ranks run on the CPU over gloo
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    own_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+    backend = "nccl" if own_gpu else "gloo"
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else None
-    device = device or torch.device("cpu")
-    if device.type == "cuda":
+    if own_gpu:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
     torch.set_num_threads(1)
     try:
         x_train, y_train, x_test, y_test = (t.to(device) for t in digits(seed=seed))
@@ -139,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
 
         # FSDP2: every parameter sharded by rows over the ranks
         fsdp_model = mlp(seed=seed).to(device)
-        fully_shard(fsdp_model)
+        # the mesh on the ranks' device: without one, fully_shard takes a GPU whenever
+        # one is visible, also for a CPU (gloo) run
+        fully_shard(fsdp_model, mesh=init_device_mesh(device.type, (world,)))
         train(fsdp_model, SGHMC(fsdp_model.named_parameters(), **sghmc, seed=opt.seed), mine)
         sharded = torch.cat([p.full_tensor().detach().flatten() for p in fsdp_model.parameters()])
         fsdp_error = float((sharded - expected).abs().max())
