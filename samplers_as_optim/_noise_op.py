@@ -1,11 +1,11 @@
 """The keyed noise draw as one ``torch.library`` custom op, so ``torch.compile`` keeps it.
 
-``NoiseStream.draw`` re-seeds a ``torch.Generator`` for every block of noise, which
+``KeyedNormal.draw`` re-seeds a ``torch.Generator`` for every block of noise, which
 TorchDynamo cannot trace ("torch.Generator.manual_seed() is a stateful RNG operation"):
 traced directly, a sampler's step would break into several graphs. Wrapped in a custom
 op, the whole draw is one opaque node of the graph: the compiled step calls it with the
 chain's ``(seed, step, key, shard, layout)`` at run time and gets exactly the numbers the
-eager step draws (the op runs ``NoiseStream.draw`` itself), so a compiled and an eager
+eager step draws (the op runs ``KeyedNormal.draw`` itself), so a compiled and an eager
 chain see the same noise bit for bit.
 
 The op is a pure function of its arguments (the noise of a step is a function of the
@@ -36,6 +36,9 @@ from concurrent.futures import Future
 
 import torch
 from torch import Tensor
+
+from ._keyed_normal import KeyedNormal
+from ._worker import shared_executor
 
 __all__ = ["COMPILED_DRAW", "compiled_draw", "to_signed", "to_unsigned"]
 
@@ -68,11 +71,9 @@ _AHEAD: dict[tuple[object, ...], tuple[int, Future[Tensor]]] = {}
 def _fill(
     seed: int, shape: torch.Size, dtype: torch.dtype, device: torch.device, **where: int | None
 ) -> Tensor:
-    """A fresh tensor of the chain's noise (``NoiseStream.fill_``: ``draw``'s numbers)."""
-    from ._random import NoiseStream  # a cycle at import time otherwise
-
+    """A fresh tensor of the chain's noise (``KeyedNormal.fill_``: ``draw``'s numbers)."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    return NoiseStream(seed).fill_(out, **where)  # type: ignore[arg-type]
+    return KeyedNormal(seed).fill_(out, **where)  # type: ignore[arg-type]
 
 
 @torch.library.custom_op("samplers_as_optim::keyed_normal", mutates_args=())
@@ -86,12 +87,10 @@ def _keyed_normal(
     total: int,
     ahead: bool,
 ) -> Tensor:
-    from ._random import NoiseStream
-
     seed, key = to_unsigned(seed), to_unsigned(key)
     part = None if shard == _NO_VALUE else shard
     if offset != _NO_VALUE:
-        return NoiseStream(seed).draw(like, step=step, key=key, shard=part, layout=(offset, total))
+        return KeyedNormal(seed).draw(like, step=step, key=key, shard=part, layout=(offset, total))
     ident = (seed, key, part, like.shape, like.dtype, like.device)
     drawn = _AHEAD.pop(ident, None)
     noise = None
@@ -102,8 +101,6 @@ def _keyed_normal(
     if noise is None:
         noise = _fill(seed, like.shape, like.dtype, like.device, step=step, key=key, shard=part)
     if ahead:
-        from .samplers._prefetch import shared_executor
-
         _AHEAD[ident] = (
             step + 1,
             shared_executor().submit(
@@ -137,7 +134,7 @@ def compiled_draw(
     layout: tuple[int, int] | None,
     ahead: bool = False,
 ) -> Tensor:
-    """``NoiseStream(seed).draw(like, ...)`` through the custom op (for traced code).
+    """``KeyedNormal(seed).draw(like, ...)`` through the custom op (for traced code).
 
     ``ahead``: also start drawing step + 1's noise on the worker thread (see above).
     """

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import samplers_as_optim._random as random_module
+import samplers_as_optim._keyed_normal as random_module  # where BLOCK is read
 import samplers_as_optim.samplers._optimizer as optimizer_module
 from samplers_as_optim import SGHMC, SGLD, SGNHT, transforms
 from samplers_as_optim._random import NoiseStream, block_bounds

@@ -12,7 +12,7 @@ import pytest
 import torch
 from samplers_under_test import SAMPLERS
 
-import samplers_as_optim._random as random_module
+import samplers_as_optim._keyed_normal as random_module  # where BLOCK is read
 import samplers_as_optim.samplers._optimizer as optimizer_module
 
 

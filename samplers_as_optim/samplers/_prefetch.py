@@ -26,31 +26,16 @@ Smaller parameters draw in the step (handing them over costs more than it saves)
 
 from __future__ import annotations
 
-import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from .._random import NoiseStream
+from .._worker import shared_executor
 
-__all__ = ["NoisePrefetcher", "NoiseRequest", "shared_executor"]
-
-_executor: ThreadPoolExecutor | None = None
-_executor_pid: int | None = None
-_executor_lock = threading.Lock()
-
-
-def shared_executor() -> ThreadPoolExecutor:
-    """One worker thread per process, shared by every Optimizer (created after a fork)."""
-    global _executor, _executor_pid
-    with _executor_lock:
-        if _executor is None or _executor_pid != os.getpid():
-            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler-noise")
-            _executor_pid = os.getpid()
-        return _executor
+__all__ = ["NoisePrefetcher", "NoiseRequest"]
 
 
 class NoiseRequest(NamedTuple):
