@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 import samplers_as_optim.samplers.hmc as hmc_module
+import samplers_as_optim.samplers.hmc_dynamics as hmc_dynamics
 from samplers_as_optim import HMC, ParallelEnsemble
 from samplers_as_optim.samplers.hmc import kinetic_energy, leapfrog_
 
@@ -180,7 +181,7 @@ def test_wrong_acceptance_fails_the_same_check(monkeypatch, name, wrong, tempera
     T = 0.5 and 10 at T = 2, banana 5.7 at T = 0.5; at T = 2 on the banana it is ~1,
     below what 10^4 chains resolve, so that case is not claimed).
     """
-    monkeypatch.setattr(hmc_module, "metropolis_log_accept", wrong)
+    monkeypatch.setattr(hmc_dynamics, "metropolis_log_accept", wrong)
     make, run = TARGETS[name]
     target = make()
     samples = run_chains(target, temperature, **run, jitter=0.2, path=path)
@@ -541,7 +542,7 @@ def test_lr_units_one_leapfrog_step_is_half_an_sgd_step(monkeypatch) -> None:
     monkeypatch.setattr(
         hmc_module.NoiseStream, "draw", lambda self, like, **kw: torch.zeros_like(like)
     )
-    monkeypatch.setattr(hmc_module, "metropolis_log_accept", lambda e, t: torch.zeros_like(e))
+    monkeypatch.setattr(hmc_dynamics, "metropolis_log_accept", lambda e, t: torch.zeros_like(e))
     opt = HMC(params, lr=0.3, num_steps=1, num_data=40, seed=0)
     closure = make_closure(opt)
     closure()

@@ -9,8 +9,8 @@ the Metropolis test and the selection of the next
 state -- is a function of tensors with no Python branch on their values, which
 ``torch.compile`` turns into one graph (``HMC(..., compile=True)``).
 
-The mathematics is the module ``hmc``'s, called from here (not copied): the same
-:func:`~samplers_as_optim.samplers.hmc.leapfrog_`, ``potential_energy``,
+The mathematics is ``hmc_dynamics``', called from here (not copied): the same
+:func:`~samplers_as_optim.samplers.hmc_dynamics.leapfrog_`, ``potential_energy``,
 ``scaled_gradients``, ``kinetic_energy``, ``metropolis_test`` and
 ``transition_diagnostics``. The random numbers (momenta and the
 uniform of the test) are drawn by the caller from the chain's counter-based stream and
@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from . import hmc as _hmc
+from . import hmc_dynamics as dynamics
 
 __all__ = [
     "Transition",
@@ -210,20 +210,20 @@ def transition(
     """
     decays = list(decays)
     start = list(positions)
-    step_sizes = _hmc.tensor_step_sizes(multiplier, root_lr, start, members)
+    step_sizes = dynamics.tensor_step_sizes(multiplier, root_lr, start, members)
     current = [p.clone() for p in start]
     momenta = [r.clone() for r in momenta]
-    potential0 = _hmc.potential_energy(loss, start, decays, num_data, members)
-    scaled0 = _hmc.scaled_gradients(start, list(gradients), decays, num_data)
-    energy0 = potential0 + _hmc.kinetic_energy(momenta, inverse_mass, members)
+    potential0 = dynamics.potential_energy(loss, start, decays, num_data, members)
+    scaled0 = dynamics.scaled_gradients(start, list(gradients), decays, num_data)
+    energy0 = potential0 + dynamics.kinetic_energy(momenta, inverse_mass, members)
     last: dict[str, Any] = {}
 
     def potential_gradient() -> tuple[None, list[Tensor]]:
         value, raw = value_and_gradients(loss_fn, names, current, members, fixed=fixed)
         last["loss"], last["raw"] = value, raw
-        return None, _hmc.scaled_gradients(current, raw, decays, num_data)
+        return None, dynamics.scaled_gradients(current, raw, decays, num_data)
 
-    _hmc.leapfrog_(
+    dynamics.leapfrog_(
         current,
         momenta,
         scaled0,
@@ -232,20 +232,20 @@ def transition(
         inverse_mass=list(inverse_mass),
         num_steps=num_steps,
     )
-    potential1 = _hmc.potential_energy(last["loss"], current, decays, num_data, members)
-    energy1 = potential1 + _hmc.kinetic_energy(momenta, inverse_mass, members)
-    energy_error, log_accept, accepted = _hmc.metropolis_test(
+    potential1 = dynamics.potential_energy(last["loss"], current, decays, num_data, members)
+    energy1 = potential1 + dynamics.kinetic_energy(momenta, inverse_mass, members)
+    energy_error, log_accept, accepted = dynamics.metropolis_test(
         energy0, energy1, torch.log(uniform), temperature
     )
 
     def pick(new: Tensor, old: Tensor) -> Tensor:
-        return torch.where(_hmc._member_view(accepted, new, members), new, old)
+        return torch.where(dynamics.member_view(accepted, new, members), new, old)
 
     return Transition(
         positions=[pick(new, old) for new, old in zip(current, start, strict=True)],
         gradients=[pick(new, old) for new, old in zip(last["raw"], gradients, strict=True)],
         loss=torch.where(accepted.to(loss.device), last["loss"], loss),
-        diagnostics=_hmc.transition_diagnostics(
+        diagnostics=dynamics.transition_diagnostics(
             energy_error, log_accept, accepted, step_size, temperature, num_accepted, divergences
         ),
     )
