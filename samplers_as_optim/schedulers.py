@@ -16,8 +16,8 @@ it (DESIGN §1): the first exploration step would then kick the chain by
 :math:`\sqrt{lr_{\text{restart}}/lr_{\text{end}}}` times its thermal momentum (a factor
 of ~640 for cycles of 1000 steps). So at each step that leaves the sampling part for
 exploration the scheduler re-expresses every recorded momentum buffer at the new ``lr``,
-keeping the physical momentum :math:`r` (:func:`~samplers_as_optim.samplers.sghmc.
-rescale_momentum_state`, the map the samplers apply themselves at temperature > 0):
+keeping the physical momentum :math:`r` (:meth:`~samplers_as_optim.samplers.sghmc.SGHMC.
+reexpress_state`, the map the samplers apply themselves at temperature > 0):
 ``tests/test_cyclical.py`` checks that a restart does not heat the chain. Within a cycle
 ``lr`` changes smoothly and the samplers rescale at temperature > 0 themselves.
 """
@@ -39,8 +39,6 @@ from ._validation import (
     check_positive,
     check_positive_int,
 )
-from .samplers.hmc import HMC
-from .samplers.sghmc import rescale_momentum_state
 
 __all__ = ["CyclicalSGMCMC"]
 
@@ -95,11 +93,9 @@ def _check_exploration_temperature(value: Any) -> float:
 
 def _positive_temperature_reason(optimizer: Optimizer) -> str:
     """Why ``optimizer`` cannot run at temperature 0 ("" when it can)."""
-    if isinstance(optimizer, HMC):
-        return "its Metropolis test divides by T"
-    if getattr(optimizer, "requires_positive_temperature", False):
-        return "its dynamics diverge at temperature 0"
-    return ""
+    if not getattr(optimizer, "requires_positive_temperature", False):
+        return ""
+    return str(getattr(optimizer, "zero_temperature_fault", "it samples only at T > 0"))
 
 
 def _check_exploration_runs(
@@ -369,9 +365,7 @@ class CyclicalSGMCMC(LRScheduler):
             if float(group["temperature"]) > 0 and new == 0 and float(group["lr"]) > 0:
                 # leaving a sampling stage for exploration (a restart): keep the physical
                 # momentum across the jump of lr, which the sampler at T = 0 would not do
-                states = [self.optimizer.state[p] for p in group["params"]]
-                states = [s for s in states if s.get("momentum_lr") is not None]
-                rescale_momentum_state(
-                    states, lr=float(group["lr"]), temperature=1.0, foreach=False
-                )
+                reexpress = getattr(self.optimizer, "reexpress_state", None)
+                if reexpress is not None:  # the samplers' interface (HMC keeps no buffer)
+                    reexpress(group, lr=float(group["lr"]))
             group["temperature"] = new

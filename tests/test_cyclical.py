@@ -21,7 +21,6 @@ from samplers_as_optim import (
     CyclicalSGMCMC,
     SampleCollector,
 )
-from samplers_as_optim import schedulers as schedulers_module
 
 
 def quadratic_step(opt, theta, precision=1.0, num_data=100):
@@ -125,7 +124,7 @@ def test_a_restart_does_not_heat_the_chain(cls, kwargs, exploration):
 def test_without_the_re_expression_a_restart_at_temperature_zero_overheats(monkeypatch):
     """The check above can fail: without the scheduler's rescaling, SGHMC at T = 0 treats
     the end-of-cycle buffer (~130 times too large in the restart's units) as SGD's."""
-    monkeypatch.setattr(schedulers_module, "rescale_momentum_state", lambda *a, **k: None)
+    monkeypatch.setattr(SGHMC, "reexpress_state", lambda *a, **k: None)
     _, after = restart_run(SGHMC, {"momentum": 0.9}, 0.5)
     assert after > 10, after
 

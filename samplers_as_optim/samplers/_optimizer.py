@@ -666,6 +666,20 @@ class SamplerOptimizer(Optimizer):
         SGHMC checkpoint loaded into SGNHT has no thermostat): keep what is there.
         """
 
+    def reexpress_state(self, group: dict[str, Any], *, lr: float) -> None:
+        """Re-express ``group``'s recorded lr-dependent state at ``lr``, keeping the chain.
+
+        What a schedule that jumps ``lr`` while the temperature goes to 0 needs
+        (``CyclicalSGMCMC``'s restarts): a sampler at temperature 0 treats its buffers as
+        SGD's and would not rescale them itself. Only state recorded at temperature > 0
+        (a momentum buffer with its rate) is re-expressed, as the sampler's own step at
+        temperature > 0 would (``docs/design.md``); a sampler without such state does
+        nothing.
+        """
+        params = [p for p in group["params"] if self.state[p].get("momentum_lr") is not None]
+        states = [self.state[p] for p in params]
+        self._reexpress_state(group, params, states, lr=lr, temperature=1.0, foreach=False)
+
     def _reexpress_state(
         self,
         group: dict[str, Any],

@@ -362,6 +362,10 @@ class HMC(Optimizer):
         >>> loss = opt.step(loss_fn=loss_fn)
     """
 
+    #: HMC samples only at temperature > 0 (read by schedules such as CyclicalSGMCMC)
+    requires_positive_temperature = True
+    zero_temperature_fault = "its Metropolis test divides by T"
+
     #: runtime, not the chain's state (rebuilt after loading, see ``_reset_runtime``)
     _streams: dict[int, NoiseStream]
     _keys: dict[int, int] | None

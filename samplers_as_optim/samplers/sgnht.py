@@ -282,6 +282,8 @@ class SGNHT(SamplerOptimizer):
     """SGNHT as a drop-in replacement for ``torch.optim.SGD`` (see ``SGNHT.__doc__``)."""
 
     requires_positive_temperature = True
+    #: what goes wrong at T = 0, in a schedule's message (CyclicalSGMCMC)
+    zero_temperature_fault = "its dynamics diverge at temperature 0"
     own_dtype_state = ("thermostat",)
     positive_temperature_reason = (
         "at temperature 0 SGNHT's thermostat only grows and the dynamics diverge instead "
