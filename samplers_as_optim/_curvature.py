@@ -42,7 +42,7 @@ tests check one against the other.
 Examples must not interact (batch norm in training mode would make them): the wrappers
 run the model in eval mode while computing curvature.
 
-**Non-finite data.** Every path runs the batch through :func:`_forward`, which refuses
+**Non-finite data.** Every path runs the batch through :func:`checked_forward`, which refuses
 (``ValueError``) a batch whose inputs, targets or model outputs hold NaN or ±inf: one NaN
 would otherwise turn every sum it enters into NaN (a NaN diagonal precision and NaN
 samples; a Kronecker factor whose eigendecomposition fails), and a target the curvature
@@ -98,7 +98,7 @@ def _rows_per_chunk(row_bytes: int) -> int:
     return max(1, _CHUNK_BYTES // max(row_bytes, 1))
 
 
-def _fast_layers(model: nn.Module, names: Iterable[str]) -> dict[nn.Module, dict[str, str]]:
+def fast_layers(model: nn.Module, names: Iterable[str]) -> dict[nn.Module, dict[str, str]]:
     """Linear/Conv2d modules owning treated, unshared weights: module -> {local: full name}."""
     wanted = set(names)
     owners: dict[int, int] = {}
@@ -129,7 +129,7 @@ def _fast_layers(model: nn.Module, names: Iterable[str]) -> dict[nn.Module, dict
 
 
 @contextmanager
-def _capture(
+def capture_layer_io(
     layers: Iterable[nn.Module],
 ) -> Iterator[dict[nn.Module, list[tuple[Any, int, Tensor]]]]:
     """Record (input, input version, output) of every call; hand a clone downstream.
@@ -189,7 +189,7 @@ def _conv_diag(
         inp.detach(),
         module.kernel_size,
         dilation=module.dilation,
-        # _fast_layers excludes string padding, so this is the int tuple.
+        # fast_layers excludes string padding, so this is the int tuple.
         padding=cast(tuple[int, ...], module.padding),
         stride=module.stride,
     )
@@ -310,7 +310,7 @@ def check_finite_curvature(parts: Iterable[Tensor], dtype: torch.dtype) -> None:
     )
 
 
-def _forward(model: nn.Module, x: Tensor, target: Tensor) -> Tensor:
+def checked_forward(model: nn.Module, x: Tensor, target: Tensor) -> Tensor:
     """The model's output for a curvature pass, refused if it or the data are not finite.
 
     See :func:`check_finite_batch`; every curvature path (diag, dense, kron) runs this.
@@ -345,11 +345,11 @@ def diag_curvature(
     Returns:
         name -> tensor of the parameter's shape: :math:`\sum_i \mathrm{diag}(C_i)`.
     """
-    layers = _fast_layers(model, treated.names) if fast else {}
+    layers = fast_layers(model, treated.names) if fast else {}
     batch = x.shape[0]
     out: dict[str, Tensor] = {}
-    with _capture(layers) as records, torch.set_grad_enabled(bool(layers)):
-        output = _forward(model, x, target)
+    with capture_layer_io(layers) as records, torch.set_grad_enabled(bool(layers)):
+        output = checked_forward(model, x, target)
     factor = batch_factor(likelihood, kind, output.detach(), target)
     usable = {
         module: entries
@@ -384,7 +384,7 @@ def diag_curvature(
 
 def _single_linear(model: nn.Module, treated: Treated) -> tuple[nn.Linear, dict[str, str]] | None:
     """The one ``nn.Linear`` layer owning every treated parameter, if that is the case."""
-    layers = _fast_layers(model, treated.names)
+    layers = fast_layers(model, treated.names)
     if len(layers) != 1:
         return None
     module, entries = next(iter(layers.items()))
@@ -414,8 +414,8 @@ def _linear_dense_sum(
     (batch, in) input (the generic path then applies).
     """
     batch = x.shape[0]
-    with _capture([module]) as records, torch.set_grad_enabled(True):
-        output = _forward(model, x, target)
+    with capture_layer_io([module]) as records, torch.set_grad_enabled(True):
+        output = checked_forward(model, x, target)
     if not _usable(module, records.get(module, []), batch):
         return None
     factor = batch_factor(likelihood, kind, output.detach(), target)
@@ -565,7 +565,7 @@ def _generic_dense(
 ) -> Tensor:
     """Per-example ``vmap(vjp)`` rows, a chunk of examples at a time: sum of R^T R."""
     with torch.no_grad():
-        output = _forward(model, x, target)
+        output = checked_forward(model, x, target)
     factor = batch_factor(likelihood, kind, output, target)
     current = dict(model.named_parameters())
     params = {name: current[name].detach() for name in treated.names}

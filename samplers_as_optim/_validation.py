@@ -39,7 +39,7 @@ __all__ = [
 _SEED_LIMIT = 2**64
 
 
-def _fail(
+def refuse(
     name: str, value: Any, expected: str, where: str, error: type[Exception] = ValueError
 ) -> NoReturn:
     raise error(f"Invalid {name}{where}: {value!r} (expected {expected})")
@@ -53,10 +53,10 @@ def _real(name: str, value: Any, expected: str, where: str) -> float:
     """
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
-            _fail(name, value, expected, where, TypeError)
+            refuse(name, value, expected, where, TypeError)
         return float(value.item())
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        _fail(name, value, expected, where, TypeError)
+        refuse(name, value, expected, where, TypeError)
     return float(value)
 
 
@@ -69,13 +69,13 @@ def _integer(
     describes the allowed values in the message.
     """
     if isinstance(value, bool):
-        _fail(name, value, expected, where, TypeError)
+        refuse(name, value, expected, where, TypeError)
     try:
         number = operator.index(value)
     except TypeError:
-        _fail(name, value, expected, where, TypeError)
+        refuse(name, value, expected, where, TypeError)
     if number < low or (high is not None and number >= high):
-        _fail(name, value, expected, where)
+        refuse(name, value, expected, where)
     return number
 
 
@@ -84,7 +84,7 @@ def check_finite(name: str, value: Any, *, where: str = "") -> float:
     expected = "a finite number"
     number = _real(name, value, expected, where)
     if not math.isfinite(number):
-        _fail(name, value, expected, where)
+        refuse(name, value, expected, where)
     return number
 
 
@@ -93,7 +93,7 @@ def check_nonnegative(name: str, value: Any, *, where: str = "") -> float:
     expected = "a finite number >= 0"
     number = _real(name, value, expected, where)
     if not (math.isfinite(number) and number >= 0.0):
-        _fail(name, value, expected, where)
+        refuse(name, value, expected, where)
     return number
 
 
@@ -103,7 +103,7 @@ def check_learning_rate(value: Any, *, where: str = "") -> float:
     A tensor of several elements is a ``ValueError``, as in ``torch.optim``.
     """
     if isinstance(value, torch.Tensor) and value.numel() != 1:
-        _fail("lr", value, "a finite number >= 0; Tensor lr must be 1-element", where)
+        refuse("lr", value, "a finite number >= 0; Tensor lr must be 1-element", where)
     return check_nonnegative("lr", value, where=where)
 
 
@@ -116,7 +116,7 @@ def check_temperature(
     expected = "a finite number > 0" + (f": {reason}" if reason else "")
     number = _real("temperature", value, expected, where)
     if not (math.isfinite(number) and number > 0.0):
-        _fail("temperature", value, expected, where)
+        refuse("temperature", value, expected, where)
     return number
 
 
@@ -129,7 +129,7 @@ def check_momentum(value: Any, *, where: str = "") -> float:
     expected = "a number in [0, 1)"
     number = _real("momentum", value, expected, where)
     if not (0.0 <= number < 1.0):
-        _fail("momentum", value, expected, where)
+        refuse("momentum", value, expected, where)
     return number
 
 
@@ -150,14 +150,14 @@ def check_seed(value: Any, *, where: str = "") -> int | None:
 def check_bool(name: str, value: Any, *, where: str = "") -> bool:
     """Check that a flag is a real bool (``maximize``, ``nesterov``, ...)."""
     if not isinstance(value, bool):
-        _fail(name, value, "True or False", where, TypeError)
+        refuse(name, value, "True or False", where, TypeError)
     return value
 
 
 def check_foreach(value: Any, *, where: str = "") -> bool | None:
     """Check ``foreach``: None (choose automatically), True or False."""
     if value is not None and not isinstance(value, bool):
-        _fail("foreach", value, "None, True or False", where, TypeError)
+        refuse("foreach", value, "None, True or False", where, TypeError)
     return value
 
 
@@ -171,7 +171,7 @@ def check_positive(name: str, value: Any, *, where: str = "") -> float:
     expected = "a finite number > 0"
     number = _real(name, value, expected, where)
     if not (math.isfinite(number) and number > 0.0):
-        _fail(name, value, expected, where)
+        refuse(name, value, expected, where)
     return number
 
 
@@ -191,7 +191,7 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...], *, where: str 
     """Check that ``value`` is one of the strings in ``choices`` and return it."""
     if not isinstance(value, str) or value not in choices:
         expected = "one of " + ", ".join(repr(choice) for choice in choices)
-        _fail(name, value, expected, where)
+        refuse(name, value, expected, where)
     return value
 
 
@@ -200,5 +200,5 @@ def check_open_unit_interval(name: str, value: Any, *, where: str = "") -> float
     expected = "a number in (0, 1)"
     number = _real(name, value, expected, where)
     if not 0.0 < number < 1.0:
-        _fail(name, value, expected, where)
+        refuse(name, value, expected, where)
     return number

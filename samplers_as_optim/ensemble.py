@@ -92,11 +92,11 @@ from ._validation import (
 from .names import set_parameter_layout
 from .stacked import (
     RANDOMNESS,
-    _bind,
-    _bind_all,
-    _check_per_sample_inputs,
-    _looped_call,
-    _vmapped_call,
+    bind_all_tensors,
+    bind_stacked,
+    check_per_sample_inputs,
+    looped_call,
+    vmapped_call,
 )
 
 #: how the members are run: "auto" (vmap, falling back to a loop), "vmap" or "loop"
@@ -720,9 +720,9 @@ class ParallelEnsemble(nn.Module):
     def _binding(self) -> tuple[dict[str, Tensor], list[tuple[dict[str, Any], str, str]]]:
         """The stacked tensors by name, and the module slots they are swapped into."""
         if self.subset is None:
-            return _bind_all(self.module)
+            return bind_all_tensors(self.module)
         stacked = self.stacked()
-        return stacked, _bind(self.module, stacked)
+        return stacked, bind_stacked(self.module, stacked)
 
     def _run(
         self,
@@ -737,7 +737,7 @@ class ParallelEnsemble(nn.Module):
         """The members' outputs: one vmapped call, or a loop over members (see ``backend``)."""
         loop = self.backend == "loop" or (self.backend == "auto" and self._vmap_works is False)
         if loop:
-            return _looped_call(
+            return looped_call(
                 self.module,
                 bound,
                 stacked,
@@ -750,7 +750,7 @@ class ParallelEnsemble(nn.Module):
             per_sample_inputs=per_member_inputs, randomness=self.randomness
         )
         if self.backend == "vmap" or self._vmap_works:
-            return _vmapped_call(
+            return vmapped_call(
                 self.module, bound, stacked, args, kwargs, chunk_size=chunk_size, **vmapped
             )
         # The first call under "auto": keep the buffers, in case a failed attempt updated
@@ -759,14 +759,14 @@ class ParallelEnsemble(nn.Module):
         with torch.no_grad():
             kept = {n: t.clone() for n, t in stacked.items() if n not in parameters}
         try:
-            outputs = _vmapped_call(
+            outputs = vmapped_call(
                 self.module, bound, stacked, args, kwargs, chunk_size=chunk_size, **vmapped
             )
         except Exception as error:
             with torch.no_grad():
                 for name, value in kept.items():
                     stacked[name].copy_(value)
-            outputs = _looped_call(
+            outputs = looped_call(
                 self.module,
                 bound,
                 stacked,
@@ -843,7 +843,7 @@ class ParallelEnsemble(nn.Module):
         check_bool("per_member_inputs", per_member_inputs)
         stacked, bound = self._binding()
         if per_member_inputs:
-            _check_per_sample_inputs(args, self.num_members)
+            check_per_sample_inputs(args, self.num_members)
         return self._run(
             bound,
             stacked,
@@ -932,7 +932,7 @@ class ParallelEnsemble(nn.Module):
         check_bool("per_member_targets", per_member_targets)
         size = self.num_members
         if per_member_inputs:
-            _check_per_sample_inputs(args, size)
+            check_per_sample_inputs(args, size)
         if per_member_targets and _leading_size("targets", targets) != size:
             raise ValueError(
                 f"Invalid targets: leading dimension {_leading_size('targets', targets)} "

@@ -66,12 +66,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._curvature import (
-    _capture,
-    _fast_layers,
-    _forward,
     batch_factor,
+    capture_layer_io,
     check_finite_curvature,
+    checked_forward,
     diag_curvature,
+    fast_layers,
 )
 from ._flat import Treated
 from ._likelihoods import Likelihood
@@ -142,7 +142,7 @@ def _kron_usable(module: nn.Module, calls: list[tuple[object, int, Tensor]], bat
 
 def kron_layers(model: nn.Module, treated: Treated) -> dict[nn.Module, dict[str, str]]:
     """The Linear/Conv2d layers whose treated parameters get a Kronecker block."""
-    return _fast_layers(model, treated.names)
+    return fast_layers(model, treated.names)
 
 
 def kron_curvature(
@@ -168,8 +168,8 @@ def kron_curvature(
             targets or model outputs hold NaN or inf.
     """
     batch = x.shape[0]
-    with _capture(layers) as records, torch.set_grad_enabled(bool(layers)):
-        output = _forward(model, x, target)
+    with capture_layer_io(layers) as records, torch.set_grad_enabled(bool(layers)):
+        output = checked_forward(model, x, target)
     factor = batch_factor(likelihood, kind, output.detach(), target)
     names = {module: name for name, module in model.named_modules()}
     for module in layers:

@@ -33,11 +33,11 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from ._validation import (
-    _fail,
     check_nonnegative,
     check_nonnegative_integer,
     check_positive,
     check_positive_int,
+    refuse,
 )
 
 __all__ = ["CyclicalSGMCMC"]
@@ -82,7 +82,7 @@ def _check_num_cycles(value: Any) -> int:
 def _check_exploration(value: Any) -> float:
     beta = check_nonnegative("exploration", value)
     if not beta < 1.0:
-        _fail("exploration", value, "a number in [0, 1)", "")
+        refuse("exploration", value, "a number in [0, 1)", "")
     return beta
 
 
@@ -117,7 +117,7 @@ def _check_per_group(name: str, values: Any, optimizer: Optimizer, *, positive: 
     """One finite number >= 0 (> 0 when ``positive``) per param group of ``optimizer``."""
     count = len(optimizer.param_groups)
     if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != count:
-        _fail(name, values, f"a list of {count} number(s), one per param group", "")
+        refuse(name, values, f"a list of {count} number(s), one per param group", "")
     check = check_positive if positive else check_nonnegative
     for index, value in enumerate(values):
         check(f"{name}[{index}]", value)
@@ -312,7 +312,7 @@ class CyclicalSGMCMC(LRScheduler):
             total = cycle_length * num_cycles
             last_epoch = check_nonnegative_integer("last_epoch", state_dict["last_epoch"])
             if last_epoch > total:
-                _fail(
+                refuse(
                     "last_epoch",
                     state_dict["last_epoch"],
                     f"an integer in [0, {total}], the steps of cycle_length={cycle_length} x "

@@ -192,7 +192,7 @@ def _tensor_slots(module: nn.Module) -> dict[str, tuple[Tensor, list[_Slot]]]:
     return {name: (tensor, slots_by_tensor[id(tensor)]) for name, tensor in named.items()}
 
 
-def _bind(module: nn.Module, stacked: Mapping[str, Tensor]) -> list[tuple[_Table, str, str]]:
+def bind_stacked(module: nn.Module, stacked: Mapping[str, Tensor]) -> list[tuple[_Table, str, str]]:
     """Where each stacked name goes in ``module``: a list of (table, key, name).
 
     Raises:
@@ -221,12 +221,12 @@ def _bind(module: nn.Module, stacked: Mapping[str, Tensor]) -> list[tuple[_Table
     return bound
 
 
-def _bind_all(module: nn.Module) -> tuple[dict[str, Tensor], list[tuple[_Table, str, str]]]:
+def bind_all_tensors(module: nn.Module) -> tuple[dict[str, Tensor], list[tuple[_Table, str, str]]]:
     """Every tensor of ``module`` and where it goes, in one traversal (the ensemble's case).
 
     Returns:
         (name -> tensor, one name per tensor: the first, as ``named_parameters()`` gives it;
-        the bound slots, as :func:`_bind` gives them for those names).
+        the bound slots, as :func:`bind_stacked` gives them for those names).
     """
     tensors: dict[str, Tensor] = {}
     canonical: dict[int, str] = {}
@@ -256,7 +256,7 @@ def _in_dims(args: Sequence[Any], per_sample_inputs: bool) -> tuple[Any, ...]:
     )
 
 
-def _check_per_sample_inputs(args: Sequence[Any], size: int) -> None:
+def check_per_sample_inputs(args: Sequence[Any], size: int) -> None:
     for position, arg in enumerate(args):
         for leaf in tree_flatten(arg)[0]:
             if isinstance(leaf, Tensor) and (leaf.dim() == 0 or leaf.shape[0] != size):
@@ -267,7 +267,7 @@ def _check_per_sample_inputs(args: Sequence[Any], size: int) -> None:
                 )
 
 
-def _vmapped_call(
+def vmapped_call(
     module: nn.Module,
     bound: Sequence[tuple[_Table, str, str]],
     stacked: dict[str, Tensor],
@@ -297,7 +297,7 @@ def _vmapped_call(
     return batched(stacked, *args)
 
 
-def _looped_call(
+def looped_call(
     module: nn.Module,
     bound: Sequence[tuple[_Table, str, str]],
     stacked: dict[str, Tensor],
@@ -307,7 +307,7 @@ def _looped_call(
     per_sample_inputs: bool,
     randomness: str,
 ) -> Any:
-    """What :func:`_vmapped_call` computes, one entry after another (no ``vmap``).
+    """What :func:`vmapped_call` computes, one entry after another (no ``vmap``).
 
     For models ``torch.func.vmap`` cannot trace (data-dependent control flow on a batched
     tensor, ``.item()``, in-place ops on unbatched tensors, ...). Entry i runs the module
@@ -408,11 +408,11 @@ def call_stacked(
     chunk_size = check_chunk_size(chunk_size)
     check_choice("randomness", randomness, RANDOMNESS)
     check_bool("per_sample_inputs", per_sample_inputs)
-    bound = _bind(module, stacked)
+    bound = bind_stacked(module, stacked)
     if per_sample_inputs:
-        _check_per_sample_inputs(args, size)
+        check_per_sample_inputs(args, size)
     try:
-        return _vmapped_call(
+        return vmapped_call(
             module,
             bound,
             dict(stacked),

@@ -111,7 +111,7 @@ PREFETCH_MIN_NUMEL = 2**16
 CHUNK = _random.BLOCK
 
 
-def _at_group(index: int) -> str:
+def at_group(index: int) -> str:
     return f" in param group {index}"
 
 
@@ -222,7 +222,7 @@ class SamplerOptimizer(Optimizer):
         optimizer's seed.
         """
         if isinstance(param_group, dict):
-            where = _at_group(len(getattr(self, "param_groups", [])))
+            where = at_group(len(getattr(self, "param_groups", [])))
             if getattr(self, "param_groups", None):
                 param_group.setdefault("step", self.steps_taken)
                 param_group.setdefault("seed", self.seed)
@@ -262,7 +262,7 @@ class SamplerOptimizer(Optimizer):
                 stored = None if state is None else state.get(NOISE_KEY)
                 if stored is not None:
                     key = stored_noise_key(
-                        stored, where=f"{_at_group(group_index)}, parameter {position}"
+                        stored, where=f"{at_group(group_index)}, parameter {position}"
                     )
                 else:
                     identity = names[position] if names else parameter_name(param)
@@ -416,11 +416,11 @@ class SamplerOptimizer(Optimizer):
             self._agree_across_ranks()
         gathered = []
         for index, group in enumerate(self.param_groups):
-            self.check_hyperparameters(group, where=_at_group(index))
+            self.check_hyperparameters(group, where=at_group(index))
             if not compiling:  # checked on the way in; reading it would specialise the graph
-                self._check_chain_state(group, where=_at_group(index))
+                self._check_chain_state(group, where=at_group(index))
             params, grads = self._gather(group, index)
-            _check_representable(group, params, where=_at_group(index))
+            check_representable(group, params, where=at_group(index))
             gathered.append((index, group, params, grads))
         keep = None
         if self._nonfinite == "raise":
@@ -846,8 +846,8 @@ class SamplerOptimizer(Optimizer):
                 for current, saved in zip(self.param_groups, saved_groups, strict=True)
             ]
             for index, group in enumerate(saved_groups):
-                self.check_hyperparameters(group, where=_at_group(index))
-                self._check_chain_state(group, where=_at_group(index))
+                self.check_hyperparameters(group, where=at_group(index))
+                self._check_chain_state(group, where=at_group(index))
         state_dict["param_groups"] = saved_groups
         super().load_state_dict(state_dict)
         self._restore_own_dtype_state(state_dict)
@@ -874,7 +874,7 @@ def _kept(new: Tensor, old: Tensor | None, keep: dict[torch.device, Tensor]) -> 
     return new.copy_(torch.where(keep[new.device], new, before))  # the kernel's own buffer
 
 
-def _check_representable(group: dict[str, Any], params: list[Tensor], *, where: str) -> None:
+def check_representable(group: dict[str, Any], params: list[Tensor], *, where: str) -> None:
     r"""Raise unless the step's scalars fit the parameters' dtypes (before anything changes).
 
     A kernel passes ``lr``, ``weight_decay`` and its noise scale to torch as scalars of

@@ -111,7 +111,7 @@ from ._dual_averaging import (
     dual_averaging_init,
     dual_averaging_update,
 )
-from ._optimizer import _check_representable as _check_scalars_fit
+from ._optimizer import check_representable as check_scalars_fit
 from .hmc_dynamics import (
     StepSize,
     gradient_map,
@@ -492,13 +492,13 @@ class HMC(Optimizer):
     def _check_representable(self, group: dict[str, Any], *, where: str) -> None:
         r"""Raise unless ``lr``, ``weight_decay`` and ``num_data`` fit the group's dtypes.
 
-        The samplers' check (``_optimizer._check_representable``) without its noise scale
+        The samplers' check (``_optimizer.check_representable``) without its noise scale
         (HMC has none: its momentum is drawn at scale :math:`\sqrt{T M}`). The leapfrog
         step :math:`\sqrt{lr/N}\,(1 + j) < 2\sqrt{lr}` then fits too, and a step passes
         it (as ``alpha``) and N to torch as scalars of the parameters' dtype.
         """
         params = [p for p in group["params"] if p.is_floating_point()]
-        _check_scalars_fit({**group, "temperature": 0.0}, params, where=where)
+        check_scalars_fit({**group, "temperature": 0.0}, params, where=where)
         for dtype in {p.dtype for p in params}:
             largest = torch.finfo(dtype).max
             if not group["num_data"] <= largest:

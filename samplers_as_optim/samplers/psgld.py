@@ -86,10 +86,10 @@ import torch
 from torch import Tensor
 from torchopt.base import GradientTransformation
 
-from .._validation import _fail, check_bool, check_nonnegative
+from .._validation import check_bool, check_nonnegative, refuse
 from . import _docs, _transform
 from ._common import buckets, default_foreach, effective_grad, effective_grads
-from ._optimizer import SamplerOptimizer, _at_group
+from ._optimizer import SamplerOptimizer, at_group
 from ._transform import KernelInput, KernelOutput, ScalarOrSchedule, pick, sampler_transformation
 
 __all__ = ["PSGLD", "PSGLDState", "psgld", "psgld_direction", "psgld_noise_scale"]
@@ -105,16 +105,16 @@ def psgld_noise_scale(lr: float, temperature: float, num_data: int) -> float:
 def _check_alpha(value: Any, where: str) -> float:
     number = check_nonnegative("alpha", value, where=where)
     if not number < 1.0:
-        _fail("alpha", value, "a number in [0, 1)", where)
+        refuse("alpha", value, "a number in [0, 1)", where)
     return number
 
 
 def _check_eps(value: Any, where: str) -> float:
     expected = "a finite number > 0"
     if isinstance(value, bool) or not isinstance(value, int | float):
-        _fail("eps", value, expected, where, TypeError)
+        refuse("eps", value, expected, where, TypeError)
     if not (math.isfinite(value) and value > 0):
-        _fail("eps", value, expected, where)
+        refuse("eps", value, expected, where)
     return float(value)
 
 
@@ -530,7 +530,7 @@ class PSGLD(SamplerOptimizer):
             lr=float(group["lr"]),
             temperature=float(group["temperature"]),
             num_data=group["num_data"],
-            where=_at_group(index),
+            where=at_group(index),
         )
         return params, grads
 
