@@ -29,7 +29,7 @@ from torch.func import grad, vmap
 from torchopt import pytree
 
 from samplers_as_optim import SGNHT, transforms
-from samplers_as_optim.samplers import _transform
+from samplers_as_optim.samplers import transformation as _transform
 from samplers_as_optim.samplers.sgld import sgld_noise_scale
 
 nan = math.nan

@@ -65,11 +65,17 @@ from torch import Tensor
 from torchopt.base import GradientTransformation
 
 from .._validation import check_bool, check_finite, check_momentum
-from . import _docs, _transform
+from . import _docs, transformation
 from ._common import buckets, effective_grad, effective_grads
 from ._optimizer import SamplerOptimizer
-from ._transform import KernelInput, KernelOutput, ScalarOrSchedule, pick, sampler_transformation
 from .sghmc import rescale_momentum, rescale_momentum_state
+from .transformation import (
+    KernelInput,
+    KernelOutput,
+    ScalarOrSchedule,
+    pick,
+    sampler_transformation,
+)
 
 __all__ = ["BAOA", "BAOAState", "baoa", "baoa_direction", "baoa_noise_scale"]
 
@@ -401,19 +407,19 @@ baoa.__doc__ = rf"""The BAOA Langevin integrator as a torchopt transformation.
     changes ``lr`` at temperature > 0 the buffer is first rescaled as :class:`BAOA` does.
 
     Args:
-        {_transform.lr_doc}
+        {transformation.lr_doc}
         momentum: :math:`\mu` (default: 0.9; in [0, 1)).
         {_docs.num_data_doc}
-        {_transform.temperature_doc}
+        {transformation.temperature_doc}
         {_docs.weight_decay_doc}
         dampening: must be 0 (accepted for ``torchopt.sgd``'s signature).
         nesterov: must be False (accepted for ``torchopt.sgd``'s signature).
         {_docs.maximize_doc}
-        {_transform.foreach_doc}
-        {_transform.seed_doc}
+        {transformation.foreach_doc}
+        {transformation.seed_doc}
 
     Returns:
-        {_transform.returns_doc}
+        {transformation.returns_doc}
 
     Example:
         >>> import torch, torchopt

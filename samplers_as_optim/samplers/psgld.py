@@ -87,10 +87,16 @@ from torch import Tensor
 from torchopt.base import GradientTransformation
 
 from .._validation import check_bool, check_nonnegative, refuse
-from . import _docs, _transform
+from . import _docs, transformation
 from ._common import buckets, default_foreach, effective_grad, effective_grads
 from ._optimizer import SamplerOptimizer, at_group
-from ._transform import KernelInput, KernelOutput, ScalarOrSchedule, pick, sampler_transformation
+from .transformation import (
+    KernelInput,
+    KernelOutput,
+    ScalarOrSchedule,
+    pick,
+    sampler_transformation,
+)
 
 __all__ = ["PSGLD", "PSGLDState", "psgld", "psgld_direction", "psgld_noise_scale"]
 
@@ -807,7 +813,7 @@ psgld.__doc__ = rf"""Preconditioned SGLD (Li et al., 2016) as a torchopt transfo
     fuses it into ``addcdiv_``).
 
     Args:
-        {_transform.lr_doc}
+        {transformation.lr_doc}
         alpha: :math:`\alpha` (default: 0.99; in [0, 1)).
         eps: :math:`\epsilon` (default: 1e-8; a finite number > 0; for float16 at
             temperature 0, above 2.98e-8: see :class:`PSGLD`).
@@ -815,14 +821,14 @@ psgld.__doc__ = rf"""Preconditioned SGLD (Li et al., 2016) as a torchopt transfo
         momentum: RMSprop's momentum (default: 0; temperature 0 only).
         centered: RMSprop's centred variant (default: False; temperature 0 only).
         {_docs.num_data_doc}
-        {_transform.temperature_doc}
+        {transformation.temperature_doc}
         correction: add Li et al.'s :math:`\Gamma` (default: False; see :class:`PSGLD`).
         {_docs.maximize_doc}
-        {_transform.foreach_doc}
-        {_transform.seed_doc}
+        {transformation.foreach_doc}
+        {transformation.seed_doc}
 
     Returns:
-        {_transform.returns_doc}
+        {transformation.returns_doc}
 
     Example:
         >>> import torch, torchopt

@@ -78,7 +78,7 @@ from torch import Tensor
 from torchopt.base import GradientTransformation
 
 from .._validation import check_bool, check_finite, check_momentum
-from . import _docs, _transform
+from . import _docs, transformation
 from ._common import (
     HostScalars,
     buckets,
@@ -88,14 +88,14 @@ from ._common import (
     host_value,
 )
 from ._optimizer import SamplerOptimizer
-from ._transform import (
+from .sgld import sgld_direction
+from .transformation import (
     KernelInput,
     KernelOutput,
     ScalarOrSchedule,
     pick,
     sampler_transformation,
 )
-from .sgld import sgld_direction
 
 __all__ = [
     "SGHMC",
@@ -619,21 +619,21 @@ sghmc.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo as a torchopt t
     ``seed`` and :math:`k` alone (both in the state).
 
     Args:
-        {_transform.lr_doc}
+        {transformation.lr_doc}
         momentum: :math:`\mu`, as in ``torchopt.sgd`` (default: 0.9; in [0, 1)). The
             friction is :math:`(1-\mu)/\epsilon` with :math:`\epsilon = \sqrt{{lr/N}}`;
             0 gives :func:`sgld`.
         {_docs.num_data_doc}
-        {_transform.temperature_doc}
+        {transformation.temperature_doc}
         {_docs.weight_decay_doc}
         {_docs.dampening_doc}
         {_docs.nesterov_doc}
         {_docs.maximize_doc}
-        {_transform.foreach_doc}
-        {_transform.seed_doc}
+        {transformation.foreach_doc}
+        {transformation.seed_doc}
 
     Returns:
-        {_transform.returns_doc}
+        {transformation.returns_doc}
 
     Example:
         >>> import torch, torchopt
@@ -741,9 +741,9 @@ langevin_noise.__doc__ = rf"""The noise SGLD and SGHMC inject, as a transformati
         momentum: :math:`\mu`, the momentum of the SGD that follows (default: 0.0; in
             [0, 1)).
         {_docs.num_data_doc}
-        {_transform.temperature_doc}
-        {_transform.foreach_doc}
-        {_transform.seed_doc}
+        {transformation.temperature_doc}
+        {transformation.foreach_doc}
+        {transformation.seed_doc}
 
     Returns:
         A ``torchopt.base.GradientTransformation`` whose ``update(updates, state, *,

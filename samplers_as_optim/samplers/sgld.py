@@ -41,10 +41,10 @@ from torch import Tensor
 from torchopt.base import GradientTransformation
 
 from .._validation import check_bool, check_finite
-from . import _docs, _transform
+from . import _docs, transformation
 from ._common import buckets, effective_grad, effective_grads
 from ._optimizer import SamplerOptimizer
-from ._transform import (
+from .transformation import (
     KernelInput,
     KernelOutput,
     ScalarOrSchedule,
@@ -308,20 +308,20 @@ sgld.__doc__ = rf"""Stochastic gradient Langevin dynamics as a torchopt gradient
     :math:`k` is drawn from ``seed`` and :math:`k` alone (both in the state).
 
     Args:
-        {_transform.lr_doc}
+        {transformation.lr_doc}
         momentum: must be 0 (SGLD has no momentum; use :func:`sghmc`). Accepted so that
             the signature is ``torchopt.sgd``'s.
         {_docs.num_data_doc}
-        {_transform.temperature_doc}
+        {transformation.temperature_doc}
         {_docs.weight_decay_doc}
         {_docs.dampening_doc}
         nesterov: must be False (it needs momentum).
         {_docs.maximize_doc}
-        {_transform.foreach_doc}
-        {_transform.seed_doc}
+        {transformation.foreach_doc}
+        {transformation.seed_doc}
 
     Returns:
-        {_transform.returns_doc}
+        {transformation.returns_doc}
 
     Example:
         >>> import torch, torchopt

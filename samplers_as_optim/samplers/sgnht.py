@@ -107,17 +107,17 @@ from torch import Tensor
 from torchopt.base import GradientTransformation
 
 from .._validation import check_choice, check_finite, check_momentum
-from . import _docs, _transform
+from . import _docs, transformation
 from ._common import buckets, effective_grad, effective_grads
 from ._optimizer import SamplerOptimizer
-from ._transform import (
+from .sghmc import SGHMC, rescale_momentum, sghmc_noise_scale
+from .transformation import (
     KernelInput,
     KernelOutput,
     ScalarOrSchedule,
     pick,
     sampler_transformation,
 )
-from .sghmc import SGHMC, rescale_momentum, sghmc_noise_scale
 
 __all__ = [
     "KINETIC_ENERGY",
@@ -546,7 +546,7 @@ sgnht.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat as a torchopt 
     at 0 the thermostat diverges.
 
     Args:
-        {_transform.lr_doc}
+        {transformation.lr_doc}
         momentum: :math:`\mu` (default: 0.9; in [0, 1)): the initial friction is
             :math:`1 - \mu` and the injected noise is :func:`sghmc`'s for that momentum.
         {_docs.num_data_doc}
@@ -558,12 +558,12 @@ sgnht.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat as a torchopt 
         nesterov: must be False (no sampling meaning; accepted for ``torchopt.sgd``'s
             signature).
         {_docs.maximize_doc}
-        {_transform.foreach_doc}
-        {_transform.seed_doc}
+        {transformation.foreach_doc}
+        {transformation.seed_doc}
         kinetic_energy: ``"symmetric"`` (default) or ``"ding"``, as for :class:`SGNHT`.
 
     Returns:
-        {_transform.returns_doc}
+        {transformation.returns_doc}
 
     Example:
         >>> import torch, torchopt
