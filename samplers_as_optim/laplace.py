@@ -1,4 +1,4 @@
-r"""Laplace approximation around a trained model, in the units of DESIGN §1.
+r"""Laplace approximation around a trained model, in the units of docs/design.md.
 
 The user trained by minimising the mean minibatch loss :math:`L(\theta) = \frac1B
 \sum_{i\in\text{batch}} \ell_i(\theta) - \log p(\theta) / N`, with :math:`\ell_i =

@@ -12,7 +12,7 @@ Restarts. A cycle ends with a tiny ``lr`` at the target temperature and the next
 with the largest ``lr`` at temperature 0. A momentum buffer in SGD units is
 :math:`b = -r/\sqrt{N\,lr}`: written at the end of a cycle it is enormous in the units of
 the restart, where the samplers, at temperature 0, treat it as SGD's and do not rescale
-it (DESIGN §1): the first exploration step would then kick the chain by
+it (docs/design.md): the first exploration step would then kick the chain by
 :math:`\sqrt{lr_{\text{restart}}/lr_{\text{end}}}` times its thermal momentum (a factor
 of ~640 for cycles of 1000 steps). So at each step that leaves the sampling part for
 exploration the scheduler re-expresses every recorded momentum buffer at the new ``lr``,

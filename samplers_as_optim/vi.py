@@ -1,4 +1,4 @@
-r"""Gaussian variational inference trained by any torch optimizer, in the units of DESIGN §1.
+r"""Gaussian variational inference trained by any torch optimizer, in the units of docs/design.md.
 
 The variational family is :math:`q_\phi(\theta) = \mathcal N(\mu, \Sigma)` over the treated
 parameters (those with ``requires_grad=True`` when the wrapper is built): mean-field
@@ -9,7 +9,7 @@ positive diagonal (:class:`FullCovarianceVI`, for small models). The prior is
 \sigma_p^2)`` for SGD.
 
 **Objective.** With the tempered target :math:`p_T(\theta\mid D) \propto \big(p(D\mid
-\theta)\,p(\theta)\big)^{1/T}` of DESIGN §1, :math:`\frac TN \mathrm{KL}(q \,\|\, p_T)` is,
+\theta)\,p(\theta)\big)^{1/T}` of docs/design.md, :math:`\frac TN \mathrm{KL}(q \,\|\, p_T)` is,
 up to a constant, the mean-loss-unit objective
 
 .. math::

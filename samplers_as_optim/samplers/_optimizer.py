@@ -544,7 +544,7 @@ class SamplerOptimizer(Optimizer):
         for param, state in zip(params if fields else [], states, strict=True):
             if not all(name in state for name in fields):  # new, or loaded from another kind
                 self._init_state(group, param, state)
-        if fields:  # state in lr's units follows a change of lr (DESIGN §1)
+        if fields:  # state in lr's units follows a change of lr (docs/design.md)
             self._reexpress_state(
                 group, params, states, lr=lr, temperature=temperature, foreach=foreach
             )
@@ -693,7 +693,7 @@ class SamplerOptimizer(Optimizer):
         """Re-express state kept in lr's units when lr has changed (default: none is).
 
         Called before the kernel with this step's ``lr`` and the states of ``params``;
-        SGHMC and SGNHT rescale their momentum buffers at T > 0 (DESIGN §1: the chain's
+        SGHMC and SGNHT rescale their momentum buffers at T > 0 (docs/design.md: the chain's
         state is the continuous-time state), reading the rate each buffer was written at
         through ``self._host_scalars``.
         """

@@ -1,7 +1,7 @@
 r"""BAOA, the splitting integrator of underdamped Langevin dynamics (Leimkuhler & Matthews).
 
 Derivation. Target :math:`p_T(\theta) \propto \exp(-U(\theta)/T)` with :math:`U = N L`
-(DESIGN §1), extended by a momentum :math:`r \sim \mathcal N(0, T I)` (unit mass). The
+(docs/design.md), extended by a momentum :math:`r \sim \mathcal N(0, T I)` (unit mass). The
 Langevin dynamics :math:`d\theta = r\,dt`, :math:`dr = -\nabla U\,dt - \gamma r\,dt +
 \sqrt{2\gamma T}\,dW` split into a kick B (:math:`r \leftarrow r - \epsilon \nabla U`), a
 drift A (:math:`\theta \leftarrow \theta + \epsilon r`) and the exact Ornstein--Uhlenbeck

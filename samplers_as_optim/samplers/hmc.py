@@ -1,6 +1,6 @@
 r"""Hamiltonian Monte Carlo with a Metropolis correction, as a ``torch.optim`` optimizer.
 
-The target. With the full-batch mean loss :math:`L` (DESIGN §1) and weight decay
+The target. With the full-batch mean loss :math:`L` (docs/design.md) and weight decay
 :math:`\lambda_g` per param group, the potential is
 
 .. math::
@@ -28,7 +28,7 @@ and accept the end point :math:`(\theta', r')` with probability
 invariant, whatever :math:`\epsilon`: there is no step-size bias (unlike SGLD/SGHMC).
 A rejected proposal leaves the parameters and their gradients exactly as they were.
 
-Units: ``lr`` is the samplers' step. SGHMC in SGD units (DESIGN §1) is
+Units: ``lr`` is the samplers' step. SGHMC in SGD units (docs/design.md) is
 :math:`b \leftarrow \mu b + g + \dots,\ \theta \leftarrow \theta - lr\, b`. Its physical
 momentum is :math:`r = -\sqrt{N\,lr}\, b`; substituting,
 :math:`\theta \leftarrow \theta + \sqrt{lr/N}\; r` and

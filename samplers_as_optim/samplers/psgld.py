@@ -1,7 +1,7 @@
 r"""Preconditioned SGLD (Li et al., 2016): SGLD with RMSprop's diagonal preconditioner.
 
 Derivation. Target :math:`p_T(\theta) \propto \exp(-U(\theta)/T)` with :math:`U = N L`
-(DESIGN §1). Langevin dynamics with a constant positive diagonal preconditioner
+(docs/design.md). Langevin dynamics with a constant positive diagonal preconditioner
 :math:`G`, :math:`d\theta = -G\nabla U\,dt + \sqrt{2TG}\,dW`, leave :math:`p_T` invariant;
 Euler with step :math:`h = lr/N` gives
 

@@ -1,7 +1,7 @@
 r"""Stochastic gradient Hamiltonian Monte Carlo (Chen et al., 2014) in SGD units.
 
 Derivation. Target :math:`p_T(\theta) \propto \exp(-U(\theta)/T)` with :math:`U = N L`
-(DESIGN §1), extended by a momentum :math:`r \sim \mathcal N(0, T I)`. The SGHMC SDE with
+(docs/design.md), extended by a momentum :math:`r \sim \mathcal N(0, T I)`. The SGHMC SDE with
 friction :math:`C` (unit mass, the gradient-noise estimate :math:`\hat B` set to 0) is
 
 .. math::

@@ -1,7 +1,7 @@
 r"""Stochastic gradient Langevin dynamics (Welling & Teh, 2011) in SGD units.
 
 Derivation. With the mean minibatch loss :math:`L` (its prior term divided by N, as in
-DESIGN §1) the tempered target is :math:`p_T(\theta) \propto \exp(-N L(\theta) / T)`.
+docs/design.md) the tempered target is :math:`p_T(\theta) \propto \exp(-N L(\theta) / T)`.
 The overdamped Langevin SDE with that stationary law is
 
 .. math::
