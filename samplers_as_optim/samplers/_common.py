@@ -27,6 +27,7 @@ __all__ = [
     "effective_grads",
     "host_scalar",
     "host_value",
+    "known_buffer",
     "may_be_non_finite",
 ]
 
@@ -211,3 +212,9 @@ class HostScalars:
         stored = host_scalar(value)
         self._known[id(param)] = (stored, value)
         return stored
+
+
+def known_buffer(buffer: Tensor | None) -> Tensor:
+    """A buffer known to exist (for the type checker)."""
+    assert buffer is not None
+    return buffer

@@ -84,6 +84,7 @@ from ._common import (
     may_be_non_finite,
 )
 from ._prefetch import NoisePrefetcher, NoiseRequest
+from .momentum_units import rescale_momentum_state
 
 __all__ = ["SamplerOptimizer"]
 
@@ -139,6 +140,8 @@ class SamplerOptimizer(Optimizer):
     """
 
     requires_positive_temperature: bool = False
+    #: the state holds a momentum buffer in SGD units, re-expressed when lr changes
+    momentum_in_lr_units: bool = False
     #: arguments of ``torch.optim.SGD``'s signature validated at construction but not
     #: kept in the param groups (SGLD's ``momentum``, which must be 0)
     signature_only_arguments: tuple[str, ...] = ()
@@ -690,13 +693,23 @@ class SamplerOptimizer(Optimizer):
         temperature: float,
         foreach: bool,
     ) -> None:
-        """Re-express state kept in lr's units when lr has changed (default: none is).
+        """Re-express state kept in lr's units when lr has changed, before the kernel.
 
-        Called before the kernel with this step's ``lr`` and the states of ``params``;
-        SGHMC and SGNHT rescale their momentum buffers at T > 0 (docs/design.md: the chain's
-        state is the continuous-time state), reading the rate each buffer was written at
-        through ``self._host_scalars``.
+        A sampler whose state holds a momentum buffer in SGD units
+        (``momentum_in_lr_units``: SGHMC, SGNHT, BAOA) rescales it at T > 0 so that the
+        chain's physical momentum is kept (``docs/design.md``;
+        :func:`~.momentum_units.rescale_momentum_state`), reading the rate each buffer
+        was written at through ``self._host_scalars``; other samplers keep no such state.
         """
+        if self.momentum_in_lr_units:
+            rescale_momentum_state(
+                states,
+                lr=lr,
+                temperature=temperature,
+                foreach=foreach,
+                params=params,
+                known=self._host_scalars,
+            )
 
     def _kernel(
         self,

@@ -68,7 +68,7 @@ from .._validation import check_bool, check_finite, check_momentum
 from . import _docs, transformation
 from ._common import buckets, effective_grad, effective_grads
 from ._optimizer import SamplerOptimizer
-from .sghmc import rescale_momentum, rescale_momentum_state
+from .sghmc import rescale_momentum
 from .transformation import (
     KernelInput,
     KernelOutput,
@@ -174,6 +174,8 @@ def baoa_direction(
 class BAOA(SamplerOptimizer):
     """BAOA Langevin integrator as a ``torch.optim`` optimizer (see ``BAOA.__doc__``)."""
 
+    momentum_in_lr_units = True
+
     def __init__(
         self,
         params: Any,
@@ -220,25 +222,6 @@ class BAOA(SamplerOptimizer):
     def _init_state(self, group: dict[str, Any], param: Tensor, state: dict[str, Any]) -> None:
         state.setdefault(
             "momentum_buffer", torch.zeros_like(param, memory_format=torch.preserve_format)
-        )
-
-    def _reexpress_state(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        states: list[dict[str, Any]],
-        *,
-        lr: float,
-        temperature: float,
-        foreach: bool,
-    ) -> None:
-        rescale_momentum_state(
-            states,
-            lr=lr,
-            temperature=temperature,
-            foreach=foreach,
-            params=params,
-            known=self._host_scalars,
         )
 
     def _kernel(

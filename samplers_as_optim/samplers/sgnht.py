@@ -110,7 +110,7 @@ from .._validation import check_choice, check_finite, check_momentum
 from . import _docs, transformation
 from ._common import buckets, effective_grad, effective_grads
 from ._optimizer import SamplerOptimizer
-from .sghmc import SGHMC, rescale_momentum, sghmc_noise_scale
+from .sghmc import rescale_momentum, sghmc_noise_scale
 from .transformation import (
     KernelInput,
     KernelOutput,
@@ -282,6 +282,7 @@ class SGNHT(SamplerOptimizer):
     """SGNHT as a drop-in replacement for ``torch.optim.SGD`` (see ``SGNHT.__doc__``)."""
 
     requires_positive_temperature = True
+    momentum_in_lr_units = True  # the buffer; the thermostat's equilibrium is lr-free
     #: what goes wrong at T = 0, in a schedule's message (CyclicalSGMCMC)
     zero_temperature_fault = "its dynamics diverge at temperature 0"
     own_dtype_state = ("thermostat",)
@@ -336,8 +337,6 @@ class SGNHT(SamplerOptimizer):
 
     # the buffer keeps the momentum as SGHMC's does; the thermostat, in SGD units, needs
     # nothing (see the module docstring)
-    _reexpress_state = SGHMC._reexpress_state
-
     def _init_state(self, group: dict[str, Any], param: Tensor, state: dict[str, Any]) -> None:
         # A state loaded from torch.optim.SGD or SGHMC has a momentum buffer but no
         # thermostat: keep the buffer (the chain's momentum) and start the thermostat.
