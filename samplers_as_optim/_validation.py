@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -43,6 +44,24 @@ def refuse(
     name: str, value: Any, expected: str, where: str, error: type[Exception] = ValueError
 ) -> NoReturn:
     raise error(f"Invalid {name}{where}: {value!r} (expected {expected})")
+
+
+def check_state_fields(state: Any, fields: Sequence[str], *, source: str) -> None:
+    """A loaded state: a mapping holding every one of ``fields``, as ``source`` writes it.
+
+    Raises:
+        TypeError: ``state`` is not a mapping.
+        ValueError: a field is missing.
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"Invalid state_dict: {type(state).__name__} (expected a mapping from {source})"
+        )
+    missing = [field for field in fields if field not in state]
+    if missing:
+        raise ValueError(
+            f"Invalid state_dict: missing field(s) {missing} (expected a state from {source})"
+        )
 
 
 def _real(name: str, value: Any, expected: str, where: str) -> float:

@@ -37,6 +37,7 @@ from ._validation import (
     check_nonnegative_integer,
     check_positive,
     check_positive_int,
+    check_state_fields,
     refuse,
 )
 
@@ -275,17 +276,7 @@ class CyclicalSGMCMC(LRScheduler):
                 constructor refuses, one for this optimizer, base values not one finite
                 number per param group, ``last_epoch`` outside the schedule).
         """
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(
-                f"Invalid state_dict: {type(state_dict).__name__} (expected a mapping from "
-                "CyclicalSGMCMC.state_dict)"
-            )
-        missing = [field for field in _SCHEDULE_FIELDS if field not in state_dict]
-        if missing:
-            raise ValueError(
-                f"Invalid state_dict: missing field(s) {missing} (expected a state from "
-                "CyclicalSGMCMC.state_dict)"
-            )
+        check_state_fields(state_dict, _SCHEDULE_FIELDS, source="CyclicalSGMCMC.state_dict")
         if "optimizer" in state_dict:
             raise ValueError(
                 "Invalid state_dict: field 'optimizer' (expected the schedule only, as "

@@ -42,7 +42,12 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor, nn
 
-from ._validation import check_nonnegative_integer, check_positive_int, check_temperature
+from ._validation import (
+    check_nonnegative_integer,
+    check_positive_int,
+    check_state_fields,
+    check_temperature,
+)
 from .laplace import predict_samples, select_subset
 
 __all__ = ["SWAG"]
@@ -276,17 +281,7 @@ class SWAG:
             TypeError: ``state`` is not a mapping, or a field has the wrong type.
             ValueError: a field is missing or has a value :meth:`record` cannot produce.
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(
-                f"Invalid state_dict: {type(state).__name__} (expected a mapping from "
-                "SWAG.state_dict)"
-            )
-        missing = [field for field in _STATE_FIELDS if field not in state]
-        if missing:
-            raise ValueError(
-                f"Invalid state_dict: missing field(s) {missing} (expected a state from "
-                "SWAG.state_dict)"
-            )
+        check_state_fields(state, _STATE_FIELDS, source="SWAG.state_dict")
         names = state["names"]
         if (
             isinstance(names, str)
