@@ -55,7 +55,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from samplers_as_optim import SGHMC
-from samplers_as_optim.ensemble import ParallelEnsemble
+from samplers_as_optim.samples.ensemble import ParallelEnsemble
 
 torch.set_num_threads(1)
 

@@ -30,8 +30,8 @@ from timing import batched_seconds, interleaved, median_ratio
 from torch import nn
 
 from samplers_as_optim import SGHMC
-from samplers_as_optim._noise_op import COMPILED_DRAW
-from samplers_as_optim.ensemble import ParallelEnsemble
+from samplers_as_optim.core.noise_op import COMPILED_DRAW
+from samplers_as_optim.samples.ensemble import ParallelEnsemble
 
 DEVICE = torch.device("cuda")
 

@@ -112,7 +112,7 @@ def make_runner(method: str, model, batches):
         return run
 
     if method.startswith("ours"):
-        from samplers_as_optim.laplace import Laplace
+        from samplers_as_optim.gaussian.laplace import Laplace
 
         curvature, structure, subset = OURS[method]
 
@@ -199,7 +199,7 @@ def eigh_seconds(method: str, model, batches) -> float:
         return float("nan")
     import torch
 
-    from samplers_as_optim.laplace import Laplace
+    from samplers_as_optim.gaussian.laplace import Laplace
 
     curvature, structure, subset = OURS[method]
     la = Laplace(

@@ -88,7 +88,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from samplers_as_optim import diagnostics
-from samplers_as_optim.vi import FullCovarianceVI, MeanFieldVI
+from samplers_as_optim.gaussian.vi import FullCovarianceVI, MeanFieldVI
 
 REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "data" / "breast_cancer_reference.json"
 PRIOR_STD = 1.0

@@ -108,7 +108,7 @@ def member_minibatches(
 ) -> Iterator[Tensor]:
     """Index tensors ``[K, b]`` of one epoch, one shuffle per ensemble member.
 
-    For a :class:`~samplers_as_optim.ensemble.ParallelEnsemble` that sees the data in a
+    For a :class:`~samplers_as_optim.samples.ensemble.ParallelEnsemble` that sees the data in a
     different order per member: ``ensemble(x[index], per_member_inputs=True)``.
     """
     orders = [torch.randperm(num_data, generator=generator) for _ in range(num_members)]

@@ -19,16 +19,17 @@ deep ensembles: :class:`ParallelEnsemble`. Samples: :class:`SampleCollector`,
 """
 
 from . import curvature, diagnostics, predictive, transforms
-from .collect import RunningMoments, SampleCollector
-from .ekf import ExtendedKalmanFilter
-from .ensemble import ParallelEnsemble, ensemble_loss
-from .laplace import Laplace
+from .gaussian.ekf import ExtendedKalmanFilter
+from .gaussian.laplace import Laplace
+from .gaussian.swag import SWAG
+from .gaussian.vi import FullCovarianceVI, MeanFieldVI
+from .hmc.sampler import HMC
 from .names import name_parameters
-from .samplers import BAOA, HMC, PSGLD, SGHMC, SGLD, SGNHT
-from .schedulers import CyclicalSGMCMC
-from .stacked import call_stacked
-from .swag import SWAG
-from .vi import FullCovarianceVI, MeanFieldVI
+from .samples.collect import RunningMoments, SampleCollector
+from .samples.ensemble import ParallelEnsemble, ensemble_loss
+from .samples.stacked import call_stacked
+from .sgmcmc import BAOA, PSGLD, SGHMC, SGLD, SGNHT
+from .sgmcmc.cyclical import CyclicalSGMCMC
 
 __all__ = [
     "BAOA",

@@ -55,9 +55,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp
 
-from ._flat import Treated
-from ._likelihoods import Classification, Likelihood, Regression, make_likelihood
-from ._validation import check_nonnegative, check_positive_int
+from .core.validation import check_nonnegative, check_positive_int
+from .gaussian.flat import Treated
+from .gaussian.likelihoods import Classification, Likelihood, Regression, make_likelihood
 
 __all__ = ["conjugate_gradient", "fisher_vector_product", "ggn_vector_product"]
 

@@ -60,7 +60,7 @@ hide the rest; constant quantities get NaN R-hat (zero within-chain variance) an
 to :math:`S`.
 
 Implementation notes. Ranks need one sort per quantity and folding a second one; that sort
-dominates the cost (see :mod:`samplers_as_optim._ranks` for the CPU fast path). The sorted
+dominates the cost (see :mod:`samplers_as_optim.samples.ranks` for the CPU fast path). The sorted
 values are reused for the median and the tail quantiles, so no further sort or selection is
 done. Autocovariances are computed lag by lag for the first few lags and only for the
 quantities whose Geyer sequence has not terminated yet; the rest (slowly mixing chains)
@@ -102,13 +102,13 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from . import _ranks
-from ._validation import (
+from .core.validation import (
     check_choice,
     check_chunk_size,
     check_finite,
     check_open_unit_interval,
 )
+from .samples.ranks import normal_scores, sort_values
 
 __all__ = [
     "Diagnostics",
@@ -522,7 +522,7 @@ def _compute(
         out: dict[str, Tensor] = {}
         ordered = None
         if need_scores:
-            scores, ordered = _ranks.normal_scores(rows, finite=finite)
+            scores, ordered = normal_scores(rows, finite=finite)
             scores = scores.view_as(split)
             stats = _chain_stats(scores)
             if "rhat_bulk" in wanted:
@@ -535,9 +535,7 @@ def _compute(
                 median = (ordered[:, size // 2 - 1] + ordered[:, size // 2]) / 2
                 # |theta - median| <= max - min, so it is finite when that range is.
                 range_finite = finite and bool((ordered[:, -1] - ordered[:, 0]).isfinite().all())
-                folded, _ = _ranks.normal_scores(
-                    (rows - median.unsqueeze(-1)).abs(), finite=range_finite
-                )
+                folded, _ = normal_scores((rows - median.unsqueeze(-1)).abs(), finite=range_finite)
                 out["rhat_folded"] = statistic(_chain_stats(folded.view_as(split)))
                 del folded
         if wanted & {"rhat_split", "ess_mean"}:
@@ -549,9 +547,9 @@ def _compute(
         if "ess_tail" in wanted:
             if needs_full_sort:
                 full = block.permute(2, 0, 1).reshape(q, chains * draws).to(dtype)
-                ordered = _ranks.sort_values(full.masked_fill(has_nan.unsqueeze(-1), 0.0))
+                ordered = sort_values(full.masked_fill(has_nan.unsqueeze(-1), 0.0))
             elif ordered is None:
-                ordered = _ranks.sort_values(rows)
+                ordered = sort_values(rows)
             ordered = ordered.to(device)
             tails = []
             for p in (prob, 1.0 - prob):
@@ -840,7 +838,7 @@ def summary(
             dict.fromkeys(thresholds, nan),
             dict.fromkeys(thresholds, 0),
         )
-    ordered = _ranks.sort_values(kept.unsqueeze(0)).to(kept.device)
+    ordered = sort_values(kept.unsqueeze(0)).to(kept.device)
     count_above = {t: int((kept > t).sum()) for t in thresholds}
     return RhatSummary(
         count=count,

@@ -1,7 +1,7 @@
 """What identifies a parameter's noise and travels with the tensor: its name, its place.
 
 A sampler keys each parameter's noise by its name when it has one (see
-``samplers_as_optim._random``), so the noise does not depend on how the parameters are
+``samplers_as_optim.core.streams``), so the noise does not depend on how the parameters are
 grouped, ordered or shared out among ranks. An optimizer given
 ``model.named_parameters()`` knows the names; but ``ZeroRedundancyOptimizer`` accepts
 only tensors and builds each rank's optimizer over its share of them, so there the

@@ -1,7 +1,7 @@
 r"""Bayesian model averaging, predictive uncertainty and its decomposition, and metrics.
 
 The inputs are per-sample model outputs with a leading sample dimension ``S``, exactly what
-:func:`~samplers_as_optim.stacked.call_stacked` returns for stacked samples from any method
+:func:`~samplers_as_optim.samples.stacked.call_stacked` returns for stacked samples from any method
 (SGMCMC, ensembles, Laplace, VI): logits ``[S, B, ..., K]`` (classes last) for
 classification, means and variances ``[S, B, ...]`` for regression.
 
@@ -57,7 +57,7 @@ References:
 Example:
     >>> import torch
     >>> from samplers_as_optim import predictive
-    >>> from samplers_as_optim.stacked import call_stacked, stack_modules
+    >>> from samplers_as_optim.samples.stacked import call_stacked, stack_modules
     >>> _ = torch.manual_seed(0)
     >>> members = [torch.nn.Linear(4, 3) for _ in range(8)]     # 8 posterior samples
     >>> logits = call_stacked(members[0], stack_modules(members), torch.randn(5, 4))
@@ -76,8 +76,8 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from . import _ranks
-from ._validation import check_choice, check_positive_int
+from .core.validation import check_choice, check_positive_int
+from .samples.ranks import average_ranks, sort_rows
 
 __all__ = [
     "ClassificationPrediction",
@@ -567,8 +567,8 @@ def auroc(in_scores: Tensor, out_scores: Tensor) -> Tensor:
     if bool(pooled.isnan().any()):
         raise ValueError("Invalid scores: NaN values (expected comparable, non-NaN scores)")
     n_in, n_out = in_scores.numel(), out_scores.numel()
-    values, order = _ranks.sort_rows(pooled.detach().unsqueeze(0))
-    ranks = _ranks.average_ranks(values.to(pooled.device))[0]
+    values, order = sort_rows(pooled.detach().unsqueeze(0))
+    ranks = average_ranks(values.to(pooled.device))[0]
     rank_sum = ranks[order[0].to(pooled.device) >= n_in].sum()
     return (rank_sum - n_out * (n_out + 1) / 2) / (n_in * n_out)
 

@@ -67,12 +67,12 @@ from __future__ import annotations
 
 import torch
 
-from .samplers.baoa import BAOAState, baoa
-from .samplers.psgld import PSGLDState, psgld
-from .samplers.sghmc import LangevinNoiseState, SGHMCState, langevin_noise, sghmc
-from .samplers.sgld import SGLDState, sgld
-from .samplers.sgnht import SGNHTState, sgnht
-from .samplers.transformation import ScalarOrSchedule, chain_dims
+from .sgmcmc.baoa import BAOAState, baoa
+from .sgmcmc.psgld import PSGLDState, psgld
+from .sgmcmc.sghmc import LangevinNoiseState, SGHMCState, langevin_noise, sghmc
+from .sgmcmc.sgld import SGLDState, sgld
+from .sgmcmc.sgnht import SGNHTState, sgnht
+from .sgmcmc.transformation import ScalarOrSchedule, chain_dims
 
 __all__ = [
     "BAOAState",

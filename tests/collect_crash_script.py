@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from samplers_as_optim import SGHMC
-from samplers_as_optim.collect import SampleCollector
+from samplers_as_optim.samples.collect import SampleCollector
 
 NUM_SAMPLES, BURN_IN, THIN, EVERY = 40, 20, 3, 10
 PHASES = ("in_checkpoint", "after_checkpoint", "after_step", "after_collect")

@@ -24,7 +24,7 @@ from linear_chains import (
 )
 
 from samplers_as_optim import BAOA, transforms
-from samplers_as_optim.samplers.baoa import baoa_direction, baoa_noise_scale
+from samplers_as_optim.sgmcmc.baoa import baoa_direction, baoa_noise_scale
 
 
 def baoa_mode(lam, *, lr, num_data, temperature, momentum):

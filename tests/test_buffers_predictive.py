@@ -17,9 +17,9 @@ from torch.func import functional_call
 from torch.testing import assert_close
 
 from samplers_as_optim import SGHMC, Laplace, MeanFieldVI
-from samplers_as_optim.collect import SampleCollector
-from samplers_as_optim.ensemble import ParallelEnsemble
-from samplers_as_optim.stacked import call_stacked, stack_modules
+from samplers_as_optim.samples.collect import SampleCollector
+from samplers_as_optim.samples.ensemble import ParallelEnsemble
+from samplers_as_optim.samples.stacked import call_stacked, stack_modules
 
 
 def batchnorm_net():

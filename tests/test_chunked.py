@@ -13,10 +13,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import samplers_as_optim._keyed_normal as random_module  # where BLOCK is read
-import samplers_as_optim.samplers._optimizer as optimizer_module
+import samplers_as_optim.core.keyed_normal as random_module  # where BLOCK is read
+import samplers_as_optim.sgmcmc.optimizer as optimizer_module
 from samplers_as_optim import SGHMC, SGLD, SGNHT, transforms
-from samplers_as_optim._random import NoiseStream, block_bounds
+from samplers_as_optim.core.streams import NoiseStream, block_bounds
 
 SIZES = [(5,), (64,), (65,), (79,), (80,), (7, 50), (1000,), (3, 4, 17)]
 

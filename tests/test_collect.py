@@ -29,9 +29,9 @@ from torch import nn
 from torch.testing import assert_close
 
 from samplers_as_optim import SGLD
-from samplers_as_optim.collect import RunningMoments, SampleCollector, _Store
-from samplers_as_optim.ensemble import ParallelEnsemble
-from samplers_as_optim.stacked import call_stacked
+from samplers_as_optim.samples.collect import RunningMoments, SampleCollector, _Store
+from samplers_as_optim.samples.ensemble import ParallelEnsemble
+from samplers_as_optim.samples.stacked import call_stacked
 
 
 class Counter:

@@ -22,7 +22,7 @@ import pytest
 import torch
 from collect_crash_script import BURN_IN, EVERY, NUM_SAMPLES, PHASES, THIN, train
 
-from samplers_as_optim.collect import SampleCollector
+from samplers_as_optim.samples.collect import SampleCollector
 
 SCRIPT = Path(__file__).with_name("collect_crash_script.py")
 TOTAL = BURN_IN + THIN * NUM_SAMPLES

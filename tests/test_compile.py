@@ -2,7 +2,7 @@
 
 A sampler's step is one graph for TorchDynamo, as ``torch.optim.SGD``'s is, when built
 with ``nonfinite="skip"``: the keyed noise draw is one custom op
-(``samplers_as_optim._noise_op``) and nothing is read back to Python. The compiled step
+(``samplers_as_optim.core.noise_op``) and nothing is read back to Python. The compiled step
 draws the eager step's noise bit for bit; its arithmetic differs from the eager step's
 only by the roundings that compiling reorders or fuses, which is measured against what
 compiling ``torch.optim.SGD`` does to SGD's own step (the same model, gradients and
@@ -19,8 +19,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from samplers_as_optim import SGHMC
-from samplers_as_optim._noise_op import COMPILED_DRAW, compiled_draw
-from samplers_as_optim._random import NoiseStream
+from samplers_as_optim.core.noise_op import COMPILED_DRAW, compiled_draw
+from samplers_as_optim.core.streams import NoiseStream
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 one_graph = pytest.mark.skipif(
@@ -272,8 +272,8 @@ def test_nonfinite_must_be_raise_or_skip(case):
 @one_graph
 def test_noise_drawn_ahead_under_compile_gives_the_same_chain(monkeypatch):
     """overlap_noise under compile: the op hands step + 1's draw to the worker thread."""
-    import samplers_as_optim._noise_op as noise_op
-    import samplers_as_optim.samplers._optimizer as optimizer_module
+    import samplers_as_optim.core.noise_op as noise_op
+    import samplers_as_optim.sgmcmc.optimizer as optimizer_module
 
     monkeypatch.setattr(optimizer_module, "PREFETCH_MIN_NUMEL", 1)  # small model: all ahead
     chains = []

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, jacrev
 
-from samplers_as_optim import _curvature
-from samplers_as_optim._curvature import dense_curvature, diag_curvature
-from samplers_as_optim._flat import Treated
-from samplers_as_optim._likelihoods import CallableLikelihood, Classification, Regression
+from samplers_as_optim.gaussian import _per_example_curvature as _curvature
+from samplers_as_optim.gaussian._per_example_curvature import dense_curvature, diag_curvature
+from samplers_as_optim.gaussian.flat import Treated
+from samplers_as_optim.gaussian.likelihoods import CallableLikelihood, Classification, Regression
 
 DT = torch.float64
 

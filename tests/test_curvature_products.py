@@ -15,14 +15,14 @@ from hypothesis import strategies as st
 from torch import nn
 
 from samplers_as_optim import curvature
-from samplers_as_optim._curvature import dense_curvature
-from samplers_as_optim._flat import Treated
-from samplers_as_optim._likelihoods import make_likelihood
 from samplers_as_optim.curvature import (
     conjugate_gradient,
     fisher_vector_product,
     ggn_vector_product,
 )
+from samplers_as_optim.gaussian._per_example_curvature import dense_curvature
+from samplers_as_optim.gaussian.flat import Treated
+from samplers_as_optim.gaussian.likelihoods import make_likelihood
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 

@@ -20,7 +20,8 @@ from arviz_stats.base import array_stats  # test-only reference (arviz-stats >= 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from samplers_as_optim import _ranks, diagnostics
+from samplers_as_optim import diagnostics
+from samplers_as_optim.samples import ranks as _ranks
 
 RHAT_METHODS = {"rank": "rank", "bulk": "z_scale", "folded": "folded", "split": "split"}
 TOL = 1e-6

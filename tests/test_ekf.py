@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from samplers_as_optim import ExtendedKalmanFilter
-from samplers_as_optim.stacked import call_stacked
+from samplers_as_optim.samples.stacked import call_stacked
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 NOISE, PRIOR = 0.5, 2.0

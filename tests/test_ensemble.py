@@ -32,8 +32,8 @@ from torch import nn
 from torch.testing import assert_close
 
 from samplers_as_optim import SGHMC
-from samplers_as_optim.ensemble import ParallelEnsemble, ensemble_loss
-from samplers_as_optim.samplers.sghmc import sghmc_noise_scale
+from samplers_as_optim.samples.ensemble import ParallelEnsemble, ensemble_loss
+from samplers_as_optim.sgmcmc.sghmc import sghmc_noise_scale
 
 K = 4
 

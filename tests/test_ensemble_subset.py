@@ -28,7 +28,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from samplers_as_optim import SGHMC
-from samplers_as_optim.ensemble import ParallelEnsemble
+from samplers_as_optim.samples.ensemble import ParallelEnsemble
 
 K = 3
 TOL = {"rtol": 1e-12, "atol": 1e-12}

@@ -22,10 +22,10 @@ import pytest
 import torch
 from torch import Tensor
 
-import samplers_as_optim.samplers.hmc as hmc_module
-import samplers_as_optim.samplers.hmc_dynamics as hmc_dynamics
+import samplers_as_optim.hmc.dynamics as hmc_dynamics
+import samplers_as_optim.hmc.sampler as hmc_module
 from samplers_as_optim import HMC, ParallelEnsemble
-from samplers_as_optim.samplers.hmc import kinetic_energy, leapfrog_
+from samplers_as_optim.hmc.sampler import kinetic_energy, leapfrog_
 
 Z_MAX = 4.5
 DIM = 10

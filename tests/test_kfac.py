@@ -22,10 +22,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from samplers_as_optim import predictive
-from samplers_as_optim._likelihoods import make_likelihood
-from samplers_as_optim.kfac import KronPrecision
-from samplers_as_optim.laplace import Laplace
-from samplers_as_optim.stacked import call_stacked
+from samplers_as_optim.gaussian.kfac import KronPrecision
+from samplers_as_optim.gaussian.laplace import Laplace
+from samplers_as_optim.gaussian.likelihoods import make_likelihood
+from samplers_as_optim.samples.stacked import call_stacked
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 

@@ -16,10 +16,10 @@ from torch import nn
 from torch.func import functional_call, jacrev
 from torch.utils.data import DataLoader, TensorDataset
 
-from samplers_as_optim import _memory
-from samplers_as_optim.kfac import KronPrecision
-from samplers_as_optim.laplace import Laplace
-from samplers_as_optim.stacked import call_stacked
+from samplers_as_optim.gaussian import _memory
+from samplers_as_optim.gaussian.kfac import KronPrecision
+from samplers_as_optim.gaussian.laplace import Laplace
+from samplers_as_optim.samples.stacked import call_stacked
 
 DT = torch.float64
 NOISE = 0.5

@@ -21,7 +21,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.data import DataLoader, TensorDataset
 
-from samplers_as_optim.laplace import Laplace
+from samplers_as_optim.gaussian.laplace import Laplace
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 

@@ -37,10 +37,10 @@ from linear_chains import (
 )
 from torch.func import vmap
 
-import samplers_as_optim._keyed_normal as random_module  # where BLOCK is read
-import samplers_as_optim.samplers._optimizer as optimizer_module
+import samplers_as_optim.core.keyed_normal as random_module  # where BLOCK is read
+import samplers_as_optim.sgmcmc.optimizer as optimizer_module
 from samplers_as_optim import SGHMC, SGNHT, transforms
-from samplers_as_optim.samplers.sghmc import rescale_momentum
+from samplers_as_optim.sgmcmc.sghmc import rescale_momentum
 
 Z = 4.5
 K = 20_000

@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from samplers_as_optim import SGHMC, SGLD
-from samplers_as_optim._random import NoiseStream, parameter_key
-from samplers_as_optim.samplers import (
+from samplers_as_optim.core.streams import NoiseStream, parameter_key
+from samplers_as_optim.sgmcmc import (
     sghmc_direction,
     sghmc_noise_scale,
     sgld_direction,

@@ -12,8 +12,8 @@ import torch
 from samplers_under_test import SAMPLERS
 
 from samplers_as_optim import SGHMC, SGLD, SGNHT
-from samplers_as_optim._random import NoiseStream, derive_seed, parameter_key
-from samplers_as_optim.samplers import sghmc_direction
+from samplers_as_optim.core.streams import NoiseStream, derive_seed, parameter_key
+from samplers_as_optim.sgmcmc import sghmc_direction
 
 
 def make_model(seed=0, device="cpu"):

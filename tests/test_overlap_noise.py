@@ -12,8 +12,8 @@ import pytest
 import torch
 from samplers_under_test import SAMPLERS
 
-import samplers_as_optim._keyed_normal as random_module  # where BLOCK is read
-import samplers_as_optim.samplers._optimizer as optimizer_module
+import samplers_as_optim.core.keyed_normal as random_module  # where BLOCK is read
+import samplers_as_optim.sgmcmc.optimizer as optimizer_module
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ import torch
 from sklearn.metrics import accuracy_score, brier_score_loss, log_loss, roc_auc_score
 
 from samplers_as_optim import predictive
-from samplers_as_optim.stacked import call_stacked, stack_modules
+from samplers_as_optim.samples.stacked import call_stacked, stack_modules
 
 
 def random_logits(seed, shape, scale=3.0, dtype=torch.float64):

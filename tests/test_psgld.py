@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from samplers_under_test import OTHER_SIGNATURES
 
 from samplers_as_optim import PSGLD, transforms
-from samplers_as_optim.samplers.psgld import psgld_direction, psgld_noise_scale
+from samplers_as_optim.sgmcmc.psgld import psgld_direction, psgld_noise_scale
 
 CASE = OTHER_SIGNATURES[0]
 assert CASE.name == "psgld"

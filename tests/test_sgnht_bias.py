@@ -25,7 +25,7 @@ from linear_chains import (
 )
 
 from samplers_as_optim import SGNHT, transforms
-from samplers_as_optim.samplers.sgnht import sgnht_direction
+from samplers_as_optim.sgmcmc.sgnht import sgnht_direction
 
 Z = 4.5
 D, N, K = 10, 100, 10_000

@@ -17,7 +17,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.testing import assert_close
 
-from samplers_as_optim.stacked import (
+from samplers_as_optim.samples.stacked import (
     call_stacked,
     num_stacked,
     stack_modules,

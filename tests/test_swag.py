@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from samplers_as_optim import SGLD, SWAG, predictive
-from samplers_as_optim.stacked import call_stacked
+from samplers_as_optim.samples.stacked import call_stacked
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 

@@ -29,8 +29,8 @@ from torch.func import grad, vmap
 from torchopt import pytree
 
 from samplers_as_optim import SGNHT, transforms
-from samplers_as_optim.samplers import transformation as _transform
-from samplers_as_optim.samplers.sgld import sgld_noise_scale
+from samplers_as_optim.sgmcmc import transformation as _transform
+from samplers_as_optim.sgmcmc.sgld import sgld_noise_scale
 
 nan = math.nan
 SHAPES = st.lists(

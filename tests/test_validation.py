@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from samplers_as_optim import SGHMC, SGLD, SGNHT
-from samplers_as_optim._validation import check_seed
+from samplers_as_optim.core.validation import check_seed
 
 ALL = [SGLD, SGHMC, SGNHT]
 nan, inf = math.nan, math.inf

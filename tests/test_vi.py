@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch import nn
 
-from samplers_as_optim import _memory
-from samplers_as_optim.stacked import call_stacked
-from samplers_as_optim.vi import FullCovarianceVI, MeanFieldVI
+from samplers_as_optim.gaussian import _memory
+from samplers_as_optim.gaussian.vi import FullCovarianceVI, MeanFieldVI
+from samplers_as_optim.samples.stacked import call_stacked
 
 DT = torch.float64
 REFERENCE = Path(__file__).parent / "data" / "breast_cancer_reference.json"

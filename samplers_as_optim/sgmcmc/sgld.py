@@ -40,10 +40,10 @@ import torch
 from torch import Tensor
 from torchopt.base import GradientTransformation
 
-from .._validation import check_bool, check_finite
+from ..core.validation import check_bool, check_finite
 from . import _docs, transformation
 from ._common import buckets, effective_grad, effective_grads
-from ._optimizer import SamplerOptimizer
+from .optimizer import SamplerOptimizer
 from .transformation import (
     KernelInput,
     KernelOutput,

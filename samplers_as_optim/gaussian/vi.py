@@ -132,16 +132,16 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from ._flat import Treated
-from ._memory import check_dense_fits
-from ._validation import (
+from ..core.validation import (
     check_bool,
     check_num_data,
     check_positive,
     check_positive_int,
     check_temperature,
 )
-from .stacked import call_stacked
+from ..samples.stacked import call_stacked
+from ._memory import check_dense_fits
+from .flat import Treated
 
 __all__ = ["FullCovarianceVI", "MeanFieldVI"]
 
@@ -270,7 +270,7 @@ class _GaussianVI(nn.Module):
             *args: the model's inputs.
             num_samples: None (default): one draw, the output is the model's own;
                 an integer S >= 1: S draws, the output has a leading dimension S (all in
-                one vmap, :func:`~samplers_as_optim.stacked.call_stacked`).
+                one vmap, :func:`~samplers_as_optim.samples.stacked.call_stacked`).
             generator: ``torch.Generator`` for the draws (default: None, global RNG).
             **kwargs: the model's keyword inputs.
 
@@ -474,7 +474,7 @@ class MeanFieldVI(_GaussianVI):
     Example:
         >>> import torch
         >>> import torch.nn.functional as F
-        >>> from samplers_as_optim.vi import MeanFieldVI
+        >>> from samplers_as_optim.gaussian.vi import MeanFieldVI
         >>> _ = torch.manual_seed(0)
         >>> x = torch.randn(256, 3)
         >>> y = x @ torch.tensor([[1.0], [-2.0], [0.5]]) + 0.3 * torch.randn(256, 1)
@@ -573,7 +573,7 @@ class FullCovarianceVI(_GaussianVI):
 
     Example:
         >>> import torch
-        >>> from samplers_as_optim.vi import FullCovarianceVI
+        >>> from samplers_as_optim.gaussian.vi import FullCovarianceVI
         >>> vi = FullCovarianceVI(torch.nn.Linear(3, 1), num_data=100, prior_std=1.0)
         >>> vi.covariance.shape
         torch.Size([4, 4])

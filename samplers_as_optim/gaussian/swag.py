@@ -24,7 +24,7 @@ The SWAG Gaussian is :math:`\mathcal N(\bar\theta, \Sigma)` with
 deviations. ``rank=0`` gives SWAG-diagonal, :math:`\mathcal N(\bar\theta,
 \Sigma_\text{diag})`. ``temperature`` T multiplies the covariance, as everywhere in the
 package. Draws come in the stacked layout, so
-:func:`~samplers_as_optim.stacked.call_stacked`, :meth:`SWAG.predict` (sampled or
+:func:`~samplers_as_optim.samples.stacked.call_stacked`, :meth:`SWAG.predict` (sampled or
 linearised at :math:`\bar\theta`) and :mod:`~samplers_as_optim.predictive` apply.
 
 Reference:
@@ -42,7 +42,7 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor, nn
 
-from ._validation import (
+from ..core.validation import (
     check_nonnegative_integer,
     check_positive_int,
     check_state_fields,

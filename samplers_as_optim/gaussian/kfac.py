@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._curvature import (
+from ._per_example_curvature import (
     batch_factor,
     capture_layer_io,
     check_finite_curvature,
@@ -73,8 +73,8 @@ from ._curvature import (
     diag_curvature,
     fast_layers,
 )
-from ._flat import Treated
-from ._likelihoods import Likelihood
+from .flat import Treated
+from .likelihoods import Likelihood
 
 __all__ = ["KronBlock", "KronPrecision", "kron_curvature"]
 
@@ -390,7 +390,7 @@ def build_precision(
 
     Raises:
         ValueError: a factor or the diagonal is not finite (overflow; see
-            :func:`~samplers_as_optim._curvature.check_finite_curvature`), before any
+            ``_per_example_curvature.check_finite_curvature``), before any
             eigendecomposition fails on it.
     """
     factors = [

@@ -23,7 +23,7 @@ module is restored afterwards, also when the forward raises.
 
 Example:
     >>> import torch
-    >>> from samplers_as_optim.stacked import call_stacked, stack_modules
+    >>> from samplers_as_optim.samples.stacked import call_stacked, stack_modules
     >>> _ = torch.manual_seed(0)
     >>> members = [torch.nn.Linear(3, 2) for _ in range(4)]
     >>> stacked = stack_modules(members)
@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ._validation import check_bool, check_choice, check_chunk_size
+from ..core.validation import check_bool, check_choice, check_chunk_size
 
 __all__ = ["call_stacked", "num_stacked", "stack_modules", "stack_states", "unstack"]
 

@@ -3,7 +3,7 @@
 On the CPU, drawing the standard normals is most of a sampler step's cost (Mersenne
 Twister, about as expensive as ``uniform_``), and nothing else can make it cheaper. But
 the noise of a step is known in advance: it is a pure function of ``(seed, step, key,
-block)`` (``samplers_as_optim._random``), independent of the gradients. So right after
+block)`` (``samplers_as_optim.core.streams``), independent of the gradients. So right after
 step ``s`` the Optimizer hands the draws of step ``s + 1`` to a worker thread, which
 fills one preallocated buffer per parameter while the caller runs ``zero_grad``, the
 forward and the backward pass on the main thread (torch releases the GIL inside its
@@ -32,8 +32,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .._random import NoiseStream
-from .._worker import shared_executor
+from ..core.streams import NoiseStream
+from ..core.worker import shared_executor
 
 __all__ = ["NoisePrefetcher", "NoiseRequest"]
 

@@ -62,8 +62,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
-from ._flat import Treated
-from ._likelihoods import Likelihood
+from .flat import Treated
+from .likelihoods import Likelihood
 
 __all__ = [
     "DenseSum",

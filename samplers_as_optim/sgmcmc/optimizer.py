@@ -8,7 +8,7 @@ gradient, the refusal of non-finite gradients, and the chain's random state.
 
 The chain's random state is two integers per param group, ``group["seed"]`` and
 ``group["step"]`` (the noise of a step is a pure function of them, see
-``samplers_as_optim._random``). They live in the param groups rather than beside them
+``samplers_as_optim.core.streams``). They live in the param groups rather than beside them
 because every wrapper that saves an optimizer keeps its param groups:
 ``ZeroRedundancyOptimizer`` rebuilds its consolidated ``state_dict`` from them and syncs
 them to each rank's optimizer on load, Lightning and the HF ``Trainer`` save
@@ -17,7 +17,7 @@ which holds only ``defaults``, ``state`` and ``param_groups``.
 
 What identifies a parameter's noise travels with the parameter's own state instead:
 ``state["noise_key"]``, a 0-d int64 tensor on the CPU holding the key it is drawn with
-(``samplers_as_optim._random``), written at the parameter's first step at a positive
+(``samplers_as_optim.core.streams``), written at the parameter's first step at a positive
 temperature (the noise is drawn only then). The key is derived once, from the parameter's
 name or its position among the optimizer's parameters; once stored it is used as is, so
 a state saved by an optimizer built from ``parameters()`` and loaded into one built from
@@ -30,7 +30,7 @@ stored; a parameter that has not drawn noise yet: frozen, which has no state as 
 torch.optim, or only stepped at temperature 0, whose state stays ``torch.optim.SGD``'s)
 is keyed by this optimizer's names or positions, as before. Nor is a key stored where
 the ranks of a sharded optimizer key unnamed parameters by their place in the rank's
-share and the rank (``samplers_as_optim._distributed``): such a key identifies a
+share and the rank (``samplers_as_optim.core.distributed``): such a key identifies a
 parameter on that rank only.
 
 Every per-parameter entry is a tensor, as ``torch.optim`` keeps them (its generic tests
@@ -51,11 +51,11 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .. import _random
-from .._distributed import agree_across_ranks
-from .._dtensor import is_dtensor, local_layout, wrap_like
-from .._noise_op import COMPILED_DRAW
-from .._random import (
+from ..core import streams
+from ..core.distributed import agree_across_ranks
+from ..core.dtensor import is_dtensor, local_layout, wrap_like
+from ..core.noise_op import COMPILED_DRAW
+from ..core.streams import (
     NoiseStream,
     block_bounds,
     key_from_int64,
@@ -63,7 +63,7 @@ from .._random import (
     parameter_key,
     seed_from_global_rng,
 )
-from .._validation import (
+from ..core.validation import (
     check_bool,
     check_choice,
     check_foreach,
@@ -108,8 +108,8 @@ NONFINITE_POLICIES = ("raise", "skip")
 PREFETCH_MIN_NUMEL = 2**16
 
 #: Tensors with more elements than this are updated chunk by chunk on the CPU, in the
-#: noise's blocks (``_random.BLOCK`` elements), so that a chunk draws exactly its block.
-CHUNK = _random.BLOCK
+#: noise's blocks (``streams.BLOCK`` elements), so that a chunk draws exactly its block.
+CHUNK = streams.BLOCK
 
 
 def at_group(index: int) -> str:
@@ -235,7 +235,7 @@ class SamplerOptimizer(Optimizer):
         super().add_param_group(param_group)
 
     def _noise_keys(self, params: list[Tensor]) -> list[int]:
-        """Each parameter's noise key (see ``samplers_as_optim._random``).
+        """Each parameter's noise key (see ``samplers_as_optim.core.streams``).
 
         The key its state holds (``state["noise_key"]``, see the module docstring); for a
         parameter whose state holds none, from its name where the optimizer was given
@@ -406,7 +406,7 @@ class SamplerOptimizer(Optimizer):
                 have moved it); nothing was changed.
 
         Under ``torch.compile`` the step is one graph (the noise draw is one custom op,
-        ``samplers_as_optim._noise_op``) when built with ``nonfinite="skip"``; with
+        ``samplers_as_optim.core.noise_op``) when built with ``nonfinite="skip"``; with
         ``"raise"`` the check of the gradients reads a value back to Python, which
         splits the graph there, exactly as in eager mode.
         """
@@ -601,7 +601,7 @@ class SamplerOptimizer(Optimizer):
     ) -> None:
         """``_update_group`` for CPU tensors, large ones chunk by chunk (buffers in place).
 
-        A chunk is a block of the noise (:data:`~samplers_as_optim._random.BLOCK`): a
+        A chunk is a block of the noise (:data:`~samplers_as_optim.core.streams.BLOCK`): a
         view of the prefetched noise, or drawn with ``normal_`` into a scratch tensor from
         the block's own generator: the numbers of ``NoiseStream.draw``, which draws each
         block with ``torch.randn``.
@@ -638,7 +638,7 @@ class SamplerOptimizer(Optimizer):
             flush()
             kind = (param.device, param.dtype)
             if kind not in scratch:
-                scratch[kind] = param.new_empty(_random.BLOCK)
+                scratch[kind] = param.new_empty(streams.BLOCK)
             for block, (start, stop) in enumerate(block_bounds(param.numel())):
                 noise = None
                 if noise_of is not None:

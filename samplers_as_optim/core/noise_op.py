@@ -37,8 +37,8 @@ from concurrent.futures import Future
 import torch
 from torch import Tensor
 
-from ._keyed_normal import KeyedNormal
-from ._worker import shared_executor
+from .keyed_normal import KeyedNormal
+from .worker import shared_executor
 
 __all__ = ["COMPILED_DRAW", "compiled_draw", "to_signed", "to_unsigned"]
 

@@ -2,7 +2,7 @@ r"""A deep ensemble as one module: K members stacked, run in one vmapped call.
 
 :class:`ParallelEnsemble` holds K copies of a model's parameters and buffers stacked
 along a leading dimension and runs all members through
-:func:`~samplers_as_optim.stacked.call_stacked` (one ``torch.func.vmap``). Any optimizer
+:func:`~samplers_as_optim.samples.stacked.call_stacked` (one ``torch.func.vmap``). Any optimizer
 over ``ensemble.parameters()`` then trains every member at once: ``torch.optim.SGD`` gives
 a deep ensemble (Lakshminarayanan et al., 2017), :class:`~samplers_as_optim.SGHMC` gives
 parallel SGMCMC, the "Bayesian deep ensemble" of the posteriors paper, Section 4.2: K
@@ -51,7 +51,7 @@ Example:
     >>> import torch
     >>> import torch.nn.functional as F
     >>> from samplers_as_optim import SGHMC
-    >>> from samplers_as_optim.ensemble import ParallelEnsemble
+    >>> from samplers_as_optim.samples.ensemble import ParallelEnsemble
     >>> _ = torch.manual_seed(0)
     >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
     >>> ensemble = ParallelEnsemble(net, num_members=5, seed=0)
@@ -81,15 +81,15 @@ from torch import Tensor, nn
 from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ._random import derive_seed
-from ._validation import (
+from ..core.streams import derive_seed
+from ..core.validation import (
     check_bool,
     check_choice,
     check_chunk_size,
     check_positive_int,
     check_seed,
 )
-from .names import set_parameter_layout
+from ..names import set_parameter_layout
 from .stacked import (
     RANDOMNESS,
     bind_all_tensors,
@@ -473,7 +473,7 @@ class ParallelEnsemble(nn.Module):
     whose every tensor has a leading member dimension K (``ensemble.module[0].weight`` has
     shape ``[K, out, in]``); ``named_parameters()``, ``state_dict()`` and optimizers see
     these ``[K, ...]`` tensors. The forward swaps each member's slice into the model inside
-    ``torch.func.vmap`` (:func:`~samplers_as_optim.stacked.call_stacked`), so any model
+    ``torch.func.vmap`` (:func:`~samplers_as_optim.samples.stacked.call_stacked`), so any model
     that runs under ``vmap`` works: dropout draws a different mask per member
     (``randomness="different"``), and BatchNorm in train mode updates each member's own
     running statistics.
@@ -699,7 +699,7 @@ class ParallelEnsemble(nn.Module):
         """The members' parameters (and buffers) by the model's own names, each ``[K, ...]``.
 
         These are the ensemble's tensors themselves (not copies): the layout every method's
-        samples share, ready for :func:`~samplers_as_optim.stacked.call_stacked` with the
+        samples share, ready for :func:`~samplers_as_optim.samples.stacked.call_stacked` with the
         original model, or with ``ensemble.member(0)``. With a ``subset``, only its
         tensors (the others are shared by every member).
 

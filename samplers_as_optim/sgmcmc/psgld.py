@@ -86,10 +86,10 @@ import torch
 from torch import Tensor
 from torchopt.base import GradientTransformation
 
-from .._validation import check_bool, check_nonnegative, refuse
+from ..core.validation import check_bool, check_nonnegative, refuse
 from . import _docs, transformation
 from ._common import buckets, default_foreach, effective_grad, effective_grads
-from ._optimizer import SamplerOptimizer, at_group
+from .optimizer import SamplerOptimizer, at_group
 from .transformation import (
     KernelInput,
     KernelOutput,
@@ -661,7 +661,7 @@ PSGLD.__doc__ = rf"""Preconditioned SGLD (Li et al., 2016), a drop-in for ``torc
     ``temperature=0`` it is ``torch.optim.RMSprop`` with the same arguments, bit for bit
     (``momentum`` and ``centered`` included). With ``correction=True`` the step gains Li
     et al.'s :math:`+lr\,(T/N)\,\Gamma` (module docstring of
-    :mod:`samplers_as_optim.samplers.psgld`, with its measured effect).
+    :mod:`samplers_as_optim.sgmcmc.psgld`, with its measured effect).
 
     Args:
         {_docs.params_doc}

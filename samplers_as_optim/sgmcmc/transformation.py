@@ -35,10 +35,10 @@ from torch import Tensor
 from torchopt import pytree
 from torchopt.base import GradientTransformation
 
-from .._random import NoiseStream, parameter_key, seed_from_global_rng
-from .._validation import check_seed
+from ..core.streams import NoiseStream, parameter_key, seed_from_global_rng
+from ..core.validation import check_seed
 from ._common import buckets, default_foreach, may_be_non_finite
-from ._optimizer import SamplerOptimizer
+from .optimizer import SamplerOptimizer
 
 __all__ = [
     "KernelInput",

@@ -44,7 +44,7 @@ only, a chunk of examples at a time; other modules (and dense) use chunked
 ``"kron"`` keeps a Kronecker factor pair per ``nn.Linear``/``nn.Conv2d`` layer (KFAC;
 Martens & Grosse 2015, Ritter et al. 2018), the bias inside the factor, with the damped
 inverse, log-determinant and square root exact through the factors'
-eigendecompositions (:mod:`samplers_as_optim.kfac`); other treated parameters get a
+eigendecompositions (:mod:`samplers_as_optim.gaussian.kfac`); other treated parameters get a
 diagonal. ``subset="last_layer"`` (or a list of parameter names) restricts the Gaussian
 to those weights and keeps the others at the MAP (Kristiadi, Hein & Hennig 2020;
 Daxberger et al. 2021, §3.1): samples, log-densities and both predictives then cover the
@@ -80,11 +80,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vmap
 
-from ._curvature import DenseSum, check_finite_curvature, diag_curvature
-from ._flat import Treated
-from ._likelihoods import make_likelihood
-from ._memory import check_dense_fits
-from ._validation import (
+from ..core.validation import (
     check_choice,
     check_chunk_size,
     check_num_data,
@@ -92,8 +88,12 @@ from ._validation import (
     check_positive_int,
     check_temperature,
 )
+from ..samples.stacked import call_stacked
+from ._memory import check_dense_fits
+from ._per_example_curvature import DenseSum, check_finite_curvature, diag_curvature
+from .flat import Treated
 from .kfac import KronPrecision, KronSums, build_precision, kron_curvature, kron_layers
-from .stacked import call_stacked
+from .likelihoods import make_likelihood
 
 __all__ = ["Laplace"]
 
@@ -158,7 +158,7 @@ def predict_samples(
     r"""Outputs for stacked weight draws: :math:`f(x;\theta_s)`, or linearised at ``mean``.
 
     The shared predictive of every Gaussian here: ``linear=False`` is
-    :func:`~samplers_as_optim.stacked.call_stacked`; ``linear=True`` is
+    :func:`~samplers_as_optim.samples.stacked.call_stacked`; ``linear=True`` is
     :math:`f(x;\mu) + J_\mu(x)(\theta_s-\mu)`, one ``torch.func.jvp`` per draw.
     """
     if not linear:
@@ -182,7 +182,7 @@ class _Gaussian:
     The shared half of :class:`Laplace` and the extended Kalman filter: sampling,
     log-density, penalty and the sampled and linearised predictive, for a diagonal
     (dict), dense (P x P with its Cholesky factor) or Kronecker-factored
-    (:class:`~samplers_as_optim.kfac.KronPrecision`) precision.
+    (:class:`~samplers_as_optim.gaussian.kfac.KronPrecision`) precision.
     """
 
     model: nn.Module
@@ -274,7 +274,7 @@ class _Gaussian:
         r""":math:`\Lambda` at temperature 1 (a dict, a matrix or a KronPrecision).
 
         A dict of diagonals (``"diag"``), (P, P) (``"dense"``) or a
-        :class:`~samplers_as_optim.kfac.KronPrecision` (``"kron"``).
+        :class:`~samplers_as_optim.gaussian.kfac.KronPrecision` (``"kron"``).
         Pass a diagonal or dense one as the next task's ``prior_precision`` (continual
         learning).
         """
@@ -302,7 +302,7 @@ class _Gaussian:
         With :math:`\Lambda = LL^\top` (Cholesky) the dense square root is
         :math:`L^{-\top}`; for ``"diag"`` it is :math:`1/\sqrt{\Lambda_{jj}}`; for
         ``"kron"`` it is :math:`(Q_G\otimes Q_A)\,\mathrm{diag}(D)^{-1/2}` per layer (see
-        :mod:`samplers_as_optim.kfac`).
+        :mod:`samplers_as_optim.gaussian.kfac`).
 
         Args:
             n: number of samples (an integer >= 1).
@@ -311,7 +311,7 @@ class _Gaussian:
 
         Returns:
             The stacked layout: name -> tensor ``(n, *shape)`` for every treated
-            parameter (see :mod:`samplers_as_optim.stacked`).
+            parameter (see :mod:`samplers_as_optim.samples.stacked`).
         """
         n = check_positive_int("n", n)
         mean, precision = self._fitted()
@@ -437,7 +437,7 @@ class _Gaussian:
         r"""Model outputs under ``num_samples`` posterior draws, stacked along dim 0.
 
         ``linear=False``: :math:`f(x;\theta_s)` (Monte Carlo in weight space, by
-        :func:`~samplers_as_optim.stacked.call_stacked`). ``linear=True``:
+        :func:`~samplers_as_optim.samples.stacked.call_stacked`). ``linear=True``:
         :math:`f(x;\theta_*) + J_{\theta_*}(x)(\theta_s-\theta_*)` (the linearised / GLM
         predictive, by ``torch.func.jvp``). The result has the layout of a
         ``ParallelEnsemble``'s output, so the :mod:`~samplers_as_optim.predictive`
@@ -499,7 +499,7 @@ class Laplace(_Gaussian):
             ``"kron"`` (KFAC: a Kronecker factor pair per ``nn.Linear``/``nn.Conv2d``
             layer, bias inside the factor, a diagonal for other parameters; memory
             :math:`O(\sum d_\text{in}^2 + d_\text{out}^2)`; see
-            :mod:`samplers_as_optim.kfac`).
+            :mod:`samplers_as_optim.gaussian.kfac`).
         prior_precision: :math:`\Lambda_0` (default: 1.0). A finite number > 0 for the
             prior :math:`\mathcal N(0, 1/\Lambda_0)` on every weight, i.e. ``num_data *
             weight_decay``; or a dict name -> tensor of positive per-weight precisions;
@@ -519,7 +519,7 @@ class Laplace(_Gaussian):
     Example:
         >>> import torch
         >>> from torch.utils.data import DataLoader, TensorDataset
-        >>> from samplers_as_optim.laplace import Laplace
+        >>> from samplers_as_optim.gaussian.laplace import Laplace
         >>> _ = torch.manual_seed(0)
         >>> model = torch.nn.Sequential(
         ...     torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))

@@ -1,7 +1,6 @@
-"""The SGMCMC samplers: one module per sampler, each holding its pure kernel and Optimizer."""
+"""The SG-MCMC family: one module per sampler (its pure kernel, Optimizer and transform)."""
 
 from .baoa import BAOA, baoa_direction
-from .hmc import HMC
 from .psgld import PSGLD, psgld_direction
 from .sghmc import SGHMC, sghmc_direction, sghmc_noise_scale
 from .sgld import SGLD, sgld_direction, sgld_noise_scale
@@ -9,7 +8,6 @@ from .sgnht import SGNHT, sgnht_direction, sgnht_initial_state
 
 __all__ = [
     "BAOA",
-    "HMC",
     "PSGLD",
     "SGHMC",
     "SGLD",

@@ -16,7 +16,7 @@ it (docs/design.md): the first exploration step would then kick the chain by
 :math:`\sqrt{lr_{\text{restart}}/lr_{\text{end}}}` times its thermal momentum (a factor
 of ~640 for cycles of 1000 steps). So at each step that leaves the sampling part for
 exploration the scheduler re-expresses every recorded momentum buffer at the new ``lr``,
-keeping the physical momentum :math:`r` (:meth:`~samplers_as_optim.samplers.sghmc.SGHMC.
+keeping the physical momentum :math:`r` (:meth:`~samplers_as_optim.sgmcmc.sghmc.SGHMC.
 reexpress_state`, the map the samplers apply themselves at temperature > 0):
 ``tests/test_cyclical.py`` checks that a restart does not heat the chain. Within a cycle
 ``lr`` changes smoothly and the samplers rescale at temperature > 0 themselves.
@@ -32,7 +32,7 @@ from typing import Any, cast
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from ._validation import (
+from ..core.validation import (
     check_nonnegative,
     check_nonnegative_integer,
     check_positive,

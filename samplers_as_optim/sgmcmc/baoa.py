@@ -64,10 +64,10 @@ import torch
 from torch import Tensor
 from torchopt.base import GradientTransformation
 
-from .._validation import check_bool, check_finite, check_momentum
+from ..core.validation import check_bool, check_finite, check_momentum
 from . import _docs, transformation
 from ._common import buckets, effective_grad, effective_grads
-from ._optimizer import SamplerOptimizer
+from .optimizer import SamplerOptimizer
 from .sghmc import rescale_momentum
 from .transformation import (
     KernelInput,
@@ -271,7 +271,7 @@ BAOA.__doc__ = rf"""The BAOA splitting integrator of Langevin dynamics (Leimkuhl
     :math:`T > 0` the buffer is rescaled by :math:`\sqrt{{lr_{{\text{{old}}}}/lr}}`,
     keeping :math:`r`, as :class:`SGHMC` does. At ``temperature=0`` it is
     ``torch.optim.SGD(lr * (1 + momentum) / 2, momentum)`` up to rounding (module
-    docstring of :mod:`samplers_as_optim.samplers.baoa`).
+    docstring of :mod:`samplers_as_optim.sgmcmc.baoa`).
 
     Args:
         {_docs.params_doc}

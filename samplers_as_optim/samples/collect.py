@@ -39,7 +39,7 @@ grown by concatenation), by default on the CPU so a GPU chain keeps its memory; 
 than fit in RAM and what it collected survives the process. ``collector.samples`` is a
 dict name -> ``[S, ...]`` tensor, the stacked layout of
 :class:`~samplers_as_optim.ParallelEnsemble` and of every other method here, so one
-predictive path (:func:`~samplers_as_optim.stacked.call_stacked`) serves all of them.
+predictive path (:func:`~samplers_as_optim.samples.stacked.call_stacked`) serves all of them.
 
 Checkpoints and crashes. A store on disk keeps up with the chain, so after a crash it
 holds samples taken after the last checkpoint; resuming from that checkpoint must take
@@ -94,7 +94,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._validation import check_bool, check_nonnegative_integer, check_positive_int
+from ..core.validation import check_bool, check_nonnegative_integer, check_positive_int
 from .ensemble import ParallelEnsemble
 
 __all__ = ["RunningMoments", "SampleCollector"]

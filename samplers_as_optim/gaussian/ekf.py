@@ -56,11 +56,11 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from ._curvature import dense_curvature, diag_curvature
-from ._likelihoods import make_likelihood
+from ..core.validation import check_choice
 from ._memory import check_dense_fits
-from ._validation import check_choice
+from ._per_example_curvature import dense_curvature, diag_curvature
 from .laplace import Precision, _Gaussian, _split_batch, select_subset
+from .likelihoods import make_likelihood
 
 __all__ = ["ExtendedKalmanFilter"]
 
@@ -124,7 +124,7 @@ class ExtendedKalmanFilter(_Gaussian):
         \mu_t = \mu_{t-1} - \Lambda_t^{-1}\sum_{i\in B_t}\nabla\ell_i(\mu_{t-1}),
 
     starting from :math:`\mathcal N(\theta_0, \Lambda_0^{-1})` (see
-    :mod:`samplers_as_optim.ekf`).
+    :mod:`samplers_as_optim.gaussian.ekf`).
 
     Args:
         model: the network; its treated parameters (``requires_grad=True``, or

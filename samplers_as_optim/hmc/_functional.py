@@ -10,7 +10,7 @@ state -- is a function of tensors with no Python branch on their values, which
 ``torch.compile`` turns into one graph (``HMC(..., compile=True)``).
 
 The mathematics is ``hmc_dynamics``', called from here (not copied): the same
-:func:`~samplers_as_optim.samplers.hmc_dynamics.leapfrog_`, ``potential_energy``,
+:func:`~samplers_as_optim.hmc.dynamics.leapfrog_`, ``potential_energy``,
 ``scaled_gradients``, ``kinetic_energy``, ``metropolis_test`` and
 ``transition_diagnostics``. The random numbers (momenta and the
 uniform of the test) are drawn by the caller from the chain's counter-based stream and
@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from . import hmc_dynamics as dynamics
+from . import dynamics
 
 __all__ = [
     "Transition",

@@ -77,7 +77,7 @@ import torch
 from torch import Tensor
 from torchopt.base import GradientTransformation
 
-from .._validation import check_bool, check_finite, check_momentum
+from ..core.validation import check_bool, check_finite, check_momentum
 from . import _docs, transformation
 from ._common import (
     buckets,
@@ -85,8 +85,8 @@ from ._common import (
     effective_grads,
     known_buffer,
 )
-from ._optimizer import SamplerOptimizer
 from .momentum_units import rescale_momentum, rescale_momentum_state
+from .optimizer import SamplerOptimizer
 from .sgld import sgld_direction
 from .transformation import (
     KernelInput,

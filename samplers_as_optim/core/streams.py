@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._keyed_normal import (
+from .keyed_normal import (
     BLOCK,
     KeyedNormal,
     block_bounds,
@@ -23,7 +23,7 @@ from ._keyed_normal import (
     parameter_key,
     seed_from_global_rng,
 )
-from ._noise_op import COMPILED_DRAW, compiled_draw
+from .noise_op import COMPILED_DRAW, compiled_draw
 
 __all__ = [
     "BLOCK",

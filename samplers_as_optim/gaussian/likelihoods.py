@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._validation import check_positive
+from ..core.validation import check_positive
 
 __all__ = ["CallableLikelihood", "Classification", "Likelihood", "Regression", "make_likelihood"]
 

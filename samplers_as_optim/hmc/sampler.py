@@ -66,7 +66,7 @@ members' mean losses, for parameters stacked with the member dimension first, as
 and backward but each has its own energy, Metropolis test, step size and diagnostics:
 K independent chains.
 
-Randomness is counter based (``samplers_as_optim._random``): the momentum of a parameter
+Randomness is counter based (``samplers_as_optim.core.streams``): the momentum of a parameter
 is ``NoiseStream(seed).draw`` at ``(step, parameter key)``, scaled by
 :math:`\sqrt{T M}`; the uniforms of the test and of the jitter come from generators
 seeded by ``(seed, step, key)`` with keys of their own. The chain's random state is
@@ -94,9 +94,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .._dtensor import is_dtensor
-from .._random import NoiseStream, derive_seed, parameter_key, seed_from_global_rng
-from .._validation import (
+from ..core.dtensor import is_dtensor
+from ..core.streams import NoiseStream, derive_seed, parameter_key, seed_from_global_rng
+from ..core.validation import (
     check_nonnegative,
     check_num_data,
     check_open_unit_interval,
@@ -106,13 +106,13 @@ from .._validation import (
     check_temperature,
 )
 from ..names import parameter_layout, parameter_name
+from ..sgmcmc.optimizer import check_representable as check_scalars_fit
 from ._dual_averaging import (
     DualAveragingState,
     dual_averaging_init,
     dual_averaging_update,
 )
-from ._optimizer import check_representable as check_scalars_fit
-from .hmc_dynamics import (
+from .dynamics import (
     StepSize,
     gradient_map,
     kinetic_energy,
@@ -1200,7 +1200,7 @@ class HMC(Optimizer):
         self, loss_fn: Callable[[Any], Tensor], device: torch.device
     ) -> Callable[..., Any]:
         """The functional transition, compiled (per loss function) when ``compile=True``."""
-        from . import _hmc_functional
+        from . import _functional as _hmc_functional
 
         if not self.param_groups[0].get("compile", False):
             return _hmc_functional.transition
@@ -1227,7 +1227,7 @@ class HMC(Optimizer):
         ``backward()`` leaves the others without a gradient); ``loss_fn`` still receives
         every parameter, the frozen ones as constants.
         """
-        from ._hmc_functional import value_and_gradients
+        from ._functional import value_and_gradients
 
         chain = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not chain:

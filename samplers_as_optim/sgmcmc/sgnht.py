@@ -106,10 +106,10 @@ import torch
 from torch import Tensor
 from torchopt.base import GradientTransformation
 
-from .._validation import check_choice, check_finite, check_momentum
+from ..core.validation import check_choice, check_finite, check_momentum
 from . import _docs, transformation
 from ._common import buckets, effective_grad, effective_grads
-from ._optimizer import SamplerOptimizer
+from .optimizer import SamplerOptimizer
 from .sghmc import rescale_momentum, sghmc_noise_scale
 from .transformation import (
     KernelInput,
@@ -401,7 +401,7 @@ SGNHT.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat, a drop-in for
     :math:`\sqrt{{lr_{{\text{{old}}}}/lr}}`, keeping the physical momentum, and leaves
     :math:`\alpha`, whose equilibrium does not depend on ``lr``, as it is: the schedule
     neither heats nor cools the chain (module docstring of
-    :mod:`samplers_as_optim.samplers.sgnht`). ``temperature`` must be > 0: at 0 the
+    :mod:`samplers_as_optim.sgmcmc.sgnht`). ``temperature`` must be > 0: at 0 the
     thermostat diverges.
 
     Args:
@@ -458,7 +458,7 @@ class SGNHTState(NamedTuple):
         momentum_lr: per leaf, the learning rate (a float) at which its buffer was last
             written, None before its first update: a later update at another ``lr``
             first rescales the buffer (the thermostat needs no rescaling; see
-            :mod:`samplers_as_optim.samplers.sgnht`).
+            :mod:`samplers_as_optim.sgmcmc.sgnht`).
         seed: the seed of the chain's noise.
         count: the number of updates taken, the step of the next noise draw and of the
             schedules.

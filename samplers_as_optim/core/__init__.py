@@ -1,0 +1,1 @@
+"""The chain core: validation, keyed noise streams, process groups, shards."""

@@ -1,0 +1,1 @@
+"""Gaussian approximations (Laplace, KFAC, EKF, SWAG, VI) and their curvature."""

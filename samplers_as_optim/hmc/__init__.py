@@ -1,0 +1,1 @@
+"""Full-batch Hamiltonian Monte Carlo: integrator, Metropolis test, adaptation, Optimizer."""

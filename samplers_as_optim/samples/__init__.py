@@ -1,0 +1,1 @@
+"""Samples and what uses them: stacked models, parallel chains, the sample store."""
