@@ -68,8 +68,9 @@ from __future__ import annotations
 import torch
 
 from .sgmcmc.baoa import BAOAState, baoa
+from .sgmcmc.langevin_noise import LangevinNoiseState, langevin_noise
 from .sgmcmc.psgld import PSGLDState, psgld
-from .sgmcmc.sghmc import LangevinNoiseState, SGHMCState, langevin_noise, sghmc
+from .sgmcmc.sghmc import SGHMCState, sghmc
 from .sgmcmc.sgld import SGLDState, sgld
 from .sgmcmc.sgnht import SGNHTState, sgnht
 from .sgmcmc.transformation import ScalarOrSchedule, chain_dims
@@ -91,7 +92,21 @@ __all__ = [
     "sgnht",
 ]
 
-# The states hold tensors, tuples and integers only: safe for torch.load(weights_only=True).
+_STATES = (SGLDState, SGHMCState, SGNHTState, LangevinNoiseState, PSGLDState, BAOAState)
+#: where version 0.1 defined the state classes: a state it saved names them so
+_SAVED_BY_0_1 = {
+    SGLDState: "samplers_as_optim.samplers.sgld",
+    SGHMCState: "samplers_as_optim.samplers.sghmc",
+    SGNHTState: "samplers_as_optim.samplers.sgnht",
+    LangevinNoiseState: "samplers_as_optim.samplers.sghmc",
+    PSGLDState: "samplers_as_optim.samplers.psgld",
+    BAOAState: "samplers_as_optim.samplers.baoa",
+}
+# The states hold tensors, tuples and integers only: safe for torch.load(weights_only=True),
+# under this module's names and under the paths older versions saved them with.
 torch.serialization.add_safe_globals(
-    [SGLDState, SGHMCState, SGNHTState, LangevinNoiseState, PSGLDState, BAOAState]
+    [
+        *_STATES,
+        *((state, f"{module}.{state.__name__}") for state, module in _SAVED_BY_0_1.items()),
+    ]
 )

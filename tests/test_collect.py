@@ -29,7 +29,8 @@ from torch import nn
 from torch.testing import assert_close
 
 from samplers_as_optim import SGLD
-from samplers_as_optim.samples.collect import RunningMoments, SampleCollector, _Store
+from samplers_as_optim.samples._store import _Store
+from samplers_as_optim.samples.collect import RunningMoments, SampleCollector
 from samplers_as_optim.samples.ensemble import ParallelEnsemble
 from samplers_as_optim.samples.stacked import call_stacked
 

@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 
 import samplers_as_optim.hmc.dynamics as hmc_dynamics
-import samplers_as_optim.hmc.sampler as hmc_module
 from samplers_as_optim import HMC, ParallelEnsemble
-from samplers_as_optim.hmc.sampler import kinetic_energy, leapfrog_
+from samplers_as_optim.core.streams import NoiseStream
+from samplers_as_optim.hmc.dynamics import kinetic_energy, leapfrog_
 
 Z_MAX = 4.5
 DIM = 10
@@ -539,9 +539,7 @@ def test_seed_none_draws_once_from_global_rng() -> None:
 def test_lr_units_one_leapfrog_step_is_half_an_sgd_step(monkeypatch) -> None:
     """From r = 0, one leapfrog step moves theta by -(lr / 2) grad, whatever N."""
     params, make_closure = _linear_problem()
-    monkeypatch.setattr(
-        hmc_module.NoiseStream, "draw", lambda self, like, **kw: torch.zeros_like(like)
-    )
+    monkeypatch.setattr(NoiseStream, "draw", lambda self, like, **kw: torch.zeros_like(like))
     monkeypatch.setattr(hmc_dynamics, "metropolis_log_accept", lambda e, t: torch.zeros_like(e))
     opt = HMC(params, lr=0.3, num_steps=1, num_data=40, seed=0)
     closure = make_closure(opt)

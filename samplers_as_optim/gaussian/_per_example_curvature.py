@@ -153,15 +153,52 @@ def capture_layer_io(
             handle.remove()
 
 
-def _usable(module: nn.Module, calls: list[tuple[Any, int, Tensor]], batch: int) -> bool:
+def recorded_input(calls: list[tuple[Any, int, Tensor]], batch: int) -> Tensor | None:
+    """The input of a layer's recorded calls, if the fast paths can use them (else None).
+
+    Usable: one call (see :func:`capture_layer_io`), on a tensor with the batch first
+    that no operation has changed in place since, and an output in the autograd graph.
+    """
     if len(calls) != 1:
-        return False
+        return None
     inp, version, out = calls[0]
     if not isinstance(inp, Tensor) or not isinstance(out, Tensor):
-        return False
+        return None
     if inp._version != version or out.grad_fn is None or inp.shape[:1] != (batch,):
-        return False
-    return inp.dim() == (2 if isinstance(module, nn.Linear) else 4)
+        return None
+    return inp
+
+
+def layer_output_grads(output: Tensor, factor: Tensor, layer_outputs: list[Tensor]) -> list[Tensor]:
+    """The gradients of the K factor columns with respect to each layer output.
+
+    One batched backward from ``output`` with ``factor`` (B, O, K) as its K cotangents;
+    each result is (K, *layer_output.shape), zeros for a layer ``output`` does not use.
+    """
+    if not layer_outputs:
+        return []
+    columns = factor.shape[-1]
+    grad_outputs = factor.permute(2, 0, 1).reshape(columns, *output.shape)
+    grads = torch.autograd.grad(
+        output,
+        layer_outputs,
+        grad_outputs if columns > 1 else grad_outputs[0],
+        is_grads_batched=columns > 1,
+        allow_unused=True,
+    )
+    result = []
+    for layer_out, grad in zip(layer_outputs, grads, strict=True):
+        if grad is None:
+            grad = layer_out.new_zeros(columns, *layer_out.shape)
+        elif columns == 1:
+            grad = grad.unsqueeze(0)
+        result.append(grad)
+    return result
+
+
+def _usable(module: nn.Module, calls: list[tuple[Any, int, Tensor]], batch: int) -> bool:
+    inp = recorded_input(calls, batch)
+    return inp is not None and inp.dim() == (2 if isinstance(module, nn.Linear) else 4)
 
 
 def _linear_diag(
@@ -175,6 +212,18 @@ def _linear_diag(
         out[entries["bias"]] = summed.sum(0)
 
 
+def unfold_input(module: nn.Conv2d, inp: Tensor) -> Tensor:
+    """The patches a convolution's kernel sees, (B, C_in*kh*kw, L), detached (``F.unfold``)."""
+    return F.unfold(
+        inp.detach(),
+        module.kernel_size,
+        dilation=module.dilation,
+        # fast_layers excludes string padding, so this is the int tuple.
+        padding=cast(tuple[int, ...], module.padding),
+        stride=module.stride,
+    )
+
+
 def _conv_diag(
     module: nn.Conv2d, inp: Tensor, grads: Tensor, entries: dict[str, str], out: dict[str, Tensor]
 ) -> None:
@@ -185,14 +234,7 @@ def _conv_diag(
         out[entries["bias"]] = grads.sum(-1).square().sum((0, 1))
     if "weight" not in entries:
         return
-    unfolded = F.unfold(
-        inp.detach(),
-        module.kernel_size,
-        dilation=module.dilation,
-        # fast_layers excludes string padding, so this is the int tuple.
-        padding=cast(tuple[int, ...], module.padding),
-        stride=module.stride,
-    )
+    unfolded = unfold_input(module, inp)
     weight = module.weight
     total = torch.zeros(channels, unfolded.shape[1], dtype=weight.dtype, device=weight.device)
     step = _rows_per_chunk(k * weight.numel() * weight.element_size())
@@ -358,18 +400,8 @@ def diag_curvature(
     }
     if usable:
         outputs = [records[module][0][2] for module in usable]
-        columns = factor.shape[-1]
-        grad_outputs = factor.permute(2, 0, 1).reshape(columns, *output.shape)
-        grads = torch.autograd.grad(
-            output,
-            outputs,
-            grad_outputs if columns > 1 else grad_outputs[0],
-            is_grads_batched=columns > 1,
-            allow_unused=True,
-        )
-        for (module, entries), layer_out, grad in zip(usable.items(), outputs, grads, strict=True):
-            grad = torch.zeros_like(layer_out) if grad is None else grad
-            grad = grad if columns > 1 else grad.unsqueeze(0)
+        grads = layer_output_grads(output, factor, outputs)
+        for (module, entries), grad in zip(usable.items(), grads, strict=True):
             inp = records[module][0][0]
             if isinstance(module, nn.Linear):
                 _linear_diag(inp, grad, entries, out)
@@ -420,20 +452,8 @@ def _linear_dense_sum(
         return None
     factor = batch_factor(likelihood, kind, output.detach(), target)
     inp, _, layer_out = records[module][0]
-    columns = factor.shape[-1]
-    grad_outputs = factor.permute(2, 0, 1).reshape(columns, *output.shape)
-    (grads,) = torch.autograd.grad(
-        output,
-        [layer_out],
-        grad_outputs if columns > 1 else grad_outputs[0],
-        is_grads_batched=columns > 1,
-        allow_unused=True,
-    )
+    (grads,) = layer_output_grads(output, factor, [layer_out])
     del records, output
-    if grads is None:
-        grads = layer_out.new_zeros(columns, *layer_out.shape)
-    elif columns == 1:
-        grads = grads.unsqueeze(0)
     grads = grads.detach()
     out_features = grads.shape[-1]
     # M_i and a~_i a~_i^T are symmetric: only their upper triangles enter the product.

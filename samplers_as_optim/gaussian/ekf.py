@@ -59,7 +59,7 @@ from torch.func import functional_call
 from ..core.validation import check_choice
 from ._memory import check_dense_fits
 from ._per_example_curvature import dense_curvature, diag_curvature
-from .laplace import Precision, _Gaussian, _split_batch, select_subset
+from ._weight_gaussian import Precision, _evaluating, _Gaussian, _split_batch, select_subset
 from .likelihoods import make_likelihood
 
 __all__ = ["ExtendedKalmanFilter"]
@@ -247,9 +247,7 @@ class ExtendedKalmanFilter(_Gaussian):
         saved = self.treated.current(self.model)
         try:
             self._write_mean()
-            training = self.model.training
-            self.model.eval()
-            try:
+            with _evaluating(self.model):
                 params = {name: mean[name].detach().requires_grad_(True) for name in mean}
                 with torch.enable_grad():
                     output = functional_call(self.model, params, (inputs,))
@@ -265,8 +263,6 @@ class ExtendedKalmanFilter(_Gaussian):
                         self.model, self.treated, inputs, targets, self.likelihood, self.curvature
                     )
                     curv = self.treated.flatten(part)
-            finally:
-                self.model.train(training)
             flat_mean = self.treated.flatten(mean)
             cholesky: Tensor | None = None
             if self.structure == "dense":

@@ -59,10 +59,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._per_example_curvature import (
@@ -72,6 +70,9 @@ from ._per_example_curvature import (
     checked_forward,
     diag_curvature,
     fast_layers,
+    layer_output_grads,
+    recorded_input,
+    unfold_input,
 )
 from .flat import Treated
 from .likelihoods import Likelihood
@@ -93,13 +94,7 @@ class KronSums:
 def _input_rows(module: nn.Module, inp: Tensor) -> Tensor:
     """The layer's inputs as rows (n*T, in): unfolded patches for a convolution."""
     if isinstance(module, nn.Conv2d):
-        unfolded = F.unfold(
-            inp.detach(),
-            module.kernel_size,
-            dilation=module.dilation,
-            padding=cast(tuple[int, ...], module.padding),
-            stride=module.stride,
-        )  # (B, C*kh*kw, L)
+        unfolded = unfold_input(module, inp)  # (B, C*kh*kw, L)
         return unfolded.transpose(1, 2).reshape(-1, unfolded.shape[1])
     return inp.detach().reshape(-1, inp.shape[-1])
 
@@ -130,12 +125,8 @@ def _output_grads(module: nn.Module, grad: Tensor) -> Tensor:
 
 
 def _kron_usable(module: nn.Module, calls: list[tuple[object, int, Tensor]], batch: int) -> bool:
-    if len(calls) != 1:
-        return False
-    inp, version, out = calls[0]
-    if not isinstance(inp, Tensor) or not isinstance(out, Tensor):
-        return False
-    if inp._version != version or out.grad_fn is None or inp.shape[:1] != (batch,):
+    inp = recorded_input(calls, batch)
+    if inp is None:
         return False
     return inp.dim() == 4 if isinstance(module, nn.Conv2d) else inp.dim() >= 2
 
@@ -181,26 +172,10 @@ def kron_curvature(
                 "exactly once, on an input with the batch first, unchanged in place)"
             )
     outputs = [records[module][0][2] for module in layers]
-    columns = factor.shape[-1]
-    grad_outputs = factor.permute(2, 0, 1).reshape(columns, *output.shape)
     # No layer (a subset of, say, normalisation weights only): nothing to differentiate.
-    grads = (
-        torch.autograd.grad(
-            output,
-            outputs,
-            grad_outputs if columns > 1 else grad_outputs[0],
-            is_grads_batched=columns > 1,
-            allow_unused=True,
-        )
-        if outputs
-        else ()
-    )
+    grads = layer_output_grads(output, factor, outputs)
     sums = []
-    for (module, entries), layer_out, grad in zip(layers.items(), outputs, grads, strict=True):
-        if grad is None:
-            grad = layer_out.new_zeros(columns, *layer_out.shape)
-        elif columns == 1:
-            grad = grad.unsqueeze(0)
+    for (module, entries), grad in zip(layers.items(), grads, strict=True):
         rows_g = _output_grads(module, grad.detach())
         rows_a = _input_rows(module, records[module][0][0])
         sums.append(

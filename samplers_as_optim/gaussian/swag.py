@@ -46,14 +46,13 @@ from ..core.validation import (
     check_nonnegative_integer,
     check_positive_int,
     check_state_fields,
-    check_temperature,
 )
-from .laplace import predict_samples, select_subset
+from ._weight_gaussian import _WeightGaussian, select_subset
 
 __all__ = ["SWAG"]
 
 
-class SWAG:
+class SWAG(_WeightGaussian):
     r"""Diagonal plus low-rank Gaussian from a stream of weights (SWAG, Maddox et al. 2019).
 
     .. math::
@@ -115,15 +114,6 @@ class SWAG:
         )
         self._stored = 0
         self._next = 0
-
-    @property
-    def temperature(self) -> float:
-        """T, which multiplies the covariance; settable (validated)."""
-        return self._temperature
-
-    @temperature.setter
-    def temperature(self, value: float) -> None:
-        self._temperature = check_temperature(value)
 
     def record(self, params: Mapping[str, Tensor] | None = None) -> None:
         r"""Add the model's current treated parameters (or ``params``) to the statistics.
@@ -219,40 +209,8 @@ class SWAG:
         low = z2 @ self._deviations[: self._stored] / math.sqrt(2.0 * max(self._stored - 1, 1))
         return self.treated.unflatten(mean + scale * (std * z1 / math.sqrt(2.0) + low))
 
-    def predict(
-        self,
-        x: Tensor,
-        num_samples: int = 100,
-        *,
-        linear: bool = False,
-        generator: torch.Generator | None = None,
-        chunk_size: int | None = None,
-    ) -> Tensor:
-        r"""Model outputs under ``num_samples`` SWAG draws, stacked along dim 0.
-
-        ``linear=False``: :math:`f(x;\theta_s)`; ``linear=True``: the linearisation at the
-        SWA mean, :math:`f(x;\bar\theta) + J_{\bar\theta}(x)(\theta_s - \bar\theta)`. As
-        :meth:`Laplace.predict <samplers_as_optim.Laplace.predict>`; the model runs in its
-        current mode with the non-treated parameters (and buffers) at its current values
-        (update BatchNorm statistics at the SWA mean first, as the paper does).
-
-        Args:
-            x: a batch of inputs on the parameters' device.
-            num_samples: S, the number of draws (default 100; an integer >= 1).
-            linear: linearise around the SWA mean (default False).
-            generator: ``torch.Generator`` for the draws (default None, global RNG).
-            chunk_size: evaluate at most this many draws at once (default None, all).
-
-        Returns:
-            Outputs of shape ``(S, *model(x).shape)``.
-        """
-        if not isinstance(linear, bool):
-            raise TypeError(f"Invalid linear: {linear!r} (expected True or False)")
-        num_samples = check_positive_int("num_samples", num_samples)
-        samples = self.sample(num_samples, generator=generator)
-        return predict_samples(
-            self.model, self.mean, samples, x, linear=linear, chunk_size=chunk_size
-        )
+    def _linearisation_point(self) -> dict[str, Tensor]:
+        return self.mean
 
     def state_dict(self) -> dict[str, Any]:
         """The running statistics, for checkpoints (tensors are cloned)."""

@@ -31,12 +31,19 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ..names import parameter_name
 from . import dynamics
+from .start import Start
+from .transition_draws import TransitionDraws
 
 __all__ = [
     "Transition",
     "compiled_transition",
+    "evaluate_start",
+    "frozen_parameters",
     "pack_parameters",
+    "parameter_names",
+    "run_transition",
     "transition",
     "value_and_gradients",
 ]
@@ -75,6 +82,55 @@ def pack_parameters(names: Sequence[str] | None, tensors: Sequence[Tensor]) -> A
     if names is None:
         return tuple(tensors)
     return dict(zip(names, tensors, strict=True))
+
+
+def parameter_names(param_groups: Sequence[dict[str, Any]]) -> tuple[str, ...] | None:
+    """The parameters' names for ``loss_fn`` (all of them known), else None."""
+    names: list[str] = []
+    for group in param_groups:
+        given = group.get("param_names")
+        for position, p in enumerate(group["params"]):
+            name = given[position] if given else parameter_name(p)
+            if name is None:
+                return None
+            names.append(name)
+    return tuple(names)
+
+
+def frozen_parameters(param_groups: Sequence[dict[str, Any]]) -> list[Tensor | None] | None:
+    """For ``loss_fn``: each parameter, None if it is sampled, itself if it is frozen.
+
+    None when every parameter is sampled (requires grad).
+    """
+    params = [p for g in param_groups for p in g["params"]]
+    if all(p.requires_grad for p in params):
+        return None
+    return [None if p.requires_grad else p.detach() for p in params]
+
+
+def evaluate_start(
+    loss_fn: Callable[[Any], Any], param_groups: Sequence[dict[str, Any]]
+) -> tuple[list[Tensor], Tensor, list[Tensor], int | None]:
+    """The start of a functional chain: its parameters, the loss, its gradients, K.
+
+    The chain is the parameters that require grad, as with a closure (whose
+    ``backward()`` leaves the others without a gradient); ``loss_fn`` still receives
+    every parameter, the frozen ones as constants.
+    """
+    chain = [p for g in param_groups for p in g["params"] if p.requires_grad]
+    if not chain:
+        raise ValueError(
+            "HMC.step: no parameter requires grad (expected at least one parameter "
+            "with requires_grad=True to sample)"
+        )
+    # copies: a loss_fn writing into what it receives is refused with nothing changed
+    positions = [p.detach().clone() for p in chain]
+    frozen = frozen_parameters(param_groups)
+    fixed = None if frozen is None else [None if c is None else c.clone() for c in frozen]
+    names = parameter_names(param_groups)
+    loss, grads = value_and_gradients(loss_fn, names, positions, None, fixed=fixed, check=False)
+    members = dynamics.members_of(loss, chain, "loss_fn") if loss.dim() == 1 else None
+    return chain, loss, grads, members
 
 
 def value_and_gradients(
@@ -294,3 +350,42 @@ def compiled_transition(
         compiled = torch.compile(copy, dynamic=False, options=options)
         per_device[device.type] = compiled
     return compiled
+
+
+def run_transition(
+    loss_fn: Callable[[Any], Any],
+    param_groups: Sequence[dict[str, Any]],
+    start: Start,
+    draws: TransitionDraws,
+) -> Transition:
+    """``HMC.step(loss_fn=...)``'s transition from ``start``, with ``draws``' numbers.
+
+    :func:`transition` (through :func:`compiled_transition` when param group 0 says
+    ``compile``) on the optimizer's parameters: the chain's values, every parameter's
+    name when all are known, the frozen ones as constants; N, T and the number of
+    leapfrog steps are param group 0's. Nothing is modified.
+    """
+    first, chain = param_groups[0], start.chain
+    compiled = first.get("compile", False)
+    step = compiled_transition(loss_fn, chain[0].device) if compiled else transition
+    return step(
+        loss_fn,
+        parameter_names(param_groups),
+        [p.detach() for p in chain],
+        start.gradients,
+        start.loss,
+        draws.momenta,
+        draws.uniform,
+        draws.multiplier,
+        [draws.root_lr[id(p)] for p in chain],
+        draws.inverse_mass,
+        [draws.decay[id(p)] for p in chain],
+        draws.step_size,
+        draws.num_accepted,
+        draws.divergences,
+        frozen_parameters(param_groups),
+        num_data=int(first["num_data"]),
+        temperature=float(first["temperature"]),
+        num_steps=int(first["num_steps"]),
+        members=start.members,
+    )

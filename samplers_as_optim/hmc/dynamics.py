@@ -1,12 +1,13 @@
 r"""HMC's dynamics: the leapfrog integrator, the energies and the Metropolis test.
 
 Pure functions over lists of tensors, shared by the two ways ``HMC`` runs a transition:
-``step(closure)`` (in place, gradients from ``backward()``) and ``step(loss_fn=...)``
-(``_hmc_functional``: a function of tensors, gradients from ``torch.func``, compiled on
-request). The units are the samplers' (``docs/design.md``): potential ``U = N L``,
-leapfrog step ``sqrt(lr / N)`` per parameter, momentum ``r ~ N(0, T M)``; the derivation
-is in ``hmc``'s module docstring. Each function also takes K chains stacked along a
-leading dimension (a ``ParallelEnsemble``), summing energies per member.
+``step(closure)`` (``closure_transition``: in place, gradients from ``backward()``) and
+``step(loss_fn=...)`` (``_functional``: a function of tensors, gradients from
+``torch.func``, compiled on request). The units are the samplers' (``docs/design.md``):
+potential ``U = N L``, leapfrog step ``sqrt(lr / N)`` per parameter, momentum
+``r ~ N(0, T M)``; the derivation is in ``hmc.sampler``'s module docstring. Each function
+also takes K chains stacked along a leading dimension (a ``ParallelEnsemble``), summing
+energies per member.
 """
 
 from __future__ import annotations
@@ -220,6 +221,22 @@ def metropolis_log_accept(energy_change: Tensor, temperature: float) -> Tensor:
     r"""Log acceptance probability :math:`\min(0, -\Delta H / T)`; NaN counts as -inf."""
     log_accept = torch.clamp(-energy_change / temperature, max=0.0)
     return torch.nan_to_num(log_accept, nan=-math.inf)
+
+
+def members_of(loss: Tensor, chain: Sequence[Tensor], source: str) -> int:
+    """K, for a loss of one value per member: every parameter must be stacked K first.
+
+    ``source`` names where the loss came from in the message (``"the closure"``).
+    """
+    members = int(loss.shape[0])
+    for p in chain:
+        if p.dim() == 0 or p.shape[0] != members:
+            raise ValueError(
+                f"Invalid loss returned by {source}: shape {tuple(loss.shape)} (one loss per "
+                f"member) but a parameter has shape {tuple(p.shape)} (expected every "
+                f"parameter stacked with the {members} members first)"
+            )
+    return members
 
 
 def member_view(value: Tensor, like: Tensor, members: int | None) -> Tensor:

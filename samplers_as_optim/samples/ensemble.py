@@ -68,20 +68,13 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import itertools
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import vmap
-from torch.utils._pytree import tree_flatten, tree_map
 
-from ..core.streams import derive_seed
 from ..core.validation import (
     check_bool,
     check_choice,
@@ -90,6 +83,18 @@ from ..core.validation import (
     check_seed,
 )
 from ..names import set_parameter_layout
+from ._ensemble_loss import _leading_size, backward_in_chunks, check_member_targets, ensemble_loss
+from ._ensemble_members import (
+    _check_subset,
+    _drawn_members,
+    _global_rng_kept_on_error,
+    _select,
+    _share,
+    _stack_members,
+    _template,
+    _tensors,
+    _unstack_member,
+)
 from .stacked import (
     RANDOMNESS,
     bind_all_tensors,
@@ -106,364 +111,6 @@ BACKENDS = ("auto", "vmap", "loop")
 Subset = str | Sequence[str] | Callable[[str, Tensor], bool]
 
 __all__ = ["ParallelEnsemble", "ensemble_loss"]
-
-
-def ensemble_loss(
-    loss_fn: Callable[[Any, Any], Tensor],
-    outputs: Any,
-    targets: Any,
-    *,
-    per_member_targets: bool = False,
-) -> Tensor:
-    r"""The sum over members of each member's mean loss: :math:`\sum_k L(o_k, y_k)`.
-
-    ``loss_fn`` is applied to each member's outputs separately (with ``torch.func.vmap``,
-    so any loss written for one model works), then the K scalars are summed. Member k's
-    gradient is then the gradient a single model would get, bit for bit (see the module
-    docstring). For torch's unweighted cross-entropy or NLL with shared class-index
-    targets the K B examples go through ``loss_fn`` at once instead (faster, the same
-    gradients bit for bit; the value may differ in the last bit).
-
-    Args:
-        loss_fn: ``loss_fn(outputs_k, targets_k)`` returns member k's loss as a scalar,
-            usually a mean over the batch (``F.cross_entropy``, ``nn.MSELoss()``, ...).
-        outputs: the ensemble's outputs, a tensor (or pytree of tensors) with leading
-            dimension K.
-        targets: shared by all members (default), e.g. ``[B]`` class labels; or, with
-            ``per_member_targets=True``, one set per member with leading dimension K.
-        per_member_targets: whether ``targets`` carries a leading member dimension
-            (default: False).
-
-    Returns:
-        A scalar tensor: the sum of the K members' losses.
-
-    Raises:
-        ValueError: ``outputs`` (or per-member ``targets``) lack a common leading
-            dimension, or ``loss_fn`` does not return a scalar per member.
-
-    Example:
-        >>> import torch
-        >>> import torch.nn.functional as F
-        >>> outputs = torch.zeros(3, 4, 2)  # K = 3 members, B = 4, two classes
-        >>> ensemble_loss(F.cross_entropy, outputs, torch.tensor([0, 1, 1, 0]))
-        tensor(2.0794)
-    """
-    check_bool("per_member_targets", per_member_targets)
-    size = _leading_size("outputs", outputs)
-    if per_member_targets:
-        target_size = _leading_size("targets", targets)
-        if target_size != size:
-            raise ValueError(
-                f"Invalid targets: leading dimension {target_size} (expected {size}, one set "
-                "of targets per member, with per_member_targets=True)"
-            )
-
-    def member_loss(member_outputs: Any, member_targets: Any) -> Tensor:
-        value = loss_fn(member_outputs, member_targets)
-        if not isinstance(value, Tensor) or value.dim() != 0:
-            shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-            raise ValueError(
-                f"Invalid loss_fn: it returned {shape} per member (expected a scalar tensor, "
-                "the member's mean loss: use reduction='mean')"
-            )
-        return value
-
-    if not per_member_targets and _is_plain_class_nll(loss_fn, outputs, targets):
-        # Fast path, same gradients bit for bit: with shared class-index targets, torch's
-        # mean over all K*B examples is divided by K*B, and K * (g / (K*B)) rounds exactly
-        # as g / B does, so each member's gradient is the one a single model gets.
-        size = outputs.shape[0]
-        flat_targets = targets.expand(size, *targets.shape).reshape(-1, *targets.shape[1:])
-        return cast(Tensor, loss_fn(outputs.flatten(0, 1), flat_targets) * size)
-    in_dims = (0, 0 if per_member_targets else None)
-    return vmap(member_loss, in_dims=in_dims)(outputs, targets).sum()
-
-
-def _is_plain_class_nll(loss_fn: Any, outputs: Any, targets: Any) -> bool:
-    """Whether ``loss_fn`` is torch's unweighted mean cross-entropy or NLL on class indices."""
-    if loss_fn is F.cross_entropy or loss_fn is F.nll_loss:
-        pass
-    elif type(loss_fn) in (nn.CrossEntropyLoss, nn.NLLLoss):
-        if loss_fn.weight is not None or loss_fn.reduction != "mean":
-            return False
-        if getattr(loss_fn, "label_smoothing", 0.0) != 0.0:
-            return False
-    else:
-        return False
-    return (
-        isinstance(outputs, Tensor)
-        and isinstance(targets, Tensor)
-        and outputs.dim() >= 3
-        and not targets.is_floating_point()
-        and targets.dim() == outputs.dim() - 2
-    )
-
-
-def _leading_size(name: str, value: Any) -> int:
-    leaves = [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, Tensor)]
-    sizes = {tuple(leaf.shape[:1]) for leaf in leaves}
-    if not leaves or len(sizes) != 1 or () in sizes:
-        shapes = [tuple(leaf.shape) for leaf in leaves]
-        raise ValueError(
-            f"Invalid {name}: shapes {shapes} (expected tensors with a common leading "
-            "member dimension)"
-        )
-    return sizes.pop()[0]
-
-
-def _reset(module: nn.Module) -> None:
-    """Draw fresh values for every parameter and buffer, as the module's constructor does.
-
-    Calls ``reset_parameters()`` (or ``nn.MultiheadAttention``'s ``_reset_parameters()``)
-    on every submodule that has one, parents first.
-
-    Raises:
-        ValueError: a submodule owns parameters but neither it nor an ancestor can reset
-            them (so every member would start equal).
-    """
-    resettable: set[str] = set()
-    for prefix, submodule in module.named_modules():
-        reset = getattr(submodule, "reset_parameters", None)
-        if not callable(reset):
-            reset = getattr(submodule, "_reset_parameters", None)
-        if callable(reset):
-            resettable.add(prefix)
-            reset()
-            continue
-        own = [key for key, value in submodule._parameters.items() if value is not None]
-        parts = prefix.split(".") if prefix else []
-        ancestors = {".".join(parts[:depth]) for depth in range(len(parts))}
-        if own and not ancestors & resettable:
-            where = f"submodule {prefix!r}" if prefix else "the module itself"
-            raise ValueError(
-                f"Invalid module_or_factory: {where} ({type(submodule).__name__}) owns "
-                f"parameters {own} but has no reset_parameters() to draw them again for each "
-                "member (expected a factory, e.g. lambda: MyNet(), or "
-                "ParallelEnsemble.from_modules)"
-            )
-
-
-def _tensors(module: nn.Module) -> dict[str, Tensor]:
-    """A module's parameters, then its buffers, by name (tied tensors once)."""
-    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
-
-
-def _layout(module: nn.Module) -> dict[str, tuple[Any, ...]]:
-    return {
-        name: (
-            "parameter" if isinstance(tensor, nn.Parameter) else "buffer",
-            tuple(tensor.shape),
-            tensor.dtype,
-            tensor.device,
-            tensor.requires_grad,
-        )
-        for name, tensor in _tensors(module).items()
-    }
-
-
-def _check_same_layout(
-    argname: str, index: int, module: Any, first: nn.Module, expected: dict[str, tuple[Any, ...]]
-) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(
-            f"Invalid {argname}: member {index} is a {type(module).__name__} (expected an "
-            "nn.Module)"
-        )
-    if type(module) is not type(first):
-        raise ValueError(
-            f"Invalid {argname}: member {index} is a {type(module).__name__} (expected a "
-            f"{type(first).__name__}, like member 0)"
-        )
-    layout = _layout(module)
-    if list(layout) != list(expected):
-        raise ValueError(
-            f"Invalid {argname}: member {index} has parameters and buffers "
-            f"{sorted(layout)} (expected {sorted(expected)}, like member 0)"
-        )
-    fields = ("kind", "shape", "dtype", "device", "requires_grad")
-    for name, description in layout.items():
-        for field, got, want in zip(fields, description, expected[name], strict=True):
-            if got != want:
-                raise ValueError(
-                    f"Invalid {argname}: member {index} has {name!r} with {field} {got} "
-                    f"(expected {want}, like member 0)"
-                )
-
-
-@contextlib.contextmanager
-def _member_rng(seed: int | None, index: int) -> Iterator[None]:
-    """Seed torch's RNG for member ``index`` (and restore it after); nothing when seed is None."""
-    if seed is None:
-        yield
-        return
-    with torch.random.fork_rng():
-        torch.manual_seed(derive_seed(seed, index))
-        yield
-
-
-#: what ``subset`` must be, for the messages
-_SUBSET_EXPECTED = (
-    "expected 'trainable', a sequence of parameter or buffer names, or a predicate "
-    "subset(name, tensor) -> bool"
-)
-
-
-def _check_subset(subset: Any) -> None:
-    """Check what of ``subset`` can be checked without a model: its kind, and not empty.
-
-    Raises:
-        ValueError: ``subset`` is not None, "trainable", names or a predicate, or it is an
-            empty sequence of names.
-    """
-    if subset is None or callable(subset):
-        return
-    if isinstance(subset, str):
-        if subset != "trainable":
-            raise ValueError(f"Invalid subset: {subset!r} ({_SUBSET_EXPECTED})")
-        return
-    if not (isinstance(subset, Sequence) and all(isinstance(name, str) for name in subset)):
-        raise ValueError(f"Invalid subset: {subset!r} ({_SUBSET_EXPECTED})")
-    if not subset:
-        raise ValueError(
-            f"Invalid subset: {subset!r} (expected at least one parameter or buffer name)"
-        )
-
-
-@contextlib.contextmanager
-def _global_rng_kept_on_error() -> Iterator[None]:
-    """Put torch's global RNG back as it was if the body raises.
-
-    A construction with ``seed=None`` draws its members from the global RNG; one refused
-    on what it finds in a member (a layout, a shared tensor, a subset's names) leaves the
-    RNG as if it had not been tried. The CPU generator, and the CUDA generators when CUDA
-    is already initialised.
-    """
-    cpu = torch.random.get_rng_state()
-    initialised = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # unannotated
-    cuda = torch.cuda.get_rng_state_all() if initialised else None
-    try:
-        yield
-    except BaseException:
-        torch.random.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-        raise
-
-
-def _select(module: nn.Module, subset: Any) -> list[str]:
-    """The names ``subset`` picks among ``module``'s parameters and buffers, in their order.
-
-    Raises:
-        ValueError: ``subset`` is not "trainable", names or a predicate; a name is unknown;
-            nothing is selected.
-    """
-    tensors = _tensors(module)
-    expected = _SUBSET_EXPECTED
-    if isinstance(subset, str):
-        if subset != "trainable":
-            raise ValueError(f"Invalid subset: {subset!r} ({expected})")
-        names = [name for name, param in module.named_parameters() if param.requires_grad]
-    elif callable(subset):
-        names = [name for name, tensor in tensors.items() if subset(name, tensor)]
-    elif isinstance(subset, Sequence) and all(isinstance(name, str) for name in subset):
-        unknown = sorted(set(subset) - set(tensors))
-        if unknown:
-            raise ValueError(
-                f"Invalid subset: names {unknown} are not parameters or buffers of "
-                f"{type(module).__name__} (expected names from named_parameters() or "
-                "named_buffers())"
-            )
-        chosen = set(subset)
-        names = [name for name in tensors if name in chosen]
-    else:
-        raise ValueError(f"Invalid subset: {subset!r} ({expected})")
-    if not names:
-        raise ValueError(
-            f"Invalid subset: {subset!r} selects no parameter or buffer of "
-            f"{type(module).__name__} (expected at least one)"
-        )
-    return names
-
-
-def _stack_members(
-    members: Iterator[nn.Module], num_members: int, argname: str, subset: Any = None
-) -> tuple[nn.Module, dict[str, Tensor]]:
-    """Copy each member into preallocated ``[K, ...]`` storage, one member alive at a time.
-
-    With ``subset``, only the selected tensors are stacked; every other tensor is the first
-    member's, and the other members must hold equal values there (they are shared).
-
-    Returns:
-        (the first member, name -> stacked tensor).
-    """
-    first: nn.Module | None = None
-    expected: dict[str, tuple[Any, ...]] = {}
-    storage: dict[str, Tensor] = {}
-    shared: dict[str, Tensor] = {}
-    with torch.no_grad():
-        for index in range(num_members):
-            member = next(members)
-            if first is None:
-                if not isinstance(member, nn.Module):
-                    raise TypeError(
-                        f"Invalid {argname}: it produced a {type(member).__name__} (expected "
-                        "an nn.Module)"
-                    )
-                if any(
-                    # exists at runtime; torch's parameter.pyi stub does not declare it
-                    isinstance(t, nn.parameter.UninitializedTensorMixin)  # type: ignore[attr-defined]
-                    for t in _tensors(member).values()
-                ):
-                    raise ValueError(
-                        f"Invalid {argname}: {type(member).__name__} has uninitialized (lazy) "
-                        "parameters (expected a module whose shapes are known: run one "
-                        "forward pass first)"
-                    )
-                first = member
-                expected = _layout(member)
-                tensors = _tensors(member)
-                names = list(tensors) if subset is None else _select(member, subset)
-                storage = {
-                    name: torch.empty(
-                        (num_members, *tensors[name].shape),
-                        dtype=tensors[name].dtype,
-                        device=tensors[name].device,
-                    )
-                    for name in names
-                }
-                shared = {name: t for name, t in tensors.items() if name not in storage}
-            elif member is not first:
-                _check_same_layout(argname, index, member, first, expected)
-                tensors = _tensors(member)
-                for name, tensor in shared.items():
-                    if not torch.equal(tensors[name], tensor):
-                        raise ValueError(
-                            f"Invalid {argname}: member {index} has {name!r}, outside the "
-                            "subset, different from member 0's (expected the same shared "
-                            "values in every member, e.g. a factory that deep-copies one "
-                            "base model and adds its own adapters)"
-                        )
-            tensors = _tensors(member)
-            for name in storage:
-                storage[name][index].copy_(tensors[name])
-    assert first is not None
-    return first, storage
-
-
-def _template(first: nn.Module, storage: Mapping[str, Tensor]) -> nn.Module:
-    """A copy of ``first`` whose parameters and buffers are the stacked tensors.
-
-    Tensors not in ``storage`` (outside a subset) are ``first``'s own, shared, not copied.
-    """
-    memo: dict[int, Any] = {}
-    for name, tensor in _tensors(first).items():
-        if name not in storage:
-            memo[id(tensor)] = tensor
-        elif isinstance(tensor, nn.Parameter):
-            memo[id(tensor)] = nn.Parameter(storage[name], requires_grad=tensor.requires_grad)
-        else:
-            memo[id(tensor)] = storage[name]
-    return copy.deepcopy(first, memo)
 
 
 class ParallelEnsemble(nn.Module):
@@ -582,15 +229,7 @@ class ParallelEnsemble(nn.Module):
         if isinstance(module_or_factory, nn.Module) and subset is not None:
             _select(module_or_factory, subset)  # its names, against the module itself
         start, count = _share(num_members, process_group)
-        first_index = 0 if seed is None else start  # seed None: the global RNG's order
-        members: Iterator[Any]
-        if isinstance(module_or_factory, nn.Module) and subset is not None:
-            members = itertools.repeat(module_or_factory)  # the subset's values, K times
-        elif isinstance(module_or_factory, nn.Module):
-            members = self._reset_copies(module_or_factory, seed, first_index)
-        else:
-            members = self._factory_calls(module_or_factory, seed, first_index)
-        members = itertools.islice(members, start - first_index, None)
+        members = _drawn_members(module_or_factory, seed, subset, start)
         with _global_rng_kept_on_error():
             first, storage = _stack_members(members, count, "module_or_factory", subset)
         self._setup(_template(first, storage), count, chunk_size, randomness, storage, backend)
@@ -600,25 +239,6 @@ class ParallelEnsemble(nn.Module):
             for param in self.stacked(buffers=False).values():
                 per_member = param[0].numel()
                 set_parameter_layout(param, start * per_member, num_members * per_member)
-
-    @staticmethod
-    def _reset_copies(module: nn.Module, seed: int | None, index: int) -> Iterator[nn.Module]:
-        work = copy.deepcopy(module)  # one working copy, re-initialised for each member
-        while True:
-            with _member_rng(seed, index):
-                _reset(work)
-            yield work
-            index += 1
-
-    @staticmethod
-    def _factory_calls(
-        factory: Callable[[], nn.Module], seed: int | None, index: int
-    ) -> Iterator[Any]:
-        while True:
-            with _member_rng(seed, index):
-                member = factory()
-            yield member
-            index += 1
 
     def _setup(
         self,
@@ -735,46 +355,35 @@ class ParallelEnsemble(nn.Module):
         chunk_size: int | None,
     ) -> Any:
         """The members' outputs: one vmapped call, or a loop over members (see ``backend``)."""
-        loop = self.backend == "loop" or (self.backend == "auto" and self._vmap_works is False)
-        if loop:
-            return looped_call(
-                self.module,
-                bound,
-                stacked,
-                args,
-                kwargs,
-                per_sample_inputs=per_member_inputs,
-                randomness=self.randomness,
-            )
-        vmapped: dict[str, Any] = dict(
+        common: dict[str, Any] = dict(
             per_sample_inputs=per_member_inputs, randomness=self.randomness
         )
-        if self.backend == "vmap" or self._vmap_works:
+
+        def loop() -> Any:
+            return looped_call(self.module, bound, stacked, args, kwargs, **common)
+
+        def vmapped() -> Any:
             return vmapped_call(
-                self.module, bound, stacked, args, kwargs, chunk_size=chunk_size, **vmapped
+                self.module, bound, stacked, args, kwargs, chunk_size=chunk_size, **common
             )
+
+        if self.backend == "loop" or (self.backend == "auto" and self._vmap_works is False):
+            return loop()
+        if self.backend == "vmap" or self._vmap_works:
+            return vmapped()
         # The first call under "auto": keep the buffers, in case a failed attempt updated
         # some (BatchNorm statistics) before vmap gave up.
         parameters = {name for name, _ in self.module.named_parameters()}
         with torch.no_grad():
             kept = {n: t.clone() for n, t in stacked.items() if n not in parameters}
         try:
-            outputs = vmapped_call(
-                self.module, bound, stacked, args, kwargs, chunk_size=chunk_size, **vmapped
-            )
+            outputs = vmapped()
         except Exception as error:
             with torch.no_grad():
                 for name, value in kept.items():
                     stacked[name].copy_(value)
-            outputs = looped_call(
-                self.module,
-                bound,
-                stacked,
-                args,
-                kwargs,
-                per_sample_inputs=per_member_inputs,
-                randomness=self.randomness,
-            )  # a model that fails here too has a bug of its own: that error propagates
+            # a model that fails here too has a bug of its own: that error propagates
+            outputs = loop()
             self._vmap_works = False
             reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
             warnings.warn(
@@ -808,16 +417,8 @@ class ParallelEnsemble(nn.Module):
         size = self.num_members
         if isinstance(index, bool) or not isinstance(index, int) or not -size <= index < size:
             raise IndexError(f"Invalid index: {index!r} (expected an integer in [{-size}, {size}))")
-        memo: dict[int, Any] = {}
-        if self.subset is not None:  # the tensors outside the subset are shared
-            memo.update((id(tensor), tensor) for tensor in _tensors(self.module).values())
-        with torch.no_grad():
-            for tensor in self.stacked().values():
-                value = tensor[index].clone()
-                if isinstance(tensor, nn.Parameter):
-                    value = nn.Parameter(value, requires_grad=tensor.requires_grad)
-                memo[id(tensor)] = value
-        return copy.deepcopy(self.module, memo)
+        shared = self.subset is not None  # the tensors outside the subset are shared
+        return _unstack_member(self.module, self.stacked(), index, share_rest=shared)
 
     def members(self) -> list[nn.Module]:
         """All members as ordinary modules (see :meth:`member`)."""
@@ -933,59 +534,36 @@ class ParallelEnsemble(nn.Module):
         size = self.num_members
         if per_member_inputs:
             check_per_sample_inputs(args, size)
-        if per_member_targets and _leading_size("targets", targets) != size:
-            raise ValueError(
-                f"Invalid targets: leading dimension {_leading_size('targets', targets)} "
-                f"(expected {size}, one set of targets per member, with "
-                "per_member_targets=True)"
-            )
+        if per_member_targets:
+            check_member_targets(targets, size)
         if chunk_size is None or chunk_size >= size:
             outputs = self(*args, per_member_inputs=per_member_inputs, **kwargs)
             loss = ensemble_loss(loss_fn, outputs, targets, per_member_targets=per_member_targets)
             loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
             return loss.detach()
         stacked, bound = self._binding()
-        for tensor in stacked.values():
-            if tensor.requires_grad and tensor.grad is None:
-                tensor.grad = torch.zeros_like(tensor)
-        step = chunk_size
-        total = None
-        for start in range(0, size, step):
-            stop = min(start + step, size)
-            entry = {}
-            for name, tensor in stacked.items():
-                # A leaf view of the chunk whose .grad is a view of the stacked .grad:
-                # autograd accumulates into it in place, so no full-size gradient is ever
-                # materialised for a chunk.
-                view = tensor.detach()[start:stop]
-                if tensor.requires_grad:
-                    view.requires_grad_()
-                    view.grad = cast(Tensor, tensor.grad)[start:stop]  # zero-filled above
-                entry[name] = view
 
-            def part(value: Any, flag: bool, start: int = start, stop: int = stop) -> Any:
-                if not flag:
-                    return value
-                return tree_map(lambda v: v[start:stop] if isinstance(v, Tensor) else v, value)
-
-            outputs = self._run(
+        def run(entry: dict[str, Tensor], inputs: tuple[Any, ...]) -> Any:
+            return self._run(
                 bound,
                 entry,
-                tuple(part(arg, per_member_inputs) for arg in args),
+                inputs,
                 kwargs,
                 per_member_inputs=per_member_inputs,
                 chunk_size=None,
             )
-            loss = ensemble_loss(
-                loss_fn,
-                outputs,
-                part(targets, per_member_targets),
-                per_member_targets=per_member_targets,
-            )
-            loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
-            total = loss.detach() if total is None else total + loss.detach()
-        assert total is not None
-        return total
+
+        return backward_in_chunks(
+            run,
+            stacked,
+            loss_fn,
+            args,
+            targets,
+            size=size,
+            chunk_size=chunk_size,
+            per_member_inputs=per_member_inputs,
+            per_member_targets=per_member_targets,
+        )
 
     def all_gather(self, tensor: Tensor, *, dim: int = 0) -> Tensor:
         """Concatenate every rank's ``tensor`` along its member dimension, in member order.
@@ -1026,23 +604,3 @@ class ParallelEnsemble(nn.Module):
         if self.backend != "auto":
             text += f", backend={self.backend!r}"
         return text
-
-
-def _share(num_members: int, process_group: Any) -> tuple[int, int]:
-    """``(first member, count)`` of this rank's share of ``num_members``."""
-    if process_group is None:
-        return 0, num_members
-    distributed = torch.distributed
-    if not (distributed.is_available() and distributed.is_initialized()):
-        raise ValueError(
-            f"Invalid process_group: {process_group!r} (expected a group of an initialised "
-            "torch.distributed process group, or None)"
-        )
-    ranks = distributed.get_world_size(process_group)
-    if num_members % ranks:
-        raise ValueError(
-            f"Invalid num_members: {num_members} (expected a multiple of the process group's "
-            f"{ranks} ranks, which share the members equally)"
-        )
-    count = num_members // ranks
-    return distributed.get_rank(process_group) * count, count

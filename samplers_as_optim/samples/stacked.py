@@ -267,6 +267,27 @@ def check_per_sample_inputs(args: Sequence[Any], size: int) -> None:
                 )
 
 
+def _call_bound(
+    module: nn.Module,
+    bound: Sequence[tuple[_Table, str, str]],
+    tensor: Callable[[str], Tensor],
+    inputs: Sequence[Any],
+    kwargs: dict[str, Any],
+) -> Any:
+    """``module(*inputs, **kwargs)`` with every bound slot holding ``tensor(name)``.
+
+    The slots get their own tensors back afterwards, also when the module raises.
+    """
+    saved = [table[key] for table, key, _ in bound]
+    try:
+        for table, key, name in bound:
+            table[key] = tensor(name)
+        return module(*inputs, **kwargs)
+    finally:
+        for (table, key, _), original in zip(bound, saved, strict=True):
+            table[key] = original
+
+
 def vmapped_call(
     module: nn.Module,
     bound: Sequence[tuple[_Table, str, str]],
@@ -281,14 +302,7 @@ def vmapped_call(
     """The package's one vmapped forward (arguments already checked)."""
 
     def run(entry: dict[str, Tensor], *inputs: Any) -> Any:
-        saved = [table[key] for table, key, _ in bound]
-        try:
-            for table, key, name in bound:
-                table[key] = entry[name]
-            return module(*inputs, **kwargs)
-        finally:
-            for (table, key, _), original in zip(bound, saved, strict=True):
-                table[key] = original
+        return _call_bound(module, bound, entry.__getitem__, inputs, kwargs)
 
     in_dims = (0, *_in_dims(args, per_sample_inputs))
     batched: Callable[..., Any] = vmap(
@@ -337,14 +351,11 @@ def looped_call(
                 tree_map(lambda v, i=index: v[i] if isinstance(v, Tensor) else v, arg)
                 for arg in args
             )
-        saved = [table[key] for table, key, _ in bound]
-        try:
-            for table, key, name in bound:
-                table[key] = stacked[name][index]
-            results.append(module(*inputs, **kwargs))
-        finally:
-            for (table, key, _), original in zip(bound, saved, strict=True):
-                table[key] = original
+
+        def entry(name: str, index: int = index) -> Tensor:
+            return stacked[name][index]  # a view: autograd and in-place updates reach it
+
+        results.append(_call_bound(module, bound, entry, inputs, kwargs))
     leaves, spec = tree_flatten(results[0])
     columns = [tree_flatten(result)[0] for result in results]
     stacked_leaves = [

@@ -1,14 +1,26 @@
-"""The SG-MCMC family: one module per sampler (its pure kernel, Optimizer and transform)."""
+"""The SG-MCMC family: one module per sampler, each one declarative definition.
+
+A sampler module holds its derivation, its pure kernel and its
+:class:`~.definition.SamplerDefinition`, from which its ``torch.optim`` class and its
+torchopt transformation are built (``docs/design.md``, "A sampler is one definition").
+:data:`SAMPLERS` registers it: the generic tests (``tests/test_definitions.py``) check
+every registered sampler's front ends against its definition.
+"""
 
 from .baoa import BAOA, baoa_direction
+from .optimizer import SamplerOptimizer
 from .psgld import PSGLD, psgld_direction
 from .sghmc import SGHMC, sghmc_direction, sghmc_noise_scale
 from .sgld import SGLD, sgld_direction, sgld_noise_scale
 from .sgnht import SGNHT, sgnht_direction, sgnht_initial_state
 
+#: every SG-MCMC sampler (a new sampler adds its class here)
+SAMPLERS: tuple[type[SamplerOptimizer], ...] = (SGLD, SGHMC, SGNHT, PSGLD, BAOA)
+
 __all__ = [
     "BAOA",
     "PSGLD",
+    "SAMPLERS",
     "SGHMC",
     "SGLD",
     "SGNHT",

@@ -12,7 +12,7 @@ and foreach), which is what makes the samplers equal SGD bit for bit at temperat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -60,6 +60,24 @@ def effective_grads(
             grads = list(torch._foreach_add(grads, params, alpha=weight_decay))
             owned = True
     return grads, owned
+
+
+def bucketed_grads(
+    params: list[Tensor], grads: list[Tensor], *, weight_decay: float, maximize: bool
+) -> Iterator[tuple[list[int], list[Tensor], bool]]:
+    """Per (device, dtype) bucket of a foreach kernel: ``(indices, g', owned)``.
+
+    ``g'`` is :func:`effective_grads` of the bucket's gradients and parameters, and
+    ``owned`` says whether it may be modified in place.
+    """
+    for index in buckets(params):
+        bucket, owned = effective_grads(
+            [grads[i] for i in index],
+            [params[i] for i in index],
+            weight_decay=weight_decay,
+            maximize=maximize,
+        )
+        yield index, bucket, owned
 
 
 def buckets(tensors: Sequence[Tensor]) -> list[list[int]]:

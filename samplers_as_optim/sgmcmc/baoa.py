@@ -58,26 +58,20 @@ scale :math:`\sigma`; with :math:`\sigma = 1` and its log posterior the sum over
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, cast
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
-from torchopt.base import GradientTransformation
 
-from ..core.validation import check_bool, check_finite, check_momentum
-from . import _docs, transformation
-from ._common import buckets, effective_grad, effective_grads
+from ..core.validation import check_momentum
+from ._common import bucketed_grads, effective_grad
+from .arguments import DAMPENING, NESTEROV, sampling_meaningless, sgd_signature
+from .definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
 from .optimizer import SamplerOptimizer
-from .sghmc import rescale_momentum
-from .transformation import (
-    KernelInput,
-    KernelOutput,
-    ScalarOrSchedule,
-    pick,
-    sampler_transformation,
-)
+from .transformation import pick, transformation_of
 
-__all__ = ["BAOA", "BAOAState", "baoa", "baoa_direction", "baoa_noise_scale"]
+__all__ = ["BAOA", "DEFINITION", "BAOAState", "baoa", "baoa_direction", "baoa_noise_scale"]
 
 
 def baoa_noise_scale(lr: float, momentum: float, temperature: float, num_data: int) -> float:
@@ -148,13 +142,9 @@ def baoa_direction(
         return directions, buffers
     directions = list(grads)
     buffers = list(momentum_buffers)
-    for index in buckets(params):
-        bucket_grads, _ = effective_grads(
-            [grads[i] for i in index],
-            [params[i] for i in index],
-            weight_decay=weight_decay,
-            maximize=maximize,
-        )
+    for index, bucket_grads, _ in bucketed_grads(
+        params, grads, weight_decay=weight_decay, maximize=maximize
+    ):
         old = [momentum_buffers[i] for i in index]
         velocities = list(torch._foreach_add(old, bucket_grads))
         new = list(torch._foreach_mul(velocities, momentum))
@@ -171,86 +161,79 @@ def baoa_direction(
     return directions, buffers
 
 
-class BAOA(SamplerOptimizer):
-    """BAOA Langevin integrator as a ``torch.optim`` optimizer (see ``BAOA.__doc__``)."""
-
-    momentum_in_lr_units = True
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float | Tensor = 1e-3,
-        momentum: float = 0.9,
-        *,
-        num_data: int,
-        temperature: float = 1.0,
-        weight_decay: float = 0.0,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        maximize: bool = False,
-        foreach: bool | None = None,
-        differentiable: bool = False,
-        fused: bool | None = None,
-        seed: int | None = None,
-        overlap_noise: bool = True,
-        nonfinite: str = "raise",
-    ) -> None:
-        super().__init__(locals())
-
-    @classmethod
-    def _check_group_combinations(
-        cls, group: dict[str, Any], temperature: float, where: str
-    ) -> None:
-        check_momentum(group["momentum"], where=where)
-        check_finite("dampening", group["dampening"], where=where)
-        check_bool("nesterov", group["nesterov"], where=where)
-        cls._reject_at_positive_temperature(
-            "nesterov", group["nesterov"], False, temperature, where
-        )
-        cls._reject_at_positive_temperature("dampening", group["dampening"], 0, temperature, where)
-        for name, neutral in (("dampening", 0), ("nesterov", False)):
-            if group[name] != neutral:
-                raise ValueError(
-                    f"{name}={group[name]!r}{where} is not supported by BAOA (accepted for "
-                    "torch.optim.SGD's signature; at temperature 0 BAOA is SGD with lr * (1 + "
-                    "momentum) / 2: use torch.optim.SGD for this setting)"
-                )
-
-    def _state_fields(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return ("momentum_buffer",)
-
-    def _init_state(self, group: dict[str, Any], param: Tensor, state: dict[str, Any]) -> None:
-        state.setdefault(
-            "momentum_buffer", torch.zeros_like(param, memory_format=torch.preserve_format)
-        )
-
-    def _kernel(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        buffers: list[list[Tensor | None]],
-        noise: list[Tensor] | None,
-        *,
-        lr: float,
-        temperature: float,
-        foreach: bool,
-    ) -> tuple[list[Tensor], list[list[Tensor | None]]]:
-        momentum_buffers = [buffer for buffer in buffers[0] if buffer is not None]
-        directions, new = baoa_direction(
-            params,
-            grads,
-            momentum_buffers,
-            noise,
-            **pick(group, "momentum", "num_data", "weight_decay", "maximize"),
-            lr=lr,
-            temperature=temperature,
-            foreach=foreach,
-        )
-        return directions, [list(new)]
+def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:
+    sampling_meaningless("nesterov", group["nesterov"], False, temperature, where)
+    sampling_meaningless("dampening", group["dampening"], 0, temperature, where)
+    for name, neutral in (("dampening", 0), ("nesterov", False)):
+        if group[name] != neutral:
+            raise ValueError(
+                f"{name}={group[name]!r}{where} is not supported by BAOA (accepted for "
+                "torch.optim.SGD's signature; at temperature 0 BAOA is SGD with lr * (1 + "
+                "momentum) / 2: use torch.optim.SGD for this setting)"
+            )
 
 
-BAOA.__doc__ = rf"""The BAOA splitting integrator of Langevin dynamics (Leimkuhler & Matthews).
+def _update(
+    group: Mapping[str, Any], inputs: UpdateInput, *, foreach: bool, inplace: bool
+) -> UpdateOutput:
+    # every parameter has a buffer: the state field's init
+    momentum_buffers = [
+        buffer for buffer in inputs.buffers["momentum_buffer"] if buffer is not None
+    ]
+    keys = ("lr", "momentum", "temperature", "num_data", "weight_decay", "maximize")
+    directions, new = baoa_direction(
+        inputs.params,
+        inputs.grads,
+        momentum_buffers,
+        inputs.noise,
+        **pick(group, *keys),
+        foreach=foreach,
+        inplace=inplace,
+    )
+    return directions, {"momentum_buffer": list(new)}
+
+
+MOMENTUM = Hyperparameter(
+    "momentum",
+    default=0.9,
+    doc=r"""momentum: :math:`\mu = e^{-\gamma\epsilon}`, the fraction of
+            the momentum the O step keeps (default: 0.9; in [0, 1)). 0 refreshes the
+            momentum every step.""",
+    transform_doc=r"""momentum: :math:`\mu` (default: 0.9; in [0, 1)).""",
+    check=lambda value, where: check_momentum(value, where=where),
+    positional=True,
+)
+
+DEFINITION = SamplerDefinition(
+    name="BAOA",
+    transform_name="baoa",
+    hyperparameters=sgd_signature(
+        MOMENTUM,
+        dampening=DAMPENING.replace(
+            doc=r"""dampening: must be 0 (accepted for ``torch.optim.SGD``'s
+            signature).""",
+            transform_doc=r"""dampening: must be 0 (accepted for ``torchopt.sgd``'s
+            signature).""",
+        ),
+        nesterov=NESTEROV.replace(
+            doc=r"""nesterov: must be False (accepted for ``torch.optim.SGD``'s
+            signature).""",
+            transform_doc=r"""nesterov: must be False (accepted for ``torchopt.sgd``'s
+            signature).""",
+        ),
+    ),
+    state=(
+        StateField(
+            "momentum_buffer",
+            "one buffer :math:`b` per leaf of the params tree, starting at 0.",
+            init=lambda param, group: torch.zeros_like(param, memory_format=torch.preserve_format),
+        ),
+    ),
+    update=_update,
+    example="lr=1e-3, momentum=0.9",
+    check=_check,
+    momentum_in_lr_units=True,
+    optimizer_doc=r"""The BAOA splitting integrator of Langevin dynamics (Leimkuhler & Matthews).
 
     Each step is one transition of the Markov chain
 
@@ -273,32 +256,9 @@ BAOA.__doc__ = rf"""The BAOA splitting integrator of Langevin dynamics (Leimkuhl
     ``torch.optim.SGD(lr * (1 + momentum) / 2, momentum)`` up to rounding (module
     docstring of :mod:`samplers_as_optim.sgmcmc.baoa`).
 
-    Args:
-        {_docs.params_doc}
-        {_docs.lr_doc}
-        momentum: :math:`\mu = e^{{-\gamma\epsilon}}`, the fraction of the momentum the O
-            step keeps (default: 0.9; in [0, 1)). 0 refreshes the momentum every step.
-        {_docs.num_data_doc}
-        {_docs.temperature_doc}
-        {_docs.weight_decay_doc}
-        dampening: must be 0 (accepted for ``torch.optim.SGD``'s signature).
-        nesterov: must be False (accepted for ``torch.optim.SGD``'s signature).
-        {_docs.maximize_doc}
-        {_docs.foreach_doc}
-        {_docs.differentiable_doc}
-        {_docs.fused_doc}
-        {_docs.seed_doc}
-        {_docs.overlap_noise_doc}
-        {_docs.nonfinite_doc}
+    {arguments}
 
-    Example:
-        >>> import torch
-        >>> from samplers_as_optim import BAOA
-        >>> model = torch.nn.Linear(3, 1)
-        >>> opt = BAOA(model.parameters(), lr=1e-3, momentum=0.9, num_data=1000, seed=0)
-        >>> loss = model(torch.randn(8, 3)).pow(2).mean()
-        >>> loss.backward()
-        >>> opt.step()
+    {example}
 
     Note:
         posteriors' ``baoa`` has step :math:`\epsilon_p`, friction :math:`\alpha_p` and
@@ -310,73 +270,8 @@ BAOA.__doc__ = rf"""The BAOA splitting integrator of Langevin dynamics (Leimkuhl
         Leimkuhler, B. & Matthews, C. (2013). Rational construction of stochastic
         numerical methods for molecular sampling. AMRX, Eq. (17) (BAOAB). Leimkuhler, B.
         & Matthews, C. (2015). Molecular Dynamics, §7.3, p. 271.
-    """
-
-
-class BAOAState(NamedTuple):
-    """The state of :func:`baoa`: the momentum buffers and the chain's random state.
-
-    Attributes:
-        momentum_buffer: one buffer :math:`b` per leaf of the params tree, starting at 0.
-        momentum_lr: per leaf, the learning rate at which its buffer was last written,
-            None before its first update at temperature > 0 (see :func:`.sghmc.sghmc`).
-        seed: the seed of the chain's noise.
-        count: the number of updates taken, the step of the next noise draw and of the
-            schedules.
-    """
-
-    momentum_buffer: tuple[Tensor | None, ...]
-    momentum_lr: tuple[float | None, ...]
-    seed: int
-    count: int  # type: ignore[assignment]  # a field, as optax's ScaleByScheduleState.count
-
-
-def baoa(
-    lr: ScalarOrSchedule,
-    momentum: float = 0.9,
-    *,
-    num_data: int,
-    temperature: ScalarOrSchedule = 1.0,
-    weight_decay: float = 0.0,
-    dampening: float = 0.0,
-    nesterov: bool = False,
-    maximize: bool = False,
-    foreach: bool | None = None,
-    seed: int | None = None,
-) -> GradientTransformation:
-    """BAOA as a torchopt gradient transformation (see ``baoa.__doc__``)."""
-    return sampler_transformation(
-        locals(),
-        name="transforms.baoa",
-        state_type=BAOAState,
-        optimizer_class=BAOA,
-        init_buffers=_baoa_buffers,
-        kernel=_baoa_kernel,
-    )
-
-
-def _baoa_buffers(leaves: list[Tensor | None]) -> tuple[tuple[Any, ...], ...]:
-    buffers = tuple(None if leaf is None else torch.zeros_like(leaf) for leaf in leaves)
-    return buffers, (None,) * len(leaves)
-
-
-def _baoa_kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
-    buffers, buffer_lrs = inputs.buffers
-    buffers, buffer_lrs = rescale_momentum(
-        buffers, buffer_lrs, **pick(group, "lr", "temperature", "foreach", "inplace")
-    )
-    keys = ("lr", "momentum", "temperature", "num_data", "weight_decay", "maximize")
-    directions, buffers = baoa_direction(
-        inputs.params,
-        inputs.grads,
-        cast(list[Tensor], buffers),  # _baoa_buffers gives every parameter one
-        inputs.noise,
-        **pick(group, *keys, "foreach", "inplace"),
-    )
-    return directions, (buffers, buffer_lrs)
-
-
-baoa.__doc__ = rf"""The BAOA Langevin integrator as a torchopt transformation.
+    """,
+    transform_doc=r"""The BAOA Langevin integrator as a torchopt transformation.
 
     The same chain as :class:`BAOA`, computed by the same kernel: each update is
 
@@ -389,20 +284,7 @@ baoa.__doc__ = rf"""The BAOA Langevin integrator as a torchopt transformation.
     incoming updates (plus weight decay, negated when ``maximize``). When a schedule
     changes ``lr`` at temperature > 0 the buffer is first rescaled as :class:`BAOA` does.
 
-    Args:
-        {transformation.lr_doc}
-        momentum: :math:`\mu` (default: 0.9; in [0, 1)).
-        {_docs.num_data_doc}
-        {transformation.temperature_doc}
-        {_docs.weight_decay_doc}
-        dampening: must be 0 (accepted for ``torchopt.sgd``'s signature).
-        nesterov: must be False (accepted for ``torchopt.sgd``'s signature).
-        {_docs.maximize_doc}
-        {transformation.foreach_doc}
-        {transformation.seed_doc}
-
-    Returns:
-        {transformation.returns_doc}
+    {arguments}
 
     Example:
         >>> import torch, torchopt
@@ -416,4 +298,12 @@ baoa.__doc__ = rf"""The BAOA Langevin integrator as a torchopt transformation.
 
     References:
         Leimkuhler, B. & Matthews, C. (2015). Molecular Dynamics, §7.3, p. 271.
-    """
+    """,
+)
+
+
+class BAOA(SamplerOptimizer, definition=DEFINITION):
+    """The BAOA Langevin integrator as an optimizer (full docstring: ``DEFINITION``)."""
+
+
+baoa, BAOAState = transformation_of(DEFINITION, BAOA)

@@ -6,32 +6,13 @@ everything else: param-group validation (at construction, on ``add_param_group``
 every step, since a schedule may move any hyperparameter), gathering parameters with a
 gradient, the refusal of non-finite gradients, and the chain's random state.
 
-The chain's random state is two integers per param group, ``group["seed"]`` and
-``group["step"]`` (the noise of a step is a pure function of them, see
-``samplers_as_optim.core.streams``). They live in the param groups rather than beside them
-because every wrapper that saves an optimizer keeps its param groups:
-``ZeroRedundancyOptimizer`` rebuilds its consolidated ``state_dict`` from them and syncs
-them to each rank's optimizer on load, Lightning and the HF ``Trainer`` save
-``state_dict()`` as is, and ``copy.deepcopy``/``pickle`` go through ``__getstate__``,
-which holds only ``defaults``, ``state`` and ``param_groups``.
-
-What identifies a parameter's noise travels with the parameter's own state instead:
-``state["noise_key"]``, a 0-d int64 tensor on the CPU holding the key it is drawn with
-(``samplers_as_optim.core.streams``), written at the parameter's first step at a positive
-temperature (the noise is drawn only then). The key is derived once, from the parameter's
-name or its position among the optimizer's parameters; once stored it is used as is, so
-a state saved by an optimizer built from ``parameters()`` and loaded into one built from
-``named_parameters()`` (or the reverse, or onto tensors that carry other names) goes on
-drawing the numbers it drew. Per-parameter state, unlike a list in a param group, is
-what every wrapper moves with its parameter (``ZeroRedundancyOptimizer`` hands each
-rank its parameters' states, FSDP's and DCP's state dicts key it by the parameter's
-name). A parameter whose state holds no key (a checkpoint written before they were
-stored; a parameter that has not drawn noise yet: frozen, which has no state as in
-torch.optim, or only stepped at temperature 0, whose state stays ``torch.optim.SGD``'s)
-is keyed by this optimizer's names or positions, as before. Nor is a key stored where
-the ranks of a sharded optimizer key unnamed parameters by their place in the rank's
-share and the rank (``samplers_as_optim.core.distributed``): such a key identifies a
-parameter on that rank only.
+The chain itself (the seed and step counter in the param groups, the noise streams, each
+parameter's noise key, derived once and kept in its state as ``state["noise_key"]``) is
+:class:`~samplers_as_optim.core.chain.ChainOptimizer`'s, which HMC shares (see
+``samplers_as_optim.core.chain``). The SG-MCMC samplers draw a parameter's noise, and so
+store its key, from its first step at a positive temperature on: a parameter that has
+not drawn noise yet (frozen, which has no state as in torch.optim, or only stepped at
+temperature 0, whose state stays ``torch.optim.SGD``'s) holds none.
 
 Every per-parameter entry is a tensor, as ``torch.optim`` keeps them (its generic tests
 compare states through ``.detach()``); numbers kept there (the keys, the learning rate a
@@ -52,29 +33,23 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..core import streams
+from ..core.chain import NOISE_KEY, ChainOptimizer, check_representable, check_saved_noise_key
+from ..core.chain import at_group as at_group  # re-exported: the samplers' modules use it
 from ..core.distributed import agree_across_ranks
 from ..core.dtensor import is_dtensor, local_layout, wrap_like
 from ..core.noise_op import COMPILED_DRAW
-from ..core.streams import (
-    NoiseStream,
-    block_bounds,
-    key_from_int64,
-    key_to_int64,
-    parameter_key,
-    seed_from_global_rng,
-)
+from ..core.streams import block_bounds, seed_from_global_rng
 from ..core.validation import (
     check_bool,
     check_choice,
     check_foreach,
     check_learning_rate,
     check_nonnegative,
-    check_nonnegative_integer,
     check_num_data,
     check_seed,
     check_temperature,
 )
-from ..names import parameter_layout, parameter_name
+from ..names import parameter_layout
 from ._common import (
     HostScalars,
     all_finite,
@@ -84,18 +59,23 @@ from ._common import (
     may_be_non_finite,
 )
 from ._prefetch import NoisePrefetcher, NoiseRequest
+from .arguments import PARAMS_DOC
+from .definition import (
+    REQUIRED,
+    SamplerDefinition,
+    UpdateInput,
+    arguments_doc,
+    example_doc,
+    generated_function,
+)
 from .momentum_units import rescale_momentum_state
 
 __all__ = ["SamplerOptimizer"]
 
 #: where checkpoints written before the chain state moved into the param groups kept it
 _LEGACY_SAMPLER_KEY = "sampler"
-#: the param-group entries that hold the chain's random state
-_CHAIN_KEYS = ("seed", "step")
 #: param-group entries that only a sampler (not torch.optim.SGD) writes
 _SAMPLER_ONLY_KEYS = ("num_data", "temperature")
-#: the per-parameter entry that holds the key of the parameter's noise
-NOISE_KEY = "noise_key"
 #: the per-parameter entry that holds the learning rate its momentum buffer was written at
 MOMENTUM_RATE = "momentum_lr"
 
@@ -112,10 +92,6 @@ PREFETCH_MIN_NUMEL = 2**16
 CHUNK = streams.BLOCK
 
 
-def at_group(index: int) -> str:
-    return f" in param group {index}"
-
-
 def check_sgd_only_flags(differentiable: Any, fused: Any) -> None:
     """Reject the two ``torch.optim.SGD`` flags that have no sampler implementation."""
     if differentiable is not False:
@@ -130,15 +106,21 @@ def check_sgd_only_flags(differentiable: Any, fused: Any) -> None:
         )
 
 
-class SamplerOptimizer(Optimizer):
-    """Base class of the SGMCMC optimizers; not used directly.
+class SamplerOptimizer(ChainOptimizer):
+    """Base class of the SG-MCMC optimizers, built from a sampler's definition.
 
-    A subclass spells out its public signature (``torch.optim.SGD``'s plus ``num_data``,
-    ``temperature`` and ``seed``) and passes its ``locals()`` here; it sets
-    ``requires_positive_temperature`` and implements ``_check_group_combinations`` and
-    ``_kernel`` (with ``_state_fields``/``_init_state`` when it keeps state).
+    A sampler is declared once, as a :class:`~.definition.SamplerDefinition`
+    (hyperparameters, state, pure update); its class is ``class SGHMC(SamplerOptimizer,
+    definition=DEFINITION)``, whose ``__init__`` (with the declared signature) and
+    ``Args`` documentation are generated here, and whose hooks (``_state_fields``,
+    ``_init_state``, ``_kernel``, the group checks) read the definition. This class owns
+    the rest: param-group validation (at construction, on ``add_param_group`` and at every
+    step, since a schedule may move any hyperparameter), gathering parameters with a
+    gradient, the non-finite policy, the lr re-expression of the state, and the chain.
     """
 
+    #: the sampler this class is built from (set by ``__init_subclass__``)
+    definition: SamplerDefinition
     requires_positive_temperature: bool = False
     #: the state holds a momentum buffer in SGD units, re-expressed when lr changes
     momentum_in_lr_units: bool = False
@@ -146,31 +128,76 @@ class SamplerOptimizer(Optimizer):
     #: kept in the param groups (SGLD's ``momentum``, which must be 0)
     signature_only_arguments: tuple[str, ...] = ()
     positive_temperature_reason: str = ""
+    #: what goes wrong at temperature 0, in a schedule's message (CyclicalSGMCMC)
+    zero_temperature_fault: str = ""
     #: per-parameter state kept in its own dtype on load (torch casts to the param's dtype)
     own_dtype_state: tuple[str, ...] = ()
 
-    def __init__(self, arguments: dict[str, Any]) -> None:
-        """Build from the public constructor's arguments (its ``locals()``).
+    def __init_subclass__(cls, definition: SamplerDefinition | None = None, **kwargs: Any):
+        """Build a sampler's class from its definition: signature, docs, hooks' data."""
+        super().__init_subclass__(**kwargs)
+        if definition is None:
+            return
+        cls.definition = definition
+        cls.requires_positive_temperature = definition.requires_positive_temperature
+        cls.positive_temperature_reason = definition.positive_temperature_reason
+        cls.zero_temperature_fault = definition.zero_temperature_fault
+        cls.momentum_in_lr_units = definition.momentum_in_lr_units
+        cls.chunked_kernel = definition.chunked_kernel
+        cls.supports_dtensor = definition.supports_dtensor
+        cls.dtensor_unsupported_reason = definition.dtensor_unsupported_reason
+        cls.own_dtype_state = tuple(state.name for state in definition.state if state.own_dtype)
+        cls.signature_only_arguments = tuple(
+            h.name for h in definition.hyperparameters if not h.kept
+        )
+        parameters = [("params", REQUIRED, "Any", True)] + [
+            (h.name, h.default, h.annotation, h.positional) for h in definition.hyperparameters
+        ]
+        entries = [PARAMS_DOC, *(h.doc for h in definition.hyperparameters)]
+        cls.__doc__ = definition.optimizer_doc.format(
+            arguments=arguments_doc(entries),
+            example=example_doc(definition.name, definition.example),
+        )
+        cls.__init__ = generated_function(  # type: ignore[method-assign]
+            "__init__",
+            parameters,
+            SamplerOptimizer._build,
+            returns="None",
+            module=cls.__module__,
+            qualname=f"{cls.__qualname__}.__init__",
+            method=True,
+        )
 
-        Everything but ``params``, ``differentiable`` and ``fused`` becomes a param-group
-        default, validated before anything is built; ``seed`` (drawn from torch's global
-        RNG when None) and ``step`` (0) start the chain's random state.
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Replaced in every sampler class by one with the sampler's signature."""
+        raise TypeError(
+            f"{type(self).__name__} has no sampler definition (expected a class declared "
+            "as class Name(SamplerOptimizer, definition=...))"
+        )
+
+    def _build(self, arguments: dict[str, Any]) -> None:
+        """Build from the public constructor's arguments.
+
+        Everything but ``params`` and the runtime options (``differentiable``, ``fused``,
+        ``overlap_noise``, ``nonfinite``) becomes a param-group default, validated before
+        anything is built; ``seed`` (drawn from torch's global RNG when None) and
+        ``step`` (0) start the chain's random state.
         """
-        defaults = {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
+        defaults = dict(arguments)
         params = defaults.pop("params")
         seed = check_seed(defaults.pop("seed"))
         self._overlap_noise = check_bool("overlap_noise", defaults.pop("overlap_noise"))
         self._nonfinite = check_choice(
             "nonfinite", defaults.pop("nonfinite", "raise"), NONFINITE_POLICIES
         )
-        check_sgd_only_flags(defaults.pop("differentiable"), defaults.pop("fused"))
+        check_sgd_only_flags(defaults.pop("differentiable", False), defaults.pop("fused", None))
         self.check_hyperparameters(defaults, where="")
         for name in self.signature_only_arguments:
             del defaults[name]
         defaults["seed"] = seed_from_global_rng() if seed is None else seed
         defaults["step"] = 0
         self._reset_runtime(seed_given=seed is not None)
-        super().__init__(params, defaults)
+        Optimizer.__init__(self, params, defaults)
 
     def _reset_runtime(self, *, seed_given: bool) -> None:
         """Create what is not part of the chain's state: generator caches, rank agreement.
@@ -179,19 +206,12 @@ class SamplerOptimizer(Optimizer):
         attributes assigned during the step: TorchDynamo traces dict mutations of an
         optimizer, not (in every torch version) attribute assignments.
         """
-        self._streams: dict[int, NoiseStream] = {}
-        self._keys: dict[int, int] = {}  # empty: not computed yet
+        self._reset_chain_runtime()  # the noise streams and keys, the shard
         #: the values of the 0-d rate tensors in the state (see ``HostScalars``)
         self._host_scalars = HostScalars()
         self._prefetcher = NoisePrefetcher() if self._overlap_noise else None
         self._seed_given = seed_given
-        self._runtime: dict[str, Any] = {"agreed": False, "shard": None, "all_named": True}
-
-    @property
-    def _shard(self) -> int | None:
-        """This rank's index when sharded ranks update different, unnamed parameters."""
-        shard: int | None = self._runtime["shard"]
-        return shard
+        self._runtime["agreed"] = False
 
     def __getstate__(self) -> dict[str, Any]:
         """``torch.optim.Optimizer``'s state (the whole chain) plus the runtime options."""
@@ -217,86 +237,6 @@ class SamplerOptimizer(Optimizer):
         self._reset_runtime(seed_given=True)
 
     # ------------------------------------------------------------------ validation
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Validate a param group, then add it as ``torch.optim.Optimizer`` does.
-
-        Nothing is added when a value is invalid. A group added after some steps starts
-        at the current step counter and, unless it names its own ``seed``, the
-        optimizer's seed.
-        """
-        if isinstance(param_group, dict):
-            where = at_group(len(getattr(self, "param_groups", [])))
-            if getattr(self, "param_groups", None):
-                param_group.setdefault("step", self.steps_taken)
-                param_group.setdefault("seed", self.seed)
-            candidate = {**self.defaults, **param_group}
-            self.check_hyperparameters(candidate, where=where)
-            self._check_chain_state(candidate, where=where)
-        super().add_param_group(param_group)
-
-    def _noise_keys(self, params: list[Tensor]) -> list[int]:
-        """Each parameter's noise key (see ``samplers_as_optim.core.streams``).
-
-        The key its state holds (``state["noise_key"]``, see the module docstring); for a
-        parameter whose state holds none, from its name where the optimizer was given
-        names (``named_parameters()``) or the tensor carries one
-        (:func:`~samplers_as_optim.name_parameters`), else from its index among all the
-        optimizer's parameters, in group order. Derived once per parameter (the step
-        reads no tensor back once they are known).
-        """
-        keys = self._keys
-        if not keys or any(id(param) not in keys for param in params):
-            self._derive_noise_keys()
-        return [keys[id(param)] for param in params]
-
-    def _derive_noise_keys(self) -> None:
-        """Key every parameter not keyed yet; note whether every key is unique.
-
-        A key is unique across the ranks of a sharded optimizer when it comes from a name,
-        or from a state: a key is stored only where it is unique (see
-        ``_record_noise_keys``).
-        """
-        unique = True
-        index = 0
-        for group_index, group in enumerate(self.param_groups):
-            names = group.get("param_names")
-            for position, param in enumerate(group["params"]):
-                state = self.state.get(param)
-                stored = None if state is None else state.get(NOISE_KEY)
-                if stored is not None:
-                    key = stored_noise_key(
-                        stored, where=f"{at_group(group_index)}, parameter {position}"
-                    )
-                else:
-                    identity = names[position] if names else parameter_name(param)
-                    if identity is None:
-                        identity = index
-                        unique = False
-                    key = parameter_key(identity)
-                self._keys.setdefault(id(param), key)
-                index += 1
-        self._runtime["all_named"] = unique
-
-    def _record_noise_keys(self, params: list[Tensor]) -> None:
-        """Keep each parameter's noise key in its state, from its first noisy step on.
-
-        Not at temperature 0, whose state stays ``torch.optim.SGD``'s, nor for a
-        parameter without a gradient (frozen), which has no state, as in torch.optim;
-        not where the ranks of a sharded optimizer key unnamed parameters by their place
-        in the rank's share (with the rank): such a key does not identify the parameter
-        outside that rank.
-        """
-        if self._shard is not None:
-            return
-        missing = [param for param in params if NOISE_KEY not in self.state[param]]
-        for param, key in zip(missing, self._noise_keys(missing), strict=True):
-            self.state[param][NOISE_KEY] = torch.tensor(key_to_int64(key), dtype=torch.int64)
-
-    @staticmethod
-    def _check_chain_state(group: dict[str, Any], *, where: str) -> None:
-        check_seed(group["seed"], where=where)
-        check_nonnegative_integer("step", group["step"], where=where)
-
     @classmethod
     def check_hyperparameters(cls, group: dict[str, Any], *, where: str = "") -> None:
         """Validate one param group's hyperparameters (also used by the transforms).
@@ -315,22 +255,7 @@ class SamplerOptimizer(Optimizer):
         check_num_data(group["num_data"], where=where)
         check_bool("maximize", group["maximize"], where=where)
         check_foreach(group["foreach"], where=where)
-        cls._check_group_combinations(group, temperature, where)
-
-    @classmethod
-    def _check_group_combinations(
-        cls, group: dict[str, Any], temperature: float, where: str
-    ) -> None:
-        raise NotImplementedError
-
-    @staticmethod
-    def _reject_at_positive_temperature(
-        name: str, value: Any, default: Any, temperature: float, where: str
-    ) -> None:
-        if value != default and temperature > 0:
-            raise ValueError(
-                f"{name}={value!r}{where} requires temperature=0 (it has no sampling meaning)"
-            )
+        cls.definition.check_hyperparameters(group, temperature, where)
 
     # ------------------------------------------------------------------ step
     def _gather(self, group: dict[str, Any], index: int) -> tuple[list[Tensor], list[Tensor]]:
@@ -510,12 +435,6 @@ class SamplerOptimizer(Optimizer):
             group["seed"] = seed
         self._runtime.update(shard=agreement.shard, agreed=True)
 
-    def _stream(self, seed: int) -> NoiseStream:
-        stream = self._streams.get(seed)
-        if stream is None:
-            stream = self._streams[seed] = NoiseStream(seed)
-        return stream
-
     # ------------------------------------------------------------------ the update
     def _update_group(
         self,
@@ -660,14 +579,18 @@ class SamplerOptimizer(Optimizer):
 
     def _state_fields(self, group: dict[str, Any]) -> tuple[str, ...]:
         """The per-parameter state the kernel reads and writes, in its argument order."""
-        return ()
+        return self.definition.state_fields(group)
 
     def _init_state(self, group: dict[str, Any], param: Tensor, state: dict[str, Any]) -> None:
-        """Create what a parameter's state lacks before a step (default: the kernel does).
+        """Create what a parameter's state lacks before a step (keeping what is there).
 
         Called before its first step, and when a loaded state lacks a field (an SGD or
-        SGHMC checkpoint loaded into SGNHT has no thermostat): keep what is there.
+        SGHMC checkpoint loaded into SGNHT has no thermostat). A field whose definition
+        has no ``init`` is created by the update at the first step (SGD's momentum).
         """
+        for field in self.definition.state:
+            if field.init is not None and field.used(group) and field.name not in state:
+                state[field.name] = field.init(param, group)
 
     def reexpress_state(self, group: dict[str, Any], *, lr: float) -> None:
         """Re-express ``group``'s recorded lr-dependent state at ``lr``, keeping the chain.
@@ -723,30 +646,26 @@ class SamplerOptimizer(Optimizer):
         temperature: float,
         foreach: bool,
     ) -> tuple[list[Tensor], list[list[Tensor | None]]]:
-        """Call the sampler's pure kernel: ``(directions, new buffers per field)``."""
-        raise NotImplementedError
+        """Call the sampler's pure update: ``(directions, new buffers per field)``."""
+        fields = self._state_fields(group)
+        directions, new = self.definition.update(
+            {**group, "lr": lr, "temperature": temperature, "initial_state": False},
+            UpdateInput(params, grads, dict(zip(fields, buffers, strict=True)), noise),
+            foreach=foreach,
+            inplace=True,
+        )
+        return directions, [list(new[name]) for name in fields]
 
     # ------------------------------------------------------------------ state
-    @property
-    def seed(self) -> int:
-        """The seed of this chain's noise (drawn from torch's global RNG if not given).
-
-        Every param group holds it as ``group["seed"]``; this is the first group's.
-        """
-        return int(self.param_groups[0]["seed"])
-
-    @property
-    def steps_taken(self) -> int:
-        """How many steps this optimizer has taken (restored by ``load_state_dict``)."""
-        return max(int(group["step"]) for group in self.param_groups)
-
     def _restore_own_dtype_state(self, state_dict: dict[str, Any]) -> None:
         """Undo torch's cast of some saved entries to the parameter's dtype and device.
 
         ``own_dtype_state`` (a thermostat) keeps its dtype on the parameter's device; the
-        noise key and the rate of a momentum buffer keep theirs on the CPU (a float rate,
-        as checkpoints wrote it before, becomes a tensor; None, an unknown rate, none).
+        noise key (``ChainOptimizer._restore_noise_keys``) and the rate of a momentum
+        buffer keep theirs on the CPU (a float rate, as checkpoints wrote it before,
+        becomes a tensor; None, an unknown rate, none).
         """
+        self._restore_noise_keys(state_dict)
         saved_state = state_dict.get("state", {})
         for group, saved_group in zip(self.param_groups, state_dict["param_groups"], strict=True):
             for param, param_id in zip(group["params"], saved_group["params"], strict=True):
@@ -755,16 +674,16 @@ class SamplerOptimizer(Optimizer):
                     value = saved.get(key)
                     if isinstance(value, Tensor):
                         self.state[param][key] = value.to(device=param.device, copy=True)
-                for key in (NOISE_KEY, MOMENTUM_RATE):
-                    if key not in saved:
-                        continue
-                    value = saved[key]
+                if MOMENTUM_RATE in saved:
+                    value = saved[MOMENTUM_RATE]
                     if value is None:
-                        self.state[param].pop(key, None)
+                        self.state[param].pop(MOMENTUM_RATE, None)
                     elif isinstance(value, Tensor):
-                        self.state[param][key] = value.detach().to(device="cpu", copy=True)
+                        self.state[param][MOMENTUM_RATE] = value.detach().to(
+                            device="cpu", copy=True
+                        )
                     else:
-                        self.state[param][key] = host_scalar(float(value))
+                        self.state[param][MOMENTUM_RATE] = host_scalar(float(value))
 
     def _migrate_host_state(self) -> None:
         """A rate kept as a float (or None) by an earlier version becomes a tensor (or none)."""
@@ -815,7 +734,7 @@ class SamplerOptimizer(Optimizer):
         if legacy is not None:  # written by 0.1.0: {"seed", "steps"} beside the groups
             for group in saved_groups:
                 group.update(seed=legacy["seed"], step=legacy["steps"])
-        elif not all(key in group for group in saved_groups for key in _CHAIN_KEYS):
+        elif not self._hold_chain_state(saved_groups):
             found = sorted(
                 {key for group in saved_groups for key in _SAMPLER_ONLY_KEYS}
                 & {key for group in saved_groups for key in group}
@@ -887,49 +806,6 @@ def _kept(new: Tensor, old: Tensor | None, keep: dict[torch.device, Tensor]) -> 
     return new.copy_(torch.where(keep[new.device], new, before))  # the kernel's own buffer
 
 
-def check_representable(group: dict[str, Any], params: list[Tensor], *, where: str) -> None:
-    r"""Raise unless the step's scalars fit the parameters' dtypes (before anything changes).
-
-    A kernel passes ``lr``, ``weight_decay`` and its noise scale to torch as scalars of
-    the parameters' dtype; one that overflows it fails in the middle of a step. Every
-    sampler's noise scale is at most :math:`\sqrt{2T/(N\,lr)}` (SGLD's; SGHMC's and
-    SGNHT's carry a factor :math:`1-\mu \le 1`), which is what is checked.
-    """
-    lr, temperature = float(group["lr"]), float(group["temperature"])
-    for dtype in {param.dtype for param in params}:
-        largest = torch.finfo(dtype).max
-        for name in ("lr", "weight_decay"):
-            if abs(float(group[name])) > largest:
-                raise ValueError(
-                    f"Invalid {name}{where}: {group[name]!r} (expected a value that fits "
-                    f"{dtype}, at most {largest:.3g})"
-                )
-        if temperature > 0 and lr > 0:
-            scale = math.sqrt(2.0 * temperature / (group["num_data"] * lr))
-            if not scale <= largest:
-                raise ValueError(
-                    f"Invalid temperature{where}: {group['temperature']!r} (expected a value "
-                    f"whose noise scale sqrt(2 T / (N lr)) = {scale:.3g} fits {dtype}, at "
-                    f"most {largest:.3g})"
-                )
-
-
-def stored_noise_key(value: Any, *, where: str = "") -> int:
-    """The key a state's ``"noise_key"`` holds (a 0-d int64 tensor); ValueError otherwise."""
-    if not _valid_noise_key(value):
-        raise ValueError(
-            f"Invalid state{where}: 'noise_key' is {value!r} (expected a 0-dim int64 tensor, "
-            "the key of the parameter's noise; a loader that casts per-parameter state to "
-            "the parameter's dtype loses it: load with this optimizer's load_state_dict, or "
-            "delete the entry to key the noise by this optimizer's names or positions)"
-        )
-    return key_from_int64(int(value))
-
-
-def _valid_noise_key(value: Any) -> bool:
-    return isinstance(value, Tensor) and value.dtype == torch.int64 and value.dim() == 0
-
-
 def _valid_rate(value: Any) -> bool:
     """None, or a finite number > 0 (a float, or a 0-d floating tensor)."""
     if value is None:
@@ -958,13 +834,8 @@ def _refuse_non_finite_state(saved_state: dict[Any, Any]) -> None:
                     f"{value!r} (expected None or a finite number > 0: the learning rate "
                     "its momentum buffer was written at)"
                 )
-            if key == NOISE_KEY and not _valid_noise_key(value):
-                raise ValueError(
-                    f"Invalid state_dict: 'noise_key' of parameter {param_id} is {value!r} "
-                    "(expected a 0-dim int64 tensor: the key of the parameter's noise, as "
-                    "the samplers store it; delete the entry to key the noise by this "
-                    "optimizer's names or positions)"
-                )
+            if key == NOISE_KEY:
+                check_saved_noise_key(param_id, value)
             if (
                 isinstance(value, Tensor)
                 and value.is_floating_point()

@@ -79,26 +79,32 @@ infinity. bfloat16 has float32's range and needs none of this.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
-from torchopt.base import GradientTransformation
 
 from ..core.validation import check_bool, check_nonnegative, refuse
-from . import _docs, transformation
 from ._common import buckets, default_foreach, effective_grad, effective_grads
-from .optimizer import SamplerOptimizer, at_group
-from .transformation import (
-    KernelInput,
-    KernelOutput,
-    ScalarOrSchedule,
-    pick,
-    sampler_transformation,
+from .arguments import (
+    DIFFERENTIABLE,
+    FOREACH,
+    LR,
+    MAXIMIZE,
+    NONFINITE,
+    NUM_DATA,
+    OVERLAP_NOISE,
+    SEED,
+    TEMPERATURE,
+    WEIGHT_DECAY,
+    sampling_meaningless,
 )
+from .definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
+from .optimizer import SamplerOptimizer, at_group
+from .transformation import pick, transformation_of
 
-__all__ = ["PSGLD", "PSGLDState", "psgld", "psgld_direction", "psgld_noise_scale"]
+__all__ = ["DEFINITION", "PSGLD", "PSGLDState", "psgld", "psgld_direction", "psgld_noise_scale"]
 
 
 def psgld_noise_scale(lr: float, temperature: float, num_data: int) -> float:
@@ -468,181 +474,171 @@ def _correct(
     return out
 
 
-_FIELDS = ("square_avg", "momentum_buffer", "grad_avg", "previous_param", "previous_grad")
-
-
-def _fields_of(group: dict[str, Any]) -> tuple[str, ...]:
-    used = {
-        "square_avg": True,
-        "momentum_buffer": group["momentum"] > 0,
-        "grad_avg": bool(group["centered"]),
-        "previous_param": bool(group["correction"]),
-        "previous_grad": bool(group["correction"]),
-    }
-    return tuple(name for name in _FIELDS if used[name])
-
-
-class PSGLD(SamplerOptimizer):
-    """Preconditioned SGLD, a drop-in for ``torch.optim.RMSprop`` (see ``PSGLD.__doc__``)."""
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float | Tensor = 1e-2,
-        alpha: float = 0.99,
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        momentum: float = 0.0,
-        centered: bool = False,
-        capturable: bool = False,
-        foreach: bool | None = None,
-        maximize: bool = False,
-        differentiable: bool = False,
-        *,
-        num_data: int,
-        temperature: float = 1.0,
-        correction: bool = False,
-        seed: int | None = None,
-        overlap_noise: bool = True,
-        nonfinite: str = "raise",
-    ) -> None:
-        super().__init__({**locals(), "fused": None})
-
-    @classmethod
-    def _check_group_combinations(
-        cls, group: dict[str, Any], temperature: float, where: str
-    ) -> None:
-        _check_alpha(group["alpha"], where)
-        _check_eps(group["eps"], where)
-        check_nonnegative("momentum", group["momentum"], where=where)
-        check_bool("centered", group["centered"], where=where)
-        check_bool("correction", group["correction"], where=where)
-        if check_bool("capturable", group["capturable"], where=where):
-            raise ValueError(
-                f"Invalid capturable{where}: True (expected False: there is no capturable "
-                "sampler kernel)"
-            )
-        cls._reject_at_positive_temperature("momentum", group["momentum"], 0, temperature, where)
-        cls._reject_at_positive_temperature(
-            "centered", group["centered"], False, temperature, where
+def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:
+    if group["capturable"]:
+        raise ValueError(
+            f"Invalid capturable{where}: True (expected False: there is no capturable "
+            "sampler kernel)"
         )
-
-    def _gather(self, group: dict[str, Any], index: int) -> tuple[list[Tensor], list[Tensor]]:
-        # checked with every group's hyperparameters, before any group changes
-        params, grads = super()._gather(group, index)
-        _check_dtypes(
-            {param.dtype for param in params},
-            eps=float(group["eps"]),
-            lr=float(group["lr"]),
-            temperature=float(group["temperature"]),
-            num_data=group["num_data"],
-            where=at_group(index),
-        )
-        return params, grads
-
-    def _state_fields(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return _fields_of(group)
-
-    def _init_state(self, group: dict[str, Any], param: Tensor, state: dict[str, Any]) -> None:
-        for name in _fields_of(group):
-            if name == "previous_param":
-                state.setdefault(name, param.detach().clone(memory_format=torch.preserve_format))
-            else:
-                state.setdefault(name, torch.zeros_like(param, memory_format=torch.preserve_format))
-
-    def _update_group(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        *,
-        lr: float,
-        temperature: float,
-        **kwargs: Any,
-    ) -> None:
-        if temperature > 0 or group["momentum"] > 0 or kwargs.get("keep") is not None:
-            super()._update_group(group, params, grads, lr=lr, temperature=temperature, **kwargs)
-            return
-        # temperature 0 without momentum: RMSprop's last operation, addcdiv_, bit for bit
-        foreach = group["foreach"]
-        if foreach is None:
-            foreach = default_foreach(params)
-        states = [self.state[p] for p in params]
-        for param, state in zip(params, states, strict=True):
-            if not all(name in state for name in _fields_of(group)):
-                self._init_state(group, param, state)
-        _, new = self._run_kernel(group, params, grads, states, None, lr, 0.0, foreach, split=True)
-        numerators, denominators = new["numerator"], new["denominator"]
-        if not foreach:
-            for param, numerator, denominator in zip(params, numerators, denominators, strict=True):
-                param.addcdiv_(numerator, denominator, value=-lr)
-            return
-        for index in buckets(params):
-            torch._foreach_addcdiv_(
-                [params[i] for i in index],
-                [numerators[i] for i in index],
-                [denominators[i] for i in index],
-                value=-lr,
-            )
-
-    def _run_kernel(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        states: list[dict[str, Any]],
-        noise: list[Tensor] | None,
-        lr: float,
-        temperature: float,
-        foreach: bool,
-        *,
-        split: bool = False,
-    ) -> tuple[list[Tensor], dict[str, list[Any]]]:
-        def field(name: str) -> list[Any] | None:
-            if name not in _fields_of(group):
-                return None
-            return [state[name] for state in states]
-
-        previous = None
-        if group["correction"]:
-            previous = (field("previous_param") or [], field("previous_grad") or [])
-        return psgld_direction(
-            params,
-            grads,
-            field("square_avg") or [],
-            noise,
-            **pick(group, "alpha", "eps", "num_data", "weight_decay", "maximize"),
-            **pick(group, "momentum", "centered"),
-            lr=lr,
-            temperature=temperature,
-            foreach=foreach,
-            momentum_buffers=field("momentum_buffer"),
-            grad_avgs=field("grad_avg"),
-            previous=previous,
-            split=split,
-        )
-
-    def _kernel(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        buffers: list[list[Tensor | None]],
-        noise: list[Tensor] | None,
-        *,
-        lr: float,
-        temperature: float,
-        foreach: bool,
-    ) -> tuple[list[Tensor], list[list[Tensor | None]]]:
-        names = _fields_of(group)
-        states = [{name: buffers[k][i] for k, name in enumerate(names)} for i in range(len(params))]
-        directions, new = self._run_kernel(
-            group, params, grads, states, noise, lr, temperature, foreach
-        )
-        return directions, [new[name] for name in names]
+    sampling_meaningless("momentum", group["momentum"], 0, temperature, where)
+    sampling_meaningless("centered", group["centered"], False, temperature, where)
 
 
-PSGLD.__doc__ = rf"""Preconditioned SGLD (Li et al., 2016), a drop-in for ``torch.optim.RMSprop``.
+def _update(
+    group: Mapping[str, Any],
+    inputs: UpdateInput,
+    *,
+    foreach: bool,
+    inplace: bool,
+    split: bool = False,
+) -> UpdateOutput:
+    previous = None
+    if group["correction"]:
+        previous = (inputs.buffers["previous_param"], inputs.buffers["previous_grad"])
+    return psgld_direction(
+        inputs.params,
+        inputs.grads,
+        inputs.buffers["square_avg"],
+        inputs.noise,
+        **pick(group, "lr", "alpha", "eps", "temperature", "num_data", "weight_decay"),
+        **pick(group, "maximize", "momentum", "centered"),
+        foreach=foreach,
+        momentum_buffers=inputs.buffers.get("momentum_buffer"),
+        grad_avgs=inputs.buffers.get("grad_avg"),
+        previous=previous,
+        inplace=inplace,
+        split=split,
+    )
+
+
+def _zeros(param: Tensor, group: Mapping[str, Any]) -> Tensor:
+    return torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+DEFINITION = SamplerDefinition(
+    name="PSGLD",
+    transform_name="psgld",
+    # torch.optim.RMSprop's signature, then the sampler's own arguments
+    hyperparameters=(
+        LR.replace(
+            default=1e-2,
+            doc=r"""lr: learning rate, in the units of ``torch.optim.RMSprop``
+            (default: 1e-2; a finite number >= 0, or a one-element tensor). At
+            temperature > 0 it is also the sampler's step size; a group whose ``lr`` is
+            0 at temperature > 0 is left unchanged by a step (no time passes).""",
+        ),
+        Hyperparameter(
+            "alpha",
+            default=0.99,
+            doc=r"""alpha: :math:`\alpha`, the decay of the running average of
+            squared gradients (default: 0.99; in [0, 1)). Closer to 1: a preconditioner
+            that adapts more slowly and a smaller bias from its adaptation.""",
+            transform_doc=r"""alpha: :math:`\alpha` (default: 0.99; in [0, 1)).""",
+            check=lambda value, where: _check_alpha(value, where),
+            positional=True,
+        ),
+        Hyperparameter(
+            "eps",
+            default=1e-8,
+            doc=r"""eps: :math:`\epsilon`, added to :math:`\sqrt{V}` (default:
+            1e-8; a finite number > 0). It bounds the preconditioner by
+            :math:`1/\epsilon`. float16 parameters at temperature 0 (RMSprop, computed
+            in float16) need one that float16 does not round to 0, above 2.98e-8: the
+            default is refused there, before anything changes (at temperature > 0 their
+            step is computed in float32; see the module docstring, which also gives the
+            noise scale a dtype must hold).""",
+            transform_doc=r"""eps: :math:`\epsilon` (default: 1e-8; a finite number > 0;
+            for float16 at temperature 0, above 2.98e-8: see :class:`PSGLD`).""",
+            check=lambda value, where: _check_eps(value, where),
+            positional=True,
+        ),
+        WEIGHT_DECAY.replace(positional=True),
+        Hyperparameter(
+            "momentum",
+            default=0.0,
+            doc=r"""momentum: RMSprop's momentum (default: 0). Has no sampling
+            meaning: a value other than 0 requires temperature 0.""",
+            transform_doc=r"""momentum: RMSprop's momentum (default: 0; temperature 0
+            only).""",
+            check=lambda value, where: check_nonnegative("momentum", value, where=where),
+            positional=True,
+        ),
+        Hyperparameter(
+            "centered",
+            default=False,
+            annotation="bool",
+            doc=r"""centered: RMSprop's centred variant (default: False). Has no
+            sampling meaning: True requires temperature 0.""",
+            transform_doc=r"""centered: RMSprop's centred variant (default: False;
+            temperature 0 only).""",
+            check=lambda value, where: check_bool("centered", value, where=where),
+            positional=True,
+        ),
+        Hyperparameter(
+            "capturable",
+            default=False,
+            annotation="bool",
+            doc=r"""capturable: accepted for compatibility with
+            ``torch.optim.RMSprop``; only False is supported.""",
+            check=lambda value, where: check_bool("capturable", value, where=where),
+            positional=True,
+            transform=False,
+        ),
+        FOREACH.replace(positional=True, transform_positional=False),
+        MAXIMIZE.replace(positional=True, transform_positional=False),
+        DIFFERENTIABLE.replace(positional=True),
+        NUM_DATA,
+        TEMPERATURE,
+        Hyperparameter(
+            "correction",
+            default=False,
+            annotation="bool",
+            doc=r"""correction: add Li et al.'s correction term :math:`\Gamma`,
+            with the Hessian's diagonal estimated by the secant of the last step
+            (default: False, as Li et al. and most implementations; it keeps two more
+            buffers per parameter).""",
+            transform_doc=r"""correction: add Li et al.'s :math:`\Gamma` (default: False;
+            see :class:`PSGLD`).""",
+            check=lambda value, where: check_bool("correction", value, where=where),
+        ),
+        SEED,
+        OVERLAP_NOISE,
+        NONFINITE,
+    ),
+    state=(
+        StateField(
+            "square_avg", ":math:`V` per leaf of the params tree, starting at zero.", init=_zeros
+        ),
+        StateField(
+            "momentum_buffer",
+            "RMSprop's momentum buffer per leaf (empty unless ``momentum``).",
+            used=lambda group: group["momentum"] > 0,
+            init=_zeros,
+        ),
+        StateField(
+            "grad_avg",
+            "the running mean of the gradients per leaf (empty unless ``centered``).",
+            used=lambda group: bool(group["centered"]),
+            init=_zeros,
+        ),
+        StateField(
+            "previous_param",
+            "the parameters at the last update (empty unless ``correction``).",
+            used=lambda group: bool(group["correction"]),
+            init=lambda param, group: param.detach().clone(memory_format=torch.preserve_format),
+        ),
+        StateField(
+            "previous_grad",
+            "the gradients at the last update (empty unless ``correction``).",
+            used=lambda group: bool(group["correction"]),
+            init=_zeros,
+        ),
+    ),
+    update=_update,
+    example="lr=1e-3",
+    check=_check,
+    transform_fixed={"capturable": False},
+    optimizer_doc=r"""Preconditioned SGLD (Li et al., 2016), a drop-in for ``torch.optim.RMSprop``.
 
     Each step is one transition of the Markov chain
 
@@ -663,48 +659,9 @@ PSGLD.__doc__ = rf"""Preconditioned SGLD (Li et al., 2016), a drop-in for ``torc
     et al.'s :math:`+lr\,(T/N)\,\Gamma` (module docstring of
     :mod:`samplers_as_optim.sgmcmc.psgld`, with its measured effect).
 
-    Args:
-        {_docs.params_doc}
-        lr: learning rate, in the units of ``torch.optim.RMSprop`` (default: 1e-2; a
-            finite number >= 0, or a one-element tensor). At temperature > 0 it is also
-            the sampler's step size; a group whose ``lr`` is 0 at temperature > 0 is left
-            unchanged by a step (no time passes).
-        alpha: :math:`\alpha`, the decay of the running average of squared gradients
-            (default: 0.99; in [0, 1)). Closer to 1: a preconditioner that adapts more
-            slowly and a smaller bias from its adaptation.
-        eps: :math:`\epsilon`, added to :math:`\sqrt{{V}}` (default: 1e-8; a finite number
-            > 0). It bounds the preconditioner by :math:`1/\epsilon`. float16 parameters
-            at temperature 0 (RMSprop, computed in float16) need one that float16 does not
-            round to 0, above 2.98e-8: the default is refused there, before anything
-            changes (at temperature > 0 their step is computed in float32; see the module
-            docstring, which also gives the noise scale a dtype must hold).
-        {_docs.weight_decay_doc}
-        momentum: RMSprop's momentum (default: 0). Has no sampling meaning: a value
-            other than 0 requires temperature 0.
-        centered: RMSprop's centred variant (default: False). Has no sampling meaning:
-            True requires temperature 0.
-        capturable: accepted for compatibility with ``torch.optim.RMSprop``; only False
-            is supported.
-        {_docs.foreach_doc}
-        {_docs.maximize_doc}
-        {_docs.differentiable_doc}
-        {_docs.num_data_doc}
-        {_docs.temperature_doc}
-        correction: add Li et al.'s correction term :math:`\Gamma`, with the Hessian's
-            diagonal estimated by the secant of the last step (default: False, as Li et
-            al. and most implementations; it keeps two more buffers per parameter).
-        {_docs.seed_doc}
-        {_docs.overlap_noise_doc}
-        {_docs.nonfinite_doc}
+    {arguments}
 
-    Example:
-        >>> import torch
-        >>> from samplers_as_optim import PSGLD
-        >>> model = torch.nn.Linear(3, 1)
-        >>> opt = PSGLD(model.parameters(), lr=1e-3, num_data=1000, seed=0)
-        >>> loss = model(torch.randn(8, 3)).pow(2).mean()
-        >>> loss.backward()
-        >>> opt.step()
+    {example}
 
     Note:
         Li et al. write the step on the summed log posterior with step :math:`\epsilon_t`
@@ -715,90 +672,8 @@ PSGLD.__doc__ = rf"""Preconditioned SGLD (Li et al., 2016), a drop-in for ``torc
     References:
         Li, C., Chen, C., Carlson, D. & Carin, L. (2016). Preconditioned stochastic
         gradient Langevin dynamics for deep neural networks. AAAI. Algorithm 1, Eq. (4).
-    """
-
-
-class PSGLDState(NamedTuple):
-    """The state of :func:`psgld`: RMSprop's buffers and the chain's random state.
-
-    Attributes:
-        square_avg: :math:`V` per leaf of the params tree, starting at zero.
-        momentum_buffer: RMSprop's momentum buffer per leaf (empty unless ``momentum``).
-        grad_avg: the running mean of the gradients per leaf (empty unless ``centered``).
-        previous_param: the parameters at the last update (empty unless ``correction``).
-        previous_grad: the gradients at the last update (empty unless ``correction``).
-        seed: the seed of the chain's noise.
-        count: the number of updates taken, the step of the next noise draw and of the
-            schedules.
-    """
-
-    square_avg: tuple[Tensor | None, ...]
-    momentum_buffer: tuple[Tensor | None, ...]
-    grad_avg: tuple[Tensor | None, ...]
-    previous_param: tuple[Tensor | None, ...]
-    previous_grad: tuple[Tensor | None, ...]
-    seed: int
-    count: int  # type: ignore[assignment]  # a field, as optax's ScaleByScheduleState.count
-
-
-def psgld(
-    lr: ScalarOrSchedule,
-    alpha: float = 0.99,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    momentum: float = 0.0,
-    centered: bool = False,
-    *,
-    num_data: int,
-    temperature: ScalarOrSchedule = 1.0,
-    correction: bool = False,
-    maximize: bool = False,
-    foreach: bool | None = None,
-    seed: int | None = None,
-) -> GradientTransformation:
-    """Preconditioned SGLD as a torchopt gradient transformation (see ``psgld.__doc__``)."""
-    arguments = {**locals(), "capturable": False}
-    used = _fields_of(arguments)
-
-    def init_buffers(leaves: list[Tensor | None]) -> tuple[tuple[Any, ...], ...]:
-        def make(name: str) -> tuple[Any, ...]:
-            if name not in used:
-                return ()
-            if name == "previous_param":
-                return tuple(None if leaf is None else leaf.detach().clone() for leaf in leaves)
-            return tuple(None if leaf is None else torch.zeros_like(leaf) for leaf in leaves)
-
-        return tuple(make(name) for name in _FIELDS)
-
-    def kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
-        fields = dict(zip(_FIELDS, inputs.buffers, strict=True))
-        previous = None
-        if "previous_param" in used:
-            previous = (fields["previous_param"], fields["previous_grad"])
-        directions, new = psgld_direction(
-            inputs.params,
-            inputs.grads,
-            fields["square_avg"],
-            inputs.noise,
-            **pick(group, "lr", "alpha", "eps", "temperature", "num_data", "weight_decay"),
-            **pick(group, "maximize", "foreach", "momentum", "centered", "inplace"),
-            momentum_buffers=fields["momentum_buffer"] if "momentum_buffer" in used else None,
-            grad_avgs=fields["grad_avg"] if "grad_avg" in used else None,
-            previous=previous,
-        )
-        return directions, tuple(new[name] if name in used else [] for name in _FIELDS)
-
-    return sampler_transformation(
-        arguments,
-        name="transforms.psgld",
-        state_type=PSGLDState,
-        optimizer_class=PSGLD,
-        init_buffers=init_buffers,
-        kernel=kernel,
-    )
-
-
-psgld.__doc__ = rf"""Preconditioned SGLD (Li et al., 2016) as a torchopt transformation.
+    """,
+    transform_doc=r"""Preconditioned SGLD (Li et al., 2016) as a torchopt transformation.
 
     The same chain as :class:`PSGLD`, computed by the same kernel: each update is
 
@@ -812,23 +687,7 @@ psgld.__doc__ = rf"""Preconditioned SGLD (Li et al., 2016) as a torchopt transfo
     is RMSprop's update up to the rounding of ``-lr * (g'/a)`` (``torch.optim.RMSprop``
     fuses it into ``addcdiv_``).
 
-    Args:
-        {transformation.lr_doc}
-        alpha: :math:`\alpha` (default: 0.99; in [0, 1)).
-        eps: :math:`\epsilon` (default: 1e-8; a finite number > 0; for float16 at
-            temperature 0, above 2.98e-8: see :class:`PSGLD`).
-        {_docs.weight_decay_doc}
-        momentum: RMSprop's momentum (default: 0; temperature 0 only).
-        centered: RMSprop's centred variant (default: False; temperature 0 only).
-        {_docs.num_data_doc}
-        {transformation.temperature_doc}
-        correction: add Li et al.'s :math:`\Gamma` (default: False; see :class:`PSGLD`).
-        {_docs.maximize_doc}
-        {transformation.foreach_doc}
-        {transformation.seed_doc}
-
-    Returns:
-        {transformation.returns_doc}
+    {arguments}
 
     Example:
         >>> import torch, torchopt
@@ -844,4 +703,66 @@ psgld.__doc__ = rf"""Preconditioned SGLD (Li et al., 2016) as a torchopt transfo
     References:
         Li, C., Chen, C., Carlson, D. & Carin, L. (2016). Preconditioned stochastic
         gradient Langevin dynamics for deep neural networks. AAAI. Algorithm 1.
-    """
+    """,
+)
+
+
+class PSGLD(SamplerOptimizer, definition=DEFINITION):
+    """Preconditioned SGLD, a drop-in for ``torch.optim.RMSprop`` (docs: ``DEFINITION``)."""
+
+    def _gather(self, group: dict[str, Any], index: int) -> tuple[list[Tensor], list[Tensor]]:
+        # checked with every group's hyperparameters, before any group changes
+        params, grads = super()._gather(group, index)
+        _check_dtypes(
+            {param.dtype for param in params},
+            eps=float(group["eps"]),
+            lr=float(group["lr"]),
+            temperature=float(group["temperature"]),
+            num_data=group["num_data"],
+            where=at_group(index),
+        )
+        return params, grads
+
+    def _update_group(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        *,
+        lr: float,
+        temperature: float,
+        **kwargs: Any,
+    ) -> None:
+        if temperature > 0 or group["momentum"] > 0 or kwargs.get("keep") is not None:
+            super()._update_group(group, params, grads, lr=lr, temperature=temperature, **kwargs)
+            return
+        # temperature 0 without momentum: RMSprop's last operation, addcdiv_, bit for bit
+        foreach = group["foreach"]
+        if foreach is None:
+            foreach = default_foreach(params)
+        states = [self.state[p] for p in params]
+        for param, state in zip(params, states, strict=True):
+            self._init_state(group, param, state)
+        fields = self._state_fields(group)
+        _, new = _update(
+            {**group, "lr": lr, "temperature": 0.0},
+            UpdateInput(params, grads, {name: [s[name] for s in states] for name in fields}, None),
+            foreach=foreach,
+            inplace=True,
+            split=True,
+        )
+        numerators, denominators = new["numerator"], new["denominator"]
+        if not foreach:
+            for param, numerator, denominator in zip(params, numerators, denominators, strict=True):
+                param.addcdiv_(numerator, denominator, value=-lr)
+            return
+        for index in buckets(params):
+            torch._foreach_addcdiv_(
+                [params[i] for i in index],
+                [numerators[i] for i in index],
+                [denominators[i] for i in index],
+                value=-lr,
+            )
+
+
+psgld, PSGLDState = transformation_of(DEFINITION, PSGLD)

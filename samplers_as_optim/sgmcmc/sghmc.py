@@ -70,43 +70,21 @@ a ``torch.optim.SGD`` checkpoint) is taken to be in the current units. A step of
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
-from torchopt.base import GradientTransformation
 
-from ..core.validation import check_bool, check_finite, check_momentum
-from . import _docs, transformation
-from ._common import (
-    buckets,
-    effective_grad,
-    effective_grads,
-    known_buffer,
-)
-from .momentum_units import rescale_momentum, rescale_momentum_state
+from ..core.validation import check_momentum
+from ._common import bucketed_grads, effective_grad, known_buffer
+from .arguments import sampling_meaningless, sgd_signature
+from .definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
 from .optimizer import SamplerOptimizer
 from .sgld import sgld_direction
-from .transformation import (
-    KernelInput,
-    KernelOutput,
-    ScalarOrSchedule,
-    pick,
-    sampler_transformation,
-)
+from .transformation import pick, transformation_of
 
-__all__ = [
-    "SGHMC",
-    "LangevinNoiseState",
-    "SGHMCState",
-    "langevin_noise",
-    "rescale_momentum",
-    "rescale_momentum_state",
-    "sghmc",
-    "sghmc_direction",
-    "sghmc_noise_scale",
-]
+__all__ = ["DEFINITION", "SGHMC", "SGHMCState", "sghmc", "sghmc_direction", "sghmc_noise_scale"]
 
 
 def sghmc_noise_scale(lr: float, momentum: float, temperature: float, num_data: int) -> float:
@@ -203,13 +181,9 @@ def sghmc_direction(
 
     directions = [grads[0]] * len(grads)
     buffers: list[Tensor | None] = list(momentum_buffers)
-    for index in buckets(params):
-        bucket_grads, _ = effective_grads(
-            [grads[i] for i in index],
-            [params[i] for i in index],
-            weight_decay=weight_decay,
-            maximize=maximize,
-        )
+    for index, bucket_grads, _ in bucketed_grads(
+        params, grads, weight_decay=weight_decay, maximize=maximize
+    ):
         old = [momentum_buffers[i] for i in index]
         new: list[Tensor] = []
         if all(buffer is not None for buffer in old):
@@ -238,86 +212,68 @@ def sghmc_direction(
     return directions, buffers
 
 
-class SGHMC(SamplerOptimizer):
-    """SGHMC as a drop-in replacement for ``torch.optim.SGD`` (see ``SGHMC.__doc__``)."""
-
-    momentum_in_lr_units = True
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float | Tensor = 1e-3,
-        momentum: float = 0.9,
-        *,
-        num_data: int,
-        temperature: float = 1.0,
-        weight_decay: float = 0.0,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        maximize: bool = False,
-        foreach: bool | None = None,
-        differentiable: bool = False,
-        fused: bool | None = None,
-        seed: int | None = None,
-        overlap_noise: bool = True,
-        nonfinite: str = "raise",
-    ) -> None:
-        super().__init__(locals())
-
-    @classmethod
-    def _check_group_combinations(
-        cls, group: dict[str, Any], temperature: float, where: str
-    ) -> None:
-        momentum = check_momentum(group["momentum"], where=where)
-        dampening = check_finite("dampening", group["dampening"], where=where)
-        if check_bool("nesterov", group["nesterov"], where=where) and (
-            momentum <= 0 or dampening != 0
-        ):
-            raise ValueError(
-                f"nesterov=True{where} requires momentum > 0 and dampening=0 "
-                "(as in torch.optim.SGD)"
-            )
-        cls._reject_at_positive_temperature(
-            "nesterov", group["nesterov"], False, temperature, where
+def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:
+    if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+        raise ValueError(
+            f"nesterov=True{where} requires momentum > 0 and dampening=0 (as in torch.optim.SGD)"
         )
-        cls._reject_at_positive_temperature("dampening", group["dampening"], 0, temperature, where)
-
-    def _state_fields(self, group: dict[str, Any]) -> tuple[str, ...]:
-        # as in torch.optim.SGD, no state is kept without momentum
-        return ("momentum_buffer",) if group["momentum"] != 0 else ()
-
-    def _kernel(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        buffers: list[list[Tensor | None]],
-        noise: list[Tensor] | None,
-        *,
-        lr: float,
-        temperature: float,
-        foreach: bool,
-    ) -> tuple[list[Tensor], list[list[Tensor | None]]]:
-        momentum_buffers: list[Tensor | None] = buffers[0] if buffers else [None] * len(params)
-        directions, momentum_buffers = sghmc_direction(
-            params,
-            grads,
-            momentum_buffers,
-            noise,
-            lr=lr,
-            momentum=group["momentum"],
-            temperature=temperature,
-            num_data=group["num_data"],
-            weight_decay=group["weight_decay"],
-            dampening=group["dampening"],
-            nesterov=group["nesterov"],
-            maximize=group["maximize"],
-            foreach=foreach,
-        )
-        return directions, [momentum_buffers] if buffers else []
+    sampling_meaningless("nesterov", group["nesterov"], False, temperature, where)
+    sampling_meaningless("dampening", group["dampening"], 0, temperature, where)
 
 
-SGHMC.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo, a drop-in for ``torch.optim.SGD``.
+def _update(
+    group: Mapping[str, Any], inputs: UpdateInput, *, foreach: bool, inplace: bool
+) -> UpdateOutput:
+    momentum_buffers = inputs.buffers.get("momentum_buffer")
+    if momentum_buffers is None or (group["initial_state"] and group["dampening"] != 0):
+        # torch.optim.SGD's first step sets b = g', whatever the dampening; a
+        # transformation's initial zeros give the same numbers with dampening 0 (and keep
+        # the graph, for torchopt's MetaOptimizer)
+        momentum_buffers = [None] * len(inputs.params)
+    directions, momentum_buffers = sghmc_direction(
+        inputs.params,
+        inputs.grads,
+        momentum_buffers,
+        inputs.noise,
+        **pick(group, "lr", "momentum", "temperature", "num_data", "weight_decay", "dampening"),
+        **pick(group, "nesterov", "maximize"),
+        foreach=foreach,
+        inplace=inplace,
+    )
+    return directions, {"momentum_buffer": momentum_buffers}
+
+
+MOMENTUM = Hyperparameter(
+    "momentum",
+    default=0.9,
+    doc=r"""momentum: :math:`\mu`, as in ``torch.optim.SGD`` (default:
+            0.9; in [0, 1)). The friction is :math:`(1-\mu)/\epsilon`: closer to 1 means
+            less friction and longer, less random trajectories.""",
+    transform_doc=r"""momentum: :math:`\mu`, as in ``torchopt.sgd`` (default: 0.9;
+            in [0, 1)). The friction is :math:`(1-\mu)/\epsilon` with :math:`\epsilon =
+            \sqrt{lr/N}`; 0 gives :func:`sgld`.""",
+    check=lambda value, where: check_momentum(value, where=where),
+    positional=True,
+)
+
+DEFINITION = SamplerDefinition(
+    name="SGHMC",
+    transform_name="sghmc",
+    hyperparameters=sgd_signature(MOMENTUM),
+    state=(
+        StateField(
+            "momentum_buffer",
+            "one buffer :math:`b` per leaf of the params tree, in the order of its "
+            "leaves, starting at zero (empty when ``momentum`` is 0).",
+            # as in torch.optim.SGD, no state is kept without momentum
+            used=lambda group: group["momentum"] != 0,
+        ),
+    ),
+    update=_update,
+    example="lr=1e-3, momentum=0.9",
+    check=_check,
+    momentum_in_lr_units=True,
+    optimizer_doc=r"""Stochastic gradient Hamiltonian Monte Carlo, a drop-in for torch.optim.SGD.
 
     Each step is one transition of the Markov chain
 
@@ -340,33 +296,9 @@ SGHMC.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo, a drop-in for 
     ``temperature=0`` it is ``torch.optim.SGD(lr, momentum, ...)`` bit for bit; with
     ``momentum=0`` it is :class:`SGLD`.
 
-    Args:
-        {_docs.params_doc}
-        {_docs.lr_doc}
-        momentum: :math:`\mu`, as in ``torch.optim.SGD`` (default: 0.9; in [0, 1)). The
-            friction is :math:`(1-\mu)/\epsilon`: closer to 1 means less friction and
-            longer, less random trajectories.
-        {_docs.num_data_doc}
-        {_docs.temperature_doc}
-        {_docs.weight_decay_doc}
-        {_docs.dampening_doc}
-        {_docs.nesterov_doc}
-        {_docs.maximize_doc}
-        {_docs.foreach_doc}
-        {_docs.differentiable_doc}
-        {_docs.fused_doc}
-        {_docs.seed_doc}
-        {_docs.overlap_noise_doc}
-        {_docs.nonfinite_doc}
+    {arguments}
 
-    Example:
-        >>> import torch
-        >>> from samplers_as_optim import SGHMC
-        >>> model = torch.nn.Linear(3, 1)
-        >>> opt = SGHMC(model.parameters(), lr=1e-3, momentum=0.9, num_data=1000, seed=0)
-        >>> loss = model(torch.randn(8, 3)).pow(2).mean()
-        >>> loss.backward()
-        >>> opt.step()
+    {example}
 
     Note:
         Chen et al. (2014) parametrise by :math:`\eta = \epsilon^2` and
@@ -378,86 +310,8 @@ SGHMC.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo, a drop-in for 
     References:
         Chen, T., Fox, E. & Guestrin, C. (2014). Stochastic gradient Hamiltonian Monte
         Carlo. ICML. Eq. (15).
-    """
-
-
-class SGHMCState(NamedTuple):
-    """The state of :func:`sghmc`: the momentum buffers and the chain's random state.
-
-    Attributes:
-        momentum_buffer: one buffer :math:`b` per leaf of the params tree, in the order of
-            its leaves, starting at zero (empty when ``momentum`` is 0).
-        momentum_lr: per leaf, the learning rate (a float) at which its buffer was last
-            written, None before its first update at temperature > 0: a later update at
-            another ``lr`` first rescales the buffer (:func:`rescale_momentum`).
-        seed: the seed of the chain's noise.
-        count: the number of updates taken, the step of the next noise draw and of the
-            schedules.
-    """
-
-    momentum_buffer: tuple[Tensor | None, ...]
-    momentum_lr: tuple[float | None, ...]
-    seed: int
-    count: int  # type: ignore[assignment]  # a field, as optax's ScaleByScheduleState.count
-
-
-def sghmc(
-    lr: ScalarOrSchedule,
-    momentum: float = 0.9,
-    *,
-    num_data: int,
-    temperature: ScalarOrSchedule = 1.0,
-    weight_decay: float = 0.0,
-    dampening: float = 0.0,
-    nesterov: bool = False,
-    maximize: bool = False,
-    foreach: bool | None = None,
-    seed: int | None = None,
-) -> GradientTransformation:
-    """SGHMC as a torchopt gradient transformation (see ``sghmc.__doc__``)."""
-    return sampler_transformation(
-        locals(),
-        name="transforms.sghmc",
-        state_type=SGHMCState,
-        optimizer_class=SGHMC,
-        init_buffers=lambda leaves: _sghmc_buffers(leaves, momentum),
-        kernel=_sghmc_kernel,
-    )
-
-
-def _sghmc_buffers(leaves: list[Tensor | None], momentum: float) -> tuple[tuple[Any, ...], ...]:
-    if momentum == 0:
-        return (), ()
-    buffers = tuple(None if leaf is None else torch.zeros_like(leaf) for leaf in leaves)
-    return buffers, (None,) * len(leaves)
-
-
-_SGHMC_KEYS = ("lr", "momentum", "temperature", "num_data", "weight_decay", "dampening")
-
-
-def _sghmc_kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
-    buffers, buffer_lrs = inputs.buffers
-    if buffers:
-        buffers, buffer_lrs = rescale_momentum(
-            buffers, buffer_lrs, **pick(group, "lr", "temperature", "foreach", "inplace")
-        )
-    if not buffers or (group["count"] == 0 and group["dampening"] != 0):
-        # torch.optim.SGD's first step sets b = g', whatever the dampening; with dampening
-        # 0 the zero buffer gives the same numbers and keeps the graph (MetaOptimizer).
-        buffers = [None] * len(inputs.grads)
-    directions, buffers = sghmc_direction(
-        inputs.params,
-        inputs.grads,
-        buffers,
-        inputs.noise,
-        **pick(group, *_SGHMC_KEYS, "nesterov", "maximize", "foreach", "inplace"),
-    )
-    if group["momentum"] == 0:
-        return directions, ([], [])
-    return directions, (buffers, buffer_lrs)
-
-
-sghmc.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo as a torchopt transformation.
+    """,
+    transform_doc=r"""Stochastic gradient Hamiltonian Monte Carlo as a torchopt transformation.
 
     The same chain as :class:`SGHMC`, computed by the same kernel: each update is
 
@@ -479,22 +333,7 @@ sghmc.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo as a torchopt t
     the state), as :class:`SGHMC` does. The noise of update :math:`k` is drawn from
     ``seed`` and :math:`k` alone (both in the state).
 
-    Args:
-        {transformation.lr_doc}
-        momentum: :math:`\mu`, as in ``torchopt.sgd`` (default: 0.9; in [0, 1)). The
-            friction is :math:`(1-\mu)/\epsilon` with :math:`\epsilon = \sqrt{{lr/N}}`;
-            0 gives :func:`sgld`.
-        {_docs.num_data_doc}
-        {transformation.temperature_doc}
-        {_docs.weight_decay_doc}
-        {_docs.dampening_doc}
-        {_docs.nesterov_doc}
-        {_docs.maximize_doc}
-        {transformation.foreach_doc}
-        {transformation.seed_doc}
-
-    Returns:
-        {transformation.returns_doc}
+    {arguments}
 
     Example:
         >>> import torch, torchopt
@@ -524,107 +363,12 @@ sghmc.__doc__ = rf"""Stochastic gradient Hamiltonian Monte Carlo as a torchopt t
     References:
         Chen, T., Fox, E. & Guestrin, C. (2014). Stochastic gradient Hamiltonian Monte
         Carlo. ICML. Eq. (15).
-    """
+    """,
+)
 
 
-class LangevinNoiseState(NamedTuple):
-    """The state of :func:`langevin_noise`: the chain's random state.
-
-    Attributes:
-        seed: the seed of the noise.
-        count: the number of updates taken, the step of the next noise draw and of the
-            schedules.
-    """
-
-    seed: int
-    count: int  # type: ignore[assignment]  # a field, as optax's ScaleByScheduleState.count
+class SGHMC(SamplerOptimizer, definition=DEFINITION):
+    """SGHMC, a drop-in for ``torch.optim.SGD`` (full docstring: ``DEFINITION``)."""
 
 
-def langevin_noise(
-    lr: ScalarOrSchedule,
-    momentum: float = 0.0,
-    *,
-    num_data: int,
-    temperature: ScalarOrSchedule = 1.0,
-    foreach: bool | None = None,
-    seed: int | None = None,
-) -> GradientTransformation:
-    """SGLD's and SGHMC's injected noise, to chain (see ``langevin_noise.__doc__``)."""
-    return sampler_transformation(
-        locals(),
-        name="transforms.langevin_noise",
-        state_type=LangevinNoiseState,
-        optimizer_class=SGHMC,
-        init_buffers=lambda leaves: (),
-        kernel=_langevin_kernel,
-        scale_by_lr=False,
-    )
-
-
-def _langevin_kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
-    if inputs.noise is None:  # temperature 0: no noise
-        return list(inputs.grads), ()
-    # SGHMC's step from a zero buffer (SGLD's at momentum 0) is g + noise: the injection
-    # of the samplers, with their scale and sign, keeping the graph of g.
-    scratch = [torch.zeros_like(grad) for grad in inputs.grads] if group["momentum"] else []
-    unknown = [None] * len(scratch)
-    inputs = KernelInput(inputs.grads, inputs.grads, (scratch, unknown), inputs.noise)
-    directions, _ = _sghmc_kernel({**group, "inplace": True}, inputs)
-    return directions, ()
-
-
-langevin_noise.__doc__ = rf"""The noise SGLD and SGHMC inject, as a transformation to chain.
-
-    Adds to the incoming updates :math:`g` (gradients, before any scaling by the
-    learning rate) the noise of :func:`sghmc`'s buffer, computed by the same kernel:
-
-    .. math::
-
-        g \leftarrow g \pm \sqrt{{2 (1-\mu)\, T / (N\, lr)}}\;\xi,
-        \qquad \xi \sim \mathcal N(0, I),
-
-    with :math:`\mu` = ``momentum``, :math:`T` = ``temperature``, :math:`N` =
-    ``num_data`` (the sign is the kernels': negative at :math:`\mu = 0` as in
-    :func:`sgld`, positive otherwise as in :func:`sghmc`). Chained before
-    ``torchopt.sgd(lr, momentum)`` with the same ``lr`` and ``momentum`` it turns SGD into
-    SGLD (:math:`\mu = 0`) or SGHMC: with one seed, ``chain(langevin_noise(lr, seed=s,
-    ...), torchopt.sgd(lr))`` is :func:`sgld` (no weight decay) bit for bit, and with
-    momentum it is :func:`sghmc` up to rounding (the noise enters the buffer after the
-    gradient there, with it here), as long as ``lr`` is constant: ``torchopt.sgd``'s
-    buffer is not rescaled when a schedule changes ``lr`` (see :func:`sghmc`), so under
-    such a schedule use :func:`sghmc` itself. Before any other optimizer it adds noise of
-    that scale, which is not a sampler in general. At temperature 0 it returns the updates
-    unchanged; at temperature > 0 with ``lr`` 0 too (no time passes).
-
-    Args:
-        lr: the learning rate of the SGD that follows, which sets the noise scale, or
-            a schedule of the step count (a finite number >= 0).
-        momentum: :math:`\mu`, the momentum of the SGD that follows (default: 0.0; in
-            [0, 1)).
-        {_docs.num_data_doc}
-        {transformation.temperature_doc}
-        {transformation.foreach_doc}
-        {transformation.seed_doc}
-
-    Returns:
-        A ``torchopt.base.GradientTransformation`` whose ``update(updates, state, *,
-        params=None, inplace=True)`` returns the noisy updates and the next state.
-
-    Example:
-        >>> import torch, torchopt
-        >>> from samplers_as_optim import transforms
-        >>> lr, params = 0.1, {{"w": torch.zeros(3)}}
-        >>> noisy_sgd = torchopt.chain(
-        ...     transforms.langevin_noise(lr, num_data=100, seed=0), torchopt.sgd(lr)
-        ... )
-        >>> sgld = transforms.sgld(lr, num_data=100, seed=0)
-        >>> grads = {{"w": torch.ones(3)}}
-        >>> a, _ = noisy_sgd.update(grads, noisy_sgd.init(params), inplace=False)
-        >>> b, _ = sgld.update(grads, sgld.init(params), inplace=False)
-        >>> torch.equal(a["w"], b["w"])
-        True
-
-    References:
-        Welling, M. & Teh, Y. W. (2011), Eq. (4); Chen, T., Fox, E. & Guestrin, C.
-        (2014), Eq. (15).
-    """
+sghmc, SGHMCState = transformation_of(DEFINITION, SGHMC)

@@ -34,25 +34,19 @@ T > 0). For a Gaussian target the stationary covariance of the discrete chain is
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
-from torchopt.base import GradientTransformation
 
-from ..core.validation import check_bool, check_finite
-from . import _docs, transformation
-from ._common import buckets, effective_grad, effective_grads
+from ._common import bucketed_grads, effective_grad
+from .arguments import NESTEROV, sampling_meaningless, sgd_signature
+from .definition import Hyperparameter, SamplerDefinition, UpdateInput, UpdateOutput
 from .optimizer import SamplerOptimizer
-from .transformation import (
-    KernelInput,
-    KernelOutput,
-    ScalarOrSchedule,
-    pick,
-    sampler_transformation,
-)
+from .transformation import pick, transformation_of
 
-__all__ = ["SGLD", "SGLDState", "sgld", "sgld_direction", "sgld_noise_scale"]
+__all__ = ["DEFINITION", "SGLD", "SGLDState", "sgld", "sgld_direction", "sgld_noise_scale"]
 
 
 def sgld_noise_scale(lr: float, temperature: float, num_data: int) -> float:
@@ -107,13 +101,9 @@ def sgld_direction(
         return single
 
     directions: list[Tensor] = [grads[0]] * len(grads)
-    for index in buckets(params):
-        bucket, owned = effective_grads(
-            [grads[i] for i in index],
-            [params[i] for i in index],
-            weight_decay=weight_decay,
-            maximize=maximize,
-        )
+    for index, bucket, owned in bucketed_grads(
+        params, grads, weight_decay=weight_decay, maximize=maximize
+    ):
         if noise is not None:
             bucket_noise = [noise[i] for i in index]
             if owned:
@@ -125,78 +115,60 @@ def sgld_direction(
     return directions
 
 
-class SGLD(SamplerOptimizer):
-    """SGLD as a drop-in replacement for ``torch.optim.SGD`` (see ``SGLD.__doc__``)."""
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float | Tensor = 1e-3,
-        momentum: float = 0.0,
-        *,
-        num_data: int,
-        temperature: float = 1.0,
-        weight_decay: float = 0.0,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        maximize: bool = False,
-        foreach: bool | None = None,
-        differentiable: bool = False,
-        fused: bool | None = None,
-        seed: int | None = None,
-        overlap_noise: bool = True,
-        nonfinite: str = "raise",
-    ) -> None:
-        super().__init__(locals())
-
-    signature_only_arguments = ("momentum",)
-
-    @classmethod
-    def _check_group_combinations(
-        cls, group: dict[str, Any], temperature: float, where: str
-    ) -> None:
-        # momentum is accepted (SGD's signature) but kept out of the param groups, so that
-        # OneCycleLR/CyclicLR(cycle_momentum=True) fail when built, not at the first step
-        if group.get("momentum", 0) != 0:
-            raise ValueError(
-                f"Invalid momentum{where}: {group['momentum']!r} (expected 0: SGLD has no "
-                "momentum; use SGHMC for momentum > 0)"
-            )
-        check_finite("dampening", group["dampening"], where=where)
-        if check_bool("nesterov", group["nesterov"], where=where):
-            raise ValueError(
-                f"nesterov=True{where} requires momentum > 0 (as in torch.optim.SGD); "
-                "use SGHMC for momentum"
-            )
-        cls._reject_at_positive_temperature("dampening", group["dampening"], 0, temperature, where)
-
-    def _kernel(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        buffers: list[list[Tensor | None]],
-        noise: list[Tensor] | None,
-        *,
-        lr: float,
-        temperature: float,
-        foreach: bool,
-    ) -> tuple[list[Tensor], list[list[Tensor | None]]]:
-        directions = sgld_direction(
-            params,
-            grads,
-            noise,
-            lr=lr,
-            temperature=temperature,
-            num_data=group["num_data"],
-            weight_decay=group["weight_decay"],
-            maximize=group["maximize"],
-            foreach=foreach,
+def _refuse_momentum(value: Any, where: str) -> None:
+    # momentum is accepted (SGD's signature) but kept out of the param groups, so that
+    # OneCycleLR/CyclicLR(cycle_momentum=True) fail when built, not at the first step
+    if value != 0:
+        raise ValueError(
+            f"Invalid momentum{where}: {value!r} (expected 0: SGLD has no momentum; use "
+            "SGHMC for momentum > 0)"
         )
-        return directions, []
 
 
-SGLD.__doc__ = rf"""Stochastic gradient Langevin dynamics, a drop-in for ``torch.optim.SGD``.
+def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:
+    if group["nesterov"]:
+        raise ValueError(
+            f"nesterov=True{where} requires momentum > 0 (as in torch.optim.SGD); use SGHMC "
+            "for momentum"
+        )
+    sampling_meaningless("dampening", group["dampening"], 0, temperature, where)
+
+
+def _update(
+    group: Mapping[str, Any], inputs: UpdateInput, *, foreach: bool, inplace: bool
+) -> UpdateOutput:
+    keys = ("lr", "temperature", "num_data", "weight_decay", "maximize")
+    return sgld_direction(
+        inputs.params, inputs.grads, inputs.noise, **pick(group, *keys), foreach=foreach
+    ), {}
+
+
+MOMENTUM = Hyperparameter(
+    "momentum",
+    default=0.0,
+    doc=r"""momentum: must be 0 (SGLD has no momentum; use
+            :class:`SGHMC`). Accepted so that the signature is ``torch.optim.SGD``'s.""",
+    transform_doc=r"""momentum: must be 0 (SGLD has no momentum; use
+            :func:`sghmc`). Accepted so that the signature is ``torchopt.sgd``'s.""",
+    check=_refuse_momentum,
+    positional=True,
+    kept=False,
+)
+
+DEFINITION = SamplerDefinition(
+    name="SGLD",
+    transform_name="sgld",
+    hyperparameters=sgd_signature(
+        MOMENTUM,
+        nesterov=NESTEROV.replace(
+            doc=r"""nesterov: must be False (it needs momentum).""", transform_doc=None
+        ),
+    ),
+    state=(),
+    update=_update,
+    example="lr=1e-3",
+    check=_check,
+    optimizer_doc=r"""Stochastic gradient Langevin dynamics, a drop-in for ``torch.optim.SGD``.
 
     Each step is one transition of the Markov chain
 
@@ -212,32 +184,9 @@ SGLD.__doc__ = rf"""Stochastic gradient Langevin dynamics, a drop-in for ``torch
     :math:`\propto \exp(-N L(\theta)/T)` up to step-size bias; at ``temperature=0`` it is
     ``torch.optim.SGD(lr, weight_decay=..., maximize=...)`` bit for bit.
 
-    Args:
-        {_docs.params_doc}
-        {_docs.lr_doc}
-        momentum: must be 0 (SGLD has no momentum; use :class:`SGHMC`). Accepted so that
-            the signature is ``torch.optim.SGD``'s.
-        {_docs.num_data_doc}
-        {_docs.temperature_doc}
-        {_docs.weight_decay_doc}
-        {_docs.dampening_doc}
-        nesterov: must be False (it needs momentum).
-        {_docs.maximize_doc}
-        {_docs.foreach_doc}
-        {_docs.differentiable_doc}
-        {_docs.fused_doc}
-        {_docs.seed_doc}
-        {_docs.overlap_noise_doc}
-        {_docs.nonfinite_doc}
+    {arguments}
 
-    Example:
-        >>> import torch
-        >>> from samplers_as_optim import SGLD
-        >>> model = torch.nn.Linear(3, 1)
-        >>> opt = SGLD(model.parameters(), lr=1e-3, num_data=1000, seed=0)
-        >>> loss = model(torch.randn(8, 3)).pow(2).mean()
-        >>> loss.backward()
-        >>> opt.step()
+    {example}
 
     Note:
         Welling & Teh (2011) use the step :math:`\epsilon = 2\,lr/N` on the summed log
@@ -247,52 +196,8 @@ SGLD.__doc__ = rf"""Stochastic gradient Langevin dynamics, a drop-in for ``torch
     References:
         Welling, M. & Teh, Y. W. (2011). Bayesian learning via stochastic gradient
         Langevin dynamics. ICML. Eq. (4).
-    """
-
-
-class SGLDState(NamedTuple):
-    """The state of :func:`sgld`: the chain's random state (SGLD keeps no buffer).
-
-    Attributes:
-        seed: the seed of the chain's noise.
-        count: the number of updates taken, the step of the next noise draw and of the
-            schedules.
-    """
-
-    seed: int
-    count: int  # type: ignore[assignment]  # a field, as optax's ScaleByScheduleState.count
-
-
-def sgld(
-    lr: ScalarOrSchedule,
-    momentum: float = 0.0,
-    *,
-    num_data: int,
-    temperature: ScalarOrSchedule = 1.0,
-    weight_decay: float = 0.0,
-    dampening: float = 0.0,
-    nesterov: bool = False,
-    maximize: bool = False,
-    foreach: bool | None = None,
-    seed: int | None = None,
-) -> GradientTransformation:
-    """SGLD as a torchopt gradient transformation (see ``sgld.__doc__``)."""
-    return sampler_transformation(
-        locals(),
-        name="transforms.sgld",
-        state_type=SGLDState,
-        optimizer_class=SGLD,
-        init_buffers=lambda leaves: (),
-        kernel=_sgld_kernel,
-    )
-
-
-def _sgld_kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
-    keys = ("lr", "temperature", "num_data", "weight_decay", "maximize", "foreach")
-    return sgld_direction(inputs.params, inputs.grads, inputs.noise, **pick(group, *keys)), ()
-
-
-sgld.__doc__ = rf"""Stochastic gradient Langevin dynamics as a torchopt gradient transformation.
+    """,
+    transform_doc=r"""Stochastic gradient Langevin dynamics as a torchopt gradient transformation.
 
     The same chain as :class:`SGLD`, computed by the same kernel: each update is
 
@@ -307,21 +212,7 @@ sgld.__doc__ = rf"""Stochastic gradient Langevin dynamics as a torchopt gradient
     :math:`N` = ``num_data``, the sign negative when ``maximize``. The noise of update
     :math:`k` is drawn from ``seed`` and :math:`k` alone (both in the state).
 
-    Args:
-        {transformation.lr_doc}
-        momentum: must be 0 (SGLD has no momentum; use :func:`sghmc`). Accepted so that
-            the signature is ``torchopt.sgd``'s.
-        {_docs.num_data_doc}
-        {transformation.temperature_doc}
-        {_docs.weight_decay_doc}
-        {_docs.dampening_doc}
-        nesterov: must be False (it needs momentum).
-        {_docs.maximize_doc}
-        {transformation.foreach_doc}
-        {transformation.seed_doc}
-
-    Returns:
-        {transformation.returns_doc}
+    {arguments}
 
     Example:
         >>> import torch, torchopt
@@ -350,4 +241,12 @@ sgld.__doc__ = rf"""Stochastic gradient Langevin dynamics as a torchopt gradient
     References:
         Welling, M. & Teh, Y. W. (2011). Bayesian learning via stochastic gradient
         Langevin dynamics. ICML. Eq. (4).
-    """
+    """,
+)
+
+
+class SGLD(SamplerOptimizer, definition=DEFINITION):
+    """SGLD, a drop-in for ``torch.optim.SGD`` (full docstring: ``DEFINITION``)."""
+
+
+sgld, SGLDState = transformation_of(DEFINITION, SGLD)

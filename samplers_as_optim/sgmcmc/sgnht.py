@@ -100,26 +100,22 @@ invariant and needs no global reduction across tensors or param groups.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, cast
+from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 from torch import Tensor
-from torchopt.base import GradientTransformation
 
-from ..core.validation import check_choice, check_finite, check_momentum
-from . import _docs, transformation
-from ._common import buckets, effective_grad, effective_grads
+from ..core.validation import check_choice, check_momentum
+from ._common import bucketed_grads, effective_grad
+from .arguments import DAMPENING, NESTEROV, TEMPERATURE, sampling_meaningless, sgd_signature
+from .definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
 from .optimizer import SamplerOptimizer
-from .sghmc import rescale_momentum, sghmc_noise_scale
-from .transformation import (
-    KernelInput,
-    KernelOutput,
-    ScalarOrSchedule,
-    pick,
-    sampler_transformation,
-)
+from .sghmc import sghmc_noise_scale
+from .transformation import pick, transformation_of
 
 __all__ = [
+    "DEFINITION",
     "KINETIC_ENERGY",
     "SGNHT",
     "SGNHTState",
@@ -229,13 +225,9 @@ def sgnht_direction(
 
     buffers = list(momentum_buffers)
     new_thermostats = list(thermostats)
-    for index in buckets(params):
-        bucket_grads, _ = effective_grads(
-            [grads[i] for i in index],
-            [params[i] for i in index],
-            weight_decay=weight_decay,
-            maximize=maximize,
-        )
+    for index, bucket_grads, _ in bucketed_grads(
+        params, grads, weight_decay=weight_decay, maximize=maximize
+    ):
         alphas = [thermostats[i] for i in index]
         frictions = torch._foreach_neg(alphas)
         torch._foreach_add_(frictions, 1.0)
@@ -278,105 +270,109 @@ def sgnht_direction(
     return list(buffers), buffers, new_thermostats
 
 
-class SGNHT(SamplerOptimizer):
-    """SGNHT as a drop-in replacement for ``torch.optim.SGD`` (see ``SGNHT.__doc__``)."""
+def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:
+    sampling_meaningless("nesterov", group["nesterov"], False, temperature, where)
+    sampling_meaningless("dampening", group["dampening"], 0, temperature, where)
 
-    requires_positive_temperature = True
-    momentum_in_lr_units = True  # the buffer; the thermostat's equilibrium is lr-free
-    #: what goes wrong at T = 0, in a schedule's message (CyclicalSGMCMC)
-    zero_temperature_fault = "its dynamics diverge at temperature 0"
-    own_dtype_state = ("thermostat",)
-    positive_temperature_reason = (
+
+def _update(
+    group: Mapping[str, Any], inputs: UpdateInput, *, foreach: bool, inplace: bool
+) -> UpdateOutput:
+    keys = ("lr", "momentum", "temperature", "num_data", "weight_decay", "maximize")
+    directions, momentum_buffers, thermostats = sgnht_direction(
+        inputs.params,
+        inputs.grads,
+        cast(list[Tensor], inputs.buffers["momentum_buffer"]),  # set for every parameter (init)
+        cast(list[Tensor], inputs.buffers["thermostat"]),
+        cast(list[Tensor], inputs.noise),  # sgnht_direction raises when temperature is 0
+        **pick(group, *keys, "kinetic_energy"),
+        foreach=foreach,
+        inplace=inplace,
+    )
+    return directions, {"momentum_buffer": momentum_buffers, "thermostat": thermostats}
+
+
+MOMENTUM = Hyperparameter(
+    "momentum",
+    default=0.9,
+    doc=r"""momentum: :math:`\mu` (default: 0.9; in [0, 1)): the initial
+            friction is :math:`1 - \mu` and the injected noise is SGHMC's for that
+            momentum.""",
+    transform_doc=r"""momentum: :math:`\mu` (default: 0.9; in [0, 1)): the initial
+            friction is :math:`1 - \mu` and the injected noise is :func:`sghmc`'s for
+            that momentum.""",
+    check=lambda value, where: check_momentum(value, where=where),
+    positional=True,
+)
+KINETIC_ENERGY_ARGUMENT = Hyperparameter(
+    "kinetic_energy",
+    default="symmetric",
+    annotation="str",
+    doc=r"""kinetic_energy: the thermostat's estimate of the kinetic
+            energy (default: ``"symmetric"``, that of the midpoint of the old and new
+            buffers: no bias beyond SGHMC's; ``"ding"``: Ding et al.'s, of the new
+            buffer, which samples cold by about :math:`(1-\mu)/2`).""",
+    transform_doc=r"""kinetic_energy: ``"symmetric"`` (default) or ``"ding"``, as
+            for :class:`SGNHT`.""",
+    check=lambda value, where: check_choice("kinetic_energy", value, KINETIC_ENERGY, where=where),
+)
+
+DEFINITION = SamplerDefinition(
+    name="SGNHT",
+    transform_name="sgnht",
+    hyperparameters=sgd_signature(
+        MOMENTUM,
+        KINETIC_ENERGY_ARGUMENT,
+        temperature=TEMPERATURE.replace(
+            doc=r"""temperature: T (default: 1.0; a finite number > 0).""",
+            transform_doc=r"""temperature: T (default: 1.0; a finite number > 0), or a
+            schedule of the step count like ``lr``.""",
+        ),
+        dampening=DAMPENING.replace(
+            doc=r"""dampening: must be 0 (no sampling meaning; accepted for
+            SGD's signature).""",
+            transform_doc=r"""dampening: must be 0 (no sampling meaning; accepted for
+            ``torchopt.sgd``'s signature).""",
+        ),
+        nesterov=NESTEROV.replace(
+            doc=r"""nesterov: must be False (no sampling meaning; accepted for
+            SGD's signature).""",
+            transform_doc=r"""nesterov: must be False (no sampling meaning; accepted for
+            ``torchopt.sgd``'s signature).""",
+        ),
+    ),
+    state=(
+        StateField(
+            "momentum_buffer",
+            "one buffer :math:`b` per leaf of the params tree, in the order of its leaves, "
+            "starting at zero.",
+            init=lambda param, group: sgnht_initial_state(param, group["momentum"])[0],
+        ),
+        StateField(
+            "thermostat",
+            "one 0-dim thermostat :math:`\\alpha` per leaf, starting at :math:`1 - \\mu` "
+            "(see :func:`sgnht_initial_state`).",
+            init=lambda param, group: sgnht_initial_state(param, group["momentum"])[1],
+            own_dtype=True,
+        ),
+    ),
+    update=_update,
+    example="lr=1e-3",
+    check=_check,
+    momentum_in_lr_units=True,  # the buffer; the thermostat's equilibrium is lr-free
+    requires_positive_temperature=True,
+    positive_temperature_reason=(
         "at temperature 0 SGNHT's thermostat only grows and the dynamics diverge instead "
         "of becoming SGD (posteriors paper, Appendix C); use SGHMC for temperature=0"
-    )
-
-    def __init__(
-        self,
-        params: Any,
-        lr: float | Tensor = 1e-3,
-        momentum: float = 0.9,
-        *,
-        num_data: int,
-        temperature: float = 1.0,
-        weight_decay: float = 0.0,
-        dampening: float = 0.0,
-        nesterov: bool = False,
-        maximize: bool = False,
-        foreach: bool | None = None,
-        differentiable: bool = False,
-        fused: bool | None = None,
-        seed: int | None = None,
-        overlap_noise: bool = True,
-        nonfinite: str = "raise",
-        kinetic_energy: str = "symmetric",
-    ) -> None:
-        super().__init__(locals())
-
-    @classmethod
-    def _check_group_combinations(
-        cls, group: dict[str, Any], temperature: float, where: str
-    ) -> None:
-        check_momentum(group["momentum"], where=where)
-        check_choice("kinetic_energy", group["kinetic_energy"], KINETIC_ENERGY, where=where)
-        check_finite("dampening", group["dampening"], where=where)
-        cls._reject_at_positive_temperature(
-            "nesterov", group["nesterov"], False, temperature, where
-        )
-        cls._reject_at_positive_temperature("dampening", group["dampening"], 0, temperature, where)
-
-    #: the thermostat reduces over a whole tensor, so tensors are never chunked
-    chunked_kernel = False
-    supports_dtensor = False
-    dtensor_unsupported_reason = (
+    ),
+    zero_temperature_fault="its dynamics diverge at temperature 0",
+    # the thermostat reduces over a whole tensor, so tensors are never chunked
+    chunked_kernel=False,
+    supports_dtensor=False,
+    dtensor_unsupported_reason=(
         "its thermostat reduces each parameter's kinetic energy over the whole tensor"
-    )
-
-    def _state_fields(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return ("momentum_buffer", "thermostat")
-
-    # the buffer keeps the momentum as SGHMC's does; the thermostat, in SGD units, needs
-    # nothing (see the module docstring)
-    def _init_state(self, group: dict[str, Any], param: Tensor, state: dict[str, Any]) -> None:
-        # A state loaded from torch.optim.SGD or SGHMC has a momentum buffer but no
-        # thermostat: keep the buffer (the chain's momentum) and start the thermostat.
-        buffer, thermostat = sgnht_initial_state(param, group["momentum"])
-        state.setdefault("momentum_buffer", buffer)
-        state.setdefault("thermostat", thermostat)
-
-    def _kernel(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        buffers: list[list[Tensor | None]],
-        noise: list[Tensor] | None,
-        *,
-        lr: float,
-        temperature: float,
-        foreach: bool,
-    ) -> tuple[list[Tensor], list[list[Tensor | None]]]:
-        assert noise is not None  # temperature > 0 is validated
-        directions, momentum_buffers, thermostats = sgnht_direction(
-            params,
-            grads,
-            cast(list[Tensor], buffers[0]),  # set for every parameter by _init_state
-            cast(list[Tensor], buffers[1]),
-            noise,
-            lr=lr,
-            momentum=group["momentum"],
-            temperature=temperature,
-            num_data=group["num_data"],
-            weight_decay=group["weight_decay"],
-            maximize=group["maximize"],
-            foreach=foreach,
-            kinetic_energy=group["kinetic_energy"],
-        )
-        new_buffers = cast(list[Tensor | None], momentum_buffers)
-        return directions, [new_buffers, cast(list[Tensor | None], thermostats)]
-
-
-SGNHT.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat, a drop-in for ``torch.optim.SGD``.
+    ),
+    optimizer_doc=r"""SG Nosé--Hoover thermostat, a drop-in for ``torch.optim.SGD``.
 
     Each step is one transition of the Markov chain
 
@@ -404,36 +400,9 @@ SGNHT.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat, a drop-in for
     :mod:`samplers_as_optim.sgmcmc.sgnht`). ``temperature`` must be > 0: at 0 the
     thermostat diverges.
 
-    Args:
-        {_docs.params_doc}
-        {_docs.lr_doc}
-        momentum: :math:`\mu` (default: 0.9; in [0, 1)): the initial friction is
-            :math:`1 - \mu` and the injected noise is SGHMC's for that momentum.
-        {_docs.num_data_doc}
-        temperature: T (default: 1.0; a finite number > 0).
-        {_docs.weight_decay_doc}
-        dampening: must be 0 (no sampling meaning; accepted for SGD's signature).
-        nesterov: must be False (no sampling meaning; accepted for SGD's signature).
-        {_docs.maximize_doc}
-        {_docs.foreach_doc}
-        {_docs.differentiable_doc}
-        {_docs.fused_doc}
-        {_docs.seed_doc}
-        {_docs.overlap_noise_doc}
-        {_docs.nonfinite_doc}
-        kinetic_energy: the thermostat's estimate of the kinetic energy (default:
-            ``"symmetric"``, that of the midpoint of the old and new buffers: no bias
-            beyond SGHMC's; ``"ding"``: Ding et al.'s, of the new buffer, which samples
-            cold by about :math:`(1-\mu)/2`).
+    {arguments}
 
-    Example:
-        >>> import torch
-        >>> from samplers_as_optim import SGNHT
-        >>> model = torch.nn.Linear(3, 1)
-        >>> opt = SGNHT(model.parameters(), lr=1e-3, num_data=1000, seed=0)
-        >>> loss = model(torch.randn(8, 3)).pow(2).mean()
-        >>> loss.backward()
-        >>> opt.step()
+    {example}
 
     Note:
         Ding et al. (2014) use one thermostat for all coordinates and step :math:`h` on
@@ -444,85 +413,8 @@ SGNHT.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat, a drop-in for
     References:
         Ding, N., Fang, Y., Babbush, R., Chen, C., Skeel, R. D. & Neven, H. (2014).
         Bayesian sampling using stochastic gradient thermostats. NeurIPS. Algorithm 1.
-    """
-
-
-class SGNHTState(NamedTuple):
-    r"""The state of :func:`sgnht`: buffers, thermostats and the chain's random state.
-
-    Attributes:
-        momentum_buffer: one buffer :math:`b` per leaf of the params tree, in the order of
-            its leaves, starting at zero.
-        thermostat: one 0-dim thermostat :math:`\alpha` per leaf, starting at
-            :math:`1 - \mu` (see :func:`sgnht_initial_state`).
-        momentum_lr: per leaf, the learning rate (a float) at which its buffer was last
-            written, None before its first update: a later update at another ``lr``
-            first rescales the buffer (the thermostat needs no rescaling; see
-            :mod:`samplers_as_optim.sgmcmc.sgnht`).
-        seed: the seed of the chain's noise.
-        count: the number of updates taken, the step of the next noise draw and of the
-            schedules.
-    """
-
-    momentum_buffer: tuple[Tensor | None, ...]
-    thermostat: tuple[Tensor | None, ...]
-    momentum_lr: tuple[float | None, ...]
-    seed: int
-    count: int  # type: ignore[assignment]  # a field, as optax's ScaleByScheduleState.count
-
-
-def sgnht(
-    lr: ScalarOrSchedule,
-    momentum: float = 0.9,
-    *,
-    num_data: int,
-    temperature: ScalarOrSchedule = 1.0,
-    weight_decay: float = 0.0,
-    dampening: float = 0.0,
-    nesterov: bool = False,
-    maximize: bool = False,
-    foreach: bool | None = None,
-    seed: int | None = None,
-    kinetic_energy: str = "symmetric",
-) -> GradientTransformation:
-    """SGNHT as a torchopt gradient transformation (see ``sgnht.__doc__``)."""
-    return sampler_transformation(
-        locals(),
-        name="transforms.sgnht",
-        state_type=SGNHTState,
-        optimizer_class=SGNHT,
-        init_buffers=lambda leaves: _sgnht_buffers(leaves, momentum),
-        kernel=_sgnht_kernel,
-    )
-
-
-def _sgnht_buffers(leaves: list[Tensor | None], momentum: float) -> tuple[tuple[Any, ...], ...]:
-    pairs = [
-        (None, None) if leaf is None else sgnht_initial_state(leaf, momentum) for leaf in leaves
-    ]
-    buffers, thermostats = tuple(pair[0] for pair in pairs), tuple(pair[1] for pair in pairs)
-    return buffers, thermostats, (None,) * len(leaves)
-
-
-def _sgnht_kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
-    buffers, thermostats, buffer_lrs = inputs.buffers
-    buffers, buffer_lrs = rescale_momentum(
-        buffers, buffer_lrs, **pick(group, "lr", "temperature", "foreach", "inplace")
-    )
-    keys: tuple[str, ...] = ("lr", "momentum", "temperature", "num_data", "weight_decay")
-    keys += ("maximize", "kinetic_energy")
-    directions, buffers, thermostats = sgnht_direction(
-        inputs.params,
-        inputs.grads,
-        cast(list[Tensor], buffers),  # _sgnht_buffers gives every parameter one
-        thermostats,
-        cast(list[Tensor], inputs.noise),  # sgnht_direction raises when temperature is 0
-        **pick(group, *keys, "foreach", "inplace"),
-    )
-    return directions, (buffers, thermostats, buffer_lrs)
-
-
-sgnht.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat as a torchopt transformation.
+    """,
+    transform_doc=r"""Stochastic gradient Nosé--Hoover thermostat as a torchopt transformation.
 
     The same chain as :class:`SGNHT`, computed by the same kernel: each update is
 
@@ -544,25 +436,7 @@ sgnht.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat as a torchopt 
     and :math:`k` alone (both in the state). ``temperature`` must be > 0 at every step:
     at 0 the thermostat diverges.
 
-    Args:
-        {transformation.lr_doc}
-        momentum: :math:`\mu` (default: 0.9; in [0, 1)): the initial friction is
-            :math:`1 - \mu` and the injected noise is :func:`sghmc`'s for that momentum.
-        {_docs.num_data_doc}
-        temperature: T (default: 1.0; a finite number > 0), or a schedule of the step
-            count like ``lr``.
-        {_docs.weight_decay_doc}
-        dampening: must be 0 (no sampling meaning; accepted for ``torchopt.sgd``'s
-            signature).
-        nesterov: must be False (no sampling meaning; accepted for ``torchopt.sgd``'s
-            signature).
-        {_docs.maximize_doc}
-        {transformation.foreach_doc}
-        {transformation.seed_doc}
-        kinetic_energy: ``"symmetric"`` (default) or ``"ding"``, as for :class:`SGNHT`.
-
-    Returns:
-        {transformation.returns_doc}
+    {arguments}
 
     Example:
         >>> import torch, torchopt
@@ -586,4 +460,12 @@ sgnht.__doc__ = rf"""Stochastic gradient Nosé--Hoover thermostat as a torchopt 
     References:
         Ding, N., Fang, Y., Babbush, R., Chen, C., Skeel, R. D. & Neven, H. (2014).
         Bayesian sampling using stochastic gradient thermostats. NeurIPS. Algorithm 1.
-    """
+    """,
+)
+
+
+class SGNHT(SamplerOptimizer, definition=DEFINITION):
+    """SGNHT, a drop-in for ``torch.optim.SGD`` (full docstring: ``DEFINITION``)."""
+
+
+sgnht, SGNHTState = transformation_of(DEFINITION, SGNHT)

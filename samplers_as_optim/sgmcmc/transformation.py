@@ -38,6 +38,9 @@ from torchopt.base import GradientTransformation
 from ..core.streams import NoiseStream, parameter_key, seed_from_global_rng
 from ..core.validation import check_seed
 from ._common import buckets, default_foreach, may_be_non_finite
+from .arguments import RETURNS_DOC
+from .definition import SamplerDefinition, UpdateInput, arguments_doc, generated_function
+from .momentum_units import rescale_momentum
 from .optimizer import SamplerOptimizer
 
 __all__ = [
@@ -48,6 +51,7 @@ __all__ = [
     "leaf_noise_keys",
     "pick",
     "sampler_transformation",
+    "transformation_of",
 ]
 
 #: A hyperparameter given as a number, or as a schedule: a callable of the step count
@@ -90,33 +94,6 @@ KernelOutput = tuple[list[Tensor], tuple[list[Any], ...]]
 #: hyperparameters, ``lr`` and ``temperature`` resolved to floats at this step, and
 #: ``count``, ``inplace`` and ``foreach`` (resolved to a bool).
 Kernel = Callable[[dict[str, Any], KernelInput], KernelOutput]
-
-lr_doc = r"""lr: learning rate in the units of ``torch.optim.SGD``, or a schedule: a
-            callable of the step count (a Python int from 0) returning it, as torchopt's
-            ``ScalarOrSchedule`` (a finite number >= 0, or a one-element tensor, read as
-            a number: no gradient flows to it). At temperature > 0 it is also the
-            sampler's step size; an update whose ``lr`` is 0 at temperature > 0 is zero
-            and leaves the buffers unchanged (no time passes)."""
-
-foreach_doc = r"""foreach: use the multi-tensor (foreach) kernel (default: None: foreach when
-            every tensor is on an accelerator, as torch.optim does, except inside
-            ``torch.func`` transforms, which have no batching rule for foreach ops). Both
-            paths give the same numbers."""
-
-temperature_doc = r"""temperature: T, the target is ``p(theta | D) ** (1 / T)`` (default:
-            1.0, the Bayesian posterior; a finite number >= 0), or a schedule of the
-            step count like ``lr`` (to anneal, for instance)."""
-
-seed_doc = r"""seed: seed of the chain's noise, kept in the state with the step counter
-            (default: None: drawn from torch's global RNG when the transformation is
-            built, so ``torch.manual_seed`` governs a run; an integer in [0, 2**64))."""
-
-returns_doc = r"""A ``torchopt.base.GradientTransformation``. ``update(updates, state, *,
-        params=None, inplace=True)`` returns the updates to add to the parameters
-        (``torchopt.apply_updates``) and the next state; ``params`` is required when
-        ``weight_decay`` > 0. With ``inplace=True`` the updates are written into the
-        given tensors and the buffers are updated in place, as torchopt does; with
-        ``inplace=False`` nothing passed in is modified."""
 
 #: The hyperparameters a composable part leaves at their neutral value.
 _NEUTRAL = {"weight_decay": 0.0, "dampening": 0.0, "nesterov": False, "maximize": False}
@@ -338,3 +315,117 @@ def _scatter(values: list[Any], index: list[int], new: list[Any]) -> list[Any]:
     for i, value in zip(index, new, strict=True):
         out[i] = value
     return out
+
+
+#: the field of a transformation's state that holds the rate of each momentum buffer
+MOMENTUM_RATE = "momentum_lr"
+#: the module whose names the transformations' state classes are (for pickling)
+PUBLIC_MODULE = "samplers_as_optim.transforms"
+
+
+def transformation_of(
+    definition: SamplerDefinition, optimizer_class: type[SamplerOptimizer]
+) -> tuple[Callable[..., GradientTransformation], type[Any]]:
+    """A sampler's transformation factory and state class, built from its definition.
+
+    The state is a NamedTuple named ``<Name>State`` with one field per declared buffer
+    (each a tuple with one entry per leaf, or empty where the hyperparameters keep no such
+    buffer), ``momentum_lr`` for a sampler whose momentum is kept in SGD units (the rate
+    each buffer was written at, a float or None), then ``seed`` and ``count``. The factory
+    has the declared signature (the hyperparameters with ``transform=True``) and validates
+    with ``optimizer_class.check_hyperparameters``, so that both front ends refuse the
+    same values with the same messages.
+    """
+    rated = definition.momentum_in_lr_units
+    names = [state.name for state in definition.state] + ([MOMENTUM_RATE] if rated else [])
+    lines = [f"The state of :func:`{definition.transform_name}`: buffers and the chain's "]
+    lines[0] += "random state.\n\nAttributes:"
+    for state in definition.state:
+        lines.append(f"    {state.name}: {state.doc}")
+    if rated:
+        lines.append(
+            f"    {MOMENTUM_RATE}: per leaf, the learning rate (a float) at which its momentum "
+            "buffer was last written, None before its first update at temperature > 0: a "
+            "later update at another ``lr`` first rescales the buffer (docs/design.md)."
+        )
+    lines.append("    seed: the seed of the chain's noise.")
+    lines.append(
+        "    count: the number of updates taken, the step of the next noise draw and of "
+        "the schedules."
+    )
+    fields = [(name, tuple[Any, ...]) for name in names] + [("seed", int), ("count", int)]
+    state_type: type[Any] = NamedTuple(f"{definition.name}State", fields)  # type: ignore[misc]
+    state_type.__module__ = PUBLIC_MODULE
+    state_type.__doc__ = "\n".join(lines)
+
+    def init_buffers(group: Mapping[str, Any], leaves: list[Tensor | None]) -> tuple[Any, ...]:
+        used = definition.state_fields(group)
+        buffers: list[tuple[Any, ...]] = []
+        for state in definition.state:
+            if state.name not in used:
+                buffers.append(())
+                continue
+            init = state.init or (lambda leaf, _: torch.zeros_like(leaf))
+            buffers.append(tuple(None if leaf is None else init(leaf, group) for leaf in leaves))
+        if rated:
+            buffers.append((None,) * len(leaves) if "momentum_buffer" in used else ())
+        return tuple(buffers)
+
+    def kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
+        given = dict(zip(names, inputs.buffers, strict=True))
+        used = definition.state_fields(group)
+        rates: list[Any] = given.get(MOMENTUM_RATE, [])
+        if rated and given.get("momentum_buffer"):
+            given["momentum_buffer"], rates = rescale_momentum(
+                given["momentum_buffer"],
+                rates,
+                **pick(group, "lr", "temperature", "foreach", "inplace"),
+            )
+        directions, new = definition.update(
+            {**group, "initial_state": group["count"] == 0},
+            UpdateInput(
+                inputs.params, inputs.grads, {name: given[name] for name in used}, inputs.noise
+            ),
+            foreach=group["foreach"],
+            inplace=group["inplace"],
+        )
+        out = [list(new[state.name]) if state.name in used else [] for state in definition.state]
+        return directions, (*out, *([rates] if rated else []))
+
+    transform = definition.transform_hyperparameters()
+
+    def build(arguments: dict[str, Any]) -> GradientTransformation:
+        arguments = {**arguments, **definition.transform_fixed}
+        return sampler_transformation(
+            arguments,
+            name=f"transforms.{definition.transform_name}",
+            state_type=state_type,
+            optimizer_class=optimizer_class,
+            init_buffers=functools.partial(init_buffers, arguments),
+            kernel=kernel,
+        )
+
+    parameters = [
+        (
+            h.name,
+            h.default_in_transform(),
+            h.transform_annotation or h.annotation,
+            h.positional if h.transform_positional is None else h.transform_positional,
+        )
+        for h in transform
+    ]
+    parameters = [p for p in parameters if p[3]] + [p for p in parameters if not p[3]]
+    order = [p[0] for p in parameters]
+    entries = [
+        (h.transform_doc or h.doc) for h in sorted(transform, key=lambda h: order.index(h.name))
+    ]
+    doc = definition.transform_doc.format(arguments=arguments_doc(entries), returns=RETURNS_DOC)
+    factory = generated_function(
+        definition.transform_name,
+        parameters,
+        build,
+        returns="GradientTransformation",
+        module=PUBLIC_MODULE,
+        doc=doc,
+    )
+    return factory, state_type

@@ -1,0 +1,127 @@
+r"""What one HMC transition draws from the chain: step multiplier, momenta, test uniform.
+
+Randomness is counter based (``samplers_as_optim.core.streams``, ``docs/design.md``):
+the momentum of a parameter is ``NoiseStream(seed).draw`` at ``(step, parameter key)``,
+scaled by :math:`\sqrt{T M}`; the uniforms of the Metropolis test and of the jitter come
+from generators seeded by ``(seed, step, key)`` with keys of their own. Both ways to run
+a transition (by closure, by loss function) take these same numbers, so they are the same
+chain.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..core.streams import NoiseStream, derive_seed
+from .adaptation import start_step_size_
+from .start import Start
+
+__all__ = ["TransitionDraws", "draw_transition"]
+
+#: keys of the uniforms of the accept test and of the jitter (apart from parameter keys)
+_ACCEPT_KEY = derive_seed(0x484D43, 1)
+_JITTER_KEY = derive_seed(0x484D43, 2)
+
+
+class TransitionDraws(NamedTuple):
+    """One transition's scalars per parameter, step multiplier and random numbers."""
+
+    decay: dict[int, float]  #: each parameter's weight decay, by ``id``
+    root_lr: dict[int, float]  #: each parameter's :math:`\sqrt{lr/N}`, by ``id``
+    multiplier: Tensor  #: the step multiplier :math:`s` per chain (float64), jittered
+    inverse_mass: list[Tensor | None]  #: per parameter of the chain (None: the identity)
+    momenta: list[Tensor]  #: :math:`r \sim \mathcal N(0, T M)` per parameter of the chain
+    uniform: Tensor  #: :math:`u` of the Metropolis test, per chain (float64)
+    step_size: Tensor  #: the leapfrog step of param group 0, for the diagnostics
+    num_accepted: Tensor  #: the running count of acceptances before this transition
+    divergences: Tensor  #: the running count of divergences before this transition
+
+
+def _inverse_mass(state: Mapping[Any, Any], param: Tensor) -> Tensor | None:
+    """:math:`M^{-1}` of a parameter: from its state's ``"mass"``, else None (the identity)."""
+    mass = state[param].get("mass") if param in state else None
+    return None if mass is None else 1.0 / mass
+
+
+def draw_transition(
+    param_groups: Sequence[dict[str, Any]],
+    state: Mapping[Any, Any],
+    hmc: dict[str, Any],
+    start: Start,
+    stream: Callable[[int], NoiseStream],
+    keys: Sequence[int],
+) -> TransitionDraws:
+    """Draw what a transition from ``start`` needs (nothing changes but the first step size).
+
+    Args:
+        param_groups: the optimizer's param groups (their seeds and step counters).
+        state: the optimizer's per-parameter state (a parameter's ``"mass"``).
+        hmc: the optimizer-level ``"hmc"`` state: the log step multiplier (created at
+            the first transition) and the last diagnostics (their running counts).
+        start: where the transition starts (the chain and K).
+        stream: the chain's noise stream of a seed.
+        keys: the noise key of each parameter of the chain.
+    """
+    first = param_groups[0]
+    num_data = int(first["num_data"])
+    temperature = float(first["temperature"])
+    jitter = float(first["jitter"])
+    decay: dict[int, float] = {}
+    root_lr: dict[int, float] = {}
+    group_of: dict[int, dict[str, Any]] = {}
+    for group in param_groups:
+        for p in group["params"]:
+            decay[id(p)] = float(group["weight_decay"])
+            root_lr[id(p)] = math.sqrt(float(group["lr"]) / num_data)
+            group_of[id(p)] = group
+    chain, members = start.chain, start.members
+    device = chain[0].device
+
+    # the step size: s (per chain), jittered, times sqrt(lr / N) per group
+    log_step = start_step_size_(hmc, members, device, first["target_accept"])
+    multiplier = torch.exp(log_step)
+    step0 = int(first["step"])
+    stream0 = stream(int(first["seed"]))
+    if jitter > 0:
+        generator = stream0.generator(device, step=step0, key=_JITTER_KEY, block=0)
+        u = torch.rand(log_step.shape, generator=generator, dtype=torch.float64, device=device)
+        multiplier = multiplier * (1 + jitter * (2 * u - 1))
+    inverse_mass = [_inverse_mass(state, p) for p in chain]
+
+    # the momentum r ~ N(0, T M), from the counter-based stream
+    momenta = []
+    for p, inv, key in zip(chain, inverse_mass, keys, strict=True):
+        group = group_of[id(p)]
+        xi = stream(int(group["seed"])).draw(p, step=int(group["step"]), key=key)
+        scale = math.sqrt(temperature)
+        if inv is not None:
+            xi = xi * (scale / inv.sqrt())
+        elif scale != 1.0:  # (xi * 1.0 is xi, bit for bit)
+            xi = xi * scale
+        momenta.append(xi)
+    # the uniform of the Metropolis test
+    generator = stream0.generator(device, step=step0, key=_ACCEPT_KEY, block=0)
+    shape = () if members is None else (members,)
+    uniform = torch.rand(shape, generator=generator, dtype=torch.float64, device=device)
+    previous = hmc["diagnostics"]
+    if previous is None:
+        counts = torch.zeros(shape, dtype=torch.int64, device=device)
+        previous = {"num_accepted": counts, "divergences": counts}
+    params0 = first["params"]
+    step_size = multiplier * root_lr[id(params0[0])] if params0 else multiplier
+    return TransitionDraws(
+        decay,
+        root_lr,
+        multiplier,
+        inverse_mass,
+        momenta,
+        uniform,
+        step_size,
+        previous["num_accepted"],
+        previous["divergences"],
+    )
