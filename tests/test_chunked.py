@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import samplers_as_optim.core.keyed_normal as random_module  # where BLOCK is read
-import samplers_as_optim.sgmcmc.optimizer as optimizer_module
+import samplers_as_optim.sgmcmc._chunked_update as chunked_update_module
 from samplers_as_optim import SGHMC, SGLD, SGNHT, transforms
 from samplers_as_optim.core.streams import NoiseStream, block_bounds
 
@@ -22,7 +22,7 @@ SIZES = [(5,), (64,), (65,), (79,), (80,), (7, 50), (1000,), (3, 4, 17)]
 
 
 def run(cls, chunk, monkeypatch, *, dtype=torch.float32, steps=4, **kwargs):
-    monkeypatch.setattr(optimizer_module, "CHUNK", chunk)  # chunked above this size
+    monkeypatch.setattr(chunked_update_module, "CHUNK", chunk)  # chunked above this size
     monkeypatch.setattr(random_module, "BLOCK", 32)  # in blocks of 32: the same noise
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(size, dtype=dtype)) for size in SIZES]

@@ -38,7 +38,7 @@ from linear_chains import (
 from torch.func import vmap
 
 import samplers_as_optim.core.keyed_normal as random_module  # where BLOCK is read
-import samplers_as_optim.sgmcmc.optimizer as optimizer_module
+import samplers_as_optim.sgmcmc._chunked_update as chunked_update_module
 from samplers_as_optim import SGHMC, SGNHT, transforms
 from samplers_as_optim.sgmcmc.momentum_units import rescale_momentum
 
@@ -428,7 +428,7 @@ def test_the_chunked_cpu_path_rescales_as_the_whole_tensor_path(dtype, monkeypat
     runs = []
     monkeypatch.setattr(random_module, "BLOCK", 32)  # the noise in blocks of 32
     for chunk in (10**9, 32):
-        monkeypatch.setattr(optimizer_module, "CHUNK", chunk)
+        monkeypatch.setattr(chunked_update_module, "CHUNK", chunk)
         params = [torch.nn.Parameter(torch.zeros(size, dtype=dtype)) for size in (7, 1000, 79)]
         opt = SGHMC(params, lr=lrs[0], num_data=100, foreach=False, seed=3)
         generator = torch.Generator().manual_seed(1)

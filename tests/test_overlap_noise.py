@@ -13,13 +13,14 @@ import torch
 from samplers_under_test import SAMPLERS
 
 import samplers_as_optim.core.keyed_normal as random_module  # where BLOCK is read
-import samplers_as_optim.sgmcmc.optimizer as optimizer_module
+import samplers_as_optim.sgmcmc._chunked_update as chunked_update_module
+import samplers_as_optim.sgmcmc._group_noise as group_noise_module
 
 
 @pytest.fixture(autouse=True)
 def prefetch_small_parameters(monkeypatch):
     """The models here are small: prefetch every parameter, as large ones are."""
-    monkeypatch.setattr(optimizer_module, "PREFETCH_MIN_NUMEL", 1)
+    monkeypatch.setattr(group_noise_module, "PREFETCH_MIN_NUMEL", 1)
 
 
 def make_model():
@@ -81,7 +82,7 @@ def test_noise_drawn_on_a_cuda_side_stream_gives_the_same_chain(case, foreach):
 
 @pytest.mark.parametrize("case", SAMPLERS[:2], ids=repr)
 def test_overlapped_noise_gives_the_same_chain_on_the_chunked_path(case, monkeypatch):
-    monkeypatch.setattr(optimizer_module, "CHUNK", 32)
+    monkeypatch.setattr(chunked_update_module, "CHUNK", 32)
     monkeypatch.setattr(random_module, "BLOCK", 32)
     overlapped, _ = run(case, True, foreach=False, events=True)
     serial, _ = run(case, False, foreach=False, events=True)
@@ -133,7 +134,7 @@ def test_overlap_noise_must_be_a_bool(case):
 
 def test_small_parameters_draw_in_the_step(monkeypatch):
     """Handing small draws to the worker costs more than it saves: only large ones go."""
-    monkeypatch.setattr(optimizer_module, "PREFETCH_MIN_NUMEL", 200)  # the 40 x 5 weight
+    monkeypatch.setattr(group_noise_module, "PREFETCH_MIN_NUMEL", 200)  # the 40 x 5 weight
     case = SAMPLERS[1]
     model = make_model()
     opt = case.cls(model.parameters(), lr=0.01, num_data=200, seed=7, **case.kwargs)

@@ -202,6 +202,14 @@ class SamplerDefinition:
             ``dtensor_unsupported_reason``.
         transform_fixed: values the transformation fixes for hyperparameters it does not
             take (PSGLD's ``capturable``).
+        check_parameters: checks a param group's parameters at every step, before any
+            group changes, ``check_parameters(group, params, where)`` (PSGLD: the
+            dtypes its ``eps`` and noise scale must fit).
+        zero_temperature_step: for a sampler that is its optimizer at temperature 0 only
+            through that optimizer's own last operation (PSGLD: RMSprop's ``addcdiv_``),
+            ``zero_temperature_step(group, inputs, *, foreach)`` takes the Optimizer's
+            step itself (parameters and buffers in place) and returns True, or returns
+            False where it does not apply.
     """
 
     name: str
@@ -221,6 +229,8 @@ class SamplerDefinition:
     supports_dtensor: bool = True
     dtensor_unsupported_reason: str = ""
     transform_fixed: Mapping[str, Any] = field(default_factory=dict)
+    check_parameters: Callable[[Mapping[str, Any], list[Tensor], str], None] | None = None
+    zero_temperature_step: Callable[..., bool] | None = None
 
     def __post_init__(self) -> None:
         names = [h.name for h in self.hyperparameters]

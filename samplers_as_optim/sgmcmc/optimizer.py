@@ -1,10 +1,13 @@
-"""What SGLD, SGHMC and SGNHT share as ``torch.optim.Optimizer`` subclasses.
+"""The ``torch.optim`` front end of the SG-MCMC samplers, built from their definitions.
 
-A subclass supplies its constructor (which builds ``defaults``), a per-group validator
-and ``_update_group``, which calls the sampler's pure kernel. This base class owns
-everything else: param-group validation (at construction, on ``add_param_group`` and at
-every step, since a schedule may move any hyperparameter), gathering parameters with a
-gradient, the refusal of non-finite gradients, and the chain's random state.
+A sampler class is ``class SGHMC(SamplerOptimizer, definition=DEFINITION)``: its
+constructor (with the declared signature), its documentation and its hooks come from the
+:class:`~.definition.SamplerDefinition`. This base class owns the step every sampler
+takes: param-group validation (at construction, on ``add_param_group`` and at every
+step, since a schedule may move any hyperparameter), gathering parameters with a
+gradient, the non-finite policy (``_nonfinite``), the lr re-expression of the state, the
+noise (``_group_noise``, drawn ahead by ``_prefetch``), the CPU update in chunks
+(``_chunked_update``) and loading checkpoints (``_checkpoint``).
 
 The chain itself (the seed and step counter in the param groups, the noise streams, each
 parameter's noise key, derived once and kept in its state as ``state["noise_key"]``) is
@@ -23,22 +26,19 @@ that hold such a number as a float are migrated on load.
 
 from __future__ import annotations
 
-import math
-import warnings
-from collections.abc import Callable, Sequence
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..core import streams
-from ..core.chain import NOISE_KEY, ChainOptimizer, check_representable, check_saved_noise_key
+from ..core.chain import ChainOptimizer, check_representable
 from ..core.chain import at_group as at_group  # re-exported: the samplers' modules use it
 from ..core.distributed import agree_across_ranks
-from ..core.dtensor import is_dtensor, local_layout, wrap_like
+from ..core.dtensor import is_dtensor
 from ..core.noise_op import COMPILED_DRAW
-from ..core.streams import block_bounds, seed_from_global_rng
+from ..core.streams import seed_from_global_rng
 from ..core.validation import (
     check_bool,
     check_choice,
@@ -50,14 +50,22 @@ from ..core.validation import (
     check_temperature,
 )
 from ..names import parameter_layout
+from ._checkpoint import (
+    MOMENTUM_RATE,
+    migrate_momentum_rates,
+    refuse_non_finite_state,
+    restore_momentum_rate,
+    saved_groups_with_chain_state,
+    warn_if_keyed_otherwise,
+)
+from ._chunked_update import chunkable, update_in_chunks
 from ._common import (
     HostScalars,
-    all_finite,
     apply_step_,
     default_foreach,
-    host_scalar,
-    may_be_non_finite,
 )
+from ._group_noise import GroupNoise, large
+from ._nonfinite import describe_parameter, finite_flags, kept, refuse_non_finite_gradients
 from ._prefetch import NoisePrefetcher, NoiseRequest
 from .arguments import PARAMS_DOC
 from .definition import (
@@ -72,24 +80,10 @@ from .momentum_units import rescale_momentum_state
 
 __all__ = ["SamplerOptimizer"]
 
-#: where checkpoints written before the chain state moved into the param groups kept it
-_LEGACY_SAMPLER_KEY = "sampler"
-#: param-group entries that only a sampler (not torch.optim.SGD) writes
-_SAMPLER_ONLY_KEYS = ("num_data", "temperature")
-#: the per-parameter entry that holds the learning rate its momentum buffer was written at
-MOMENTUM_RATE = "momentum_lr"
 
 #: what a step does with a non-finite gradient: refuse it (an error, after a host sync) or
 #: skip it (a no-op, counted in ``group["skipped_steps"]``, without a sync)
 NONFINITE_POLICIES = ("raise", "skip")
-
-#: Parameters with at least this many elements have their noise drawn ahead (on the
-#: worker thread, or a CUDA side stream: ``overlap_noise``); smaller ones draw in the step.
-PREFETCH_MIN_NUMEL = 2**16
-
-#: Tensors with more elements than this are updated chunk by chunk on the CPU, in the
-#: noise's blocks (``streams.BLOCK`` elements), so that a chunk draws exactly its block.
-CHUNK = streams.BLOCK
 
 
 def check_sgd_only_flags(differentiable: Any, fused: Any) -> None:
@@ -267,51 +261,26 @@ class SamplerOptimizer(ChainOptimizer):
             if grad.is_sparse:
                 raise TypeError(
                     f"{type(self).__name__} does not support sparse gradients "
-                    f"({self._describe(group, index, position)}); use a dense embedding "
+                    f"({describe_parameter(group, index, position)}); use a dense embedding "
                     "(sparse=False) or torch.optim.SparseAdam for that parameter"
                 )
             if param.is_complex() or grad.is_complex():
                 raise TypeError(
                     f"{type(self).__name__} does not support complex parameters "
-                    f"({self._describe(group, index, position)}); view them as real with "
+                    f"({describe_parameter(group, index, position)}); view them as real with "
                     "torch.view_as_real"
                 )
             if is_dtensor(param) and not self.supports_dtensor:
                 raise NotImplementedError(
                     f"{type(self).__name__} does not support DTensor (FSDP2) parameters yet "
-                    f"({self._describe(group, index, position)}): "
+                    f"({describe_parameter(group, index, position)}): "
                     f"{self.dtensor_unsupported_reason}; use SGHMC or SGLD"
                 )
             params.append(param)
             grads.append(grad)
+        if self.definition.check_parameters is not None:
+            self.definition.check_parameters(group, params, at_group(index))
         return params, grads
-
-    @staticmethod
-    def _describe(group: dict[str, Any], index: int, position: int) -> str:
-        names = group.get("param_names")
-        param = group["params"][position]
-        name = f" {names[position]!r}" if names else ""
-        return f"param group {index}, parameter {position}{name} of shape {tuple(param.shape)}"
-
-    def _refuse_non_finite(
-        self, gathered: Sequence[tuple[int, dict[str, Any], list[Tensor], list[Tensor]]]
-    ) -> None:
-        """Raise, before anything changes, if any gradient holds NaN or infinity.
-
-        Fast path :func:`may_be_non_finite`; only on suspicion are the tensors checked one
-        by one, to name the culprit.
-        """
-        if not may_be_non_finite([grad for *_, grads in gathered for grad in grads]):
-            return
-        for index, group, _, _ in gathered:
-            for position, param in enumerate(group["params"]):
-                grad = param.grad
-                if grad is not None and not bool(torch.isfinite(grad).all()):
-                    raise FloatingPointError(
-                        f"{type(self).__name__} refused step {group['step'] + 1}: non-finite "
-                        f"gradient in {self._describe(group, index, position)}; no parameter "
-                        "or buffer was changed"
-                    )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -352,9 +321,9 @@ class SamplerOptimizer(ChainOptimizer):
             gathered.append((index, group, params, grads))
         keep = None
         if self._nonfinite == "raise":
-            self._refuse_non_finite(gathered)
+            refuse_non_finite_gradients(type(self).__name__, gathered)
         else:
-            keep = self._finite_flags(gathered)
+            keep = finite_flags(gathered)
         prefetcher = None if compiling else self._prefetcher
         if prefetcher is not None:
             prefetcher.wait()
@@ -374,27 +343,6 @@ class SamplerOptimizer(ChainOptimizer):
             prefetcher.submit(self._next_noise_requests())
         return loss
 
-    def _finite_flags(
-        self, gathered: Sequence[tuple[int, dict[str, Any], list[Tensor], list[Tensor]]]
-    ) -> dict[torch.device, Tensor]:
-        """``nonfinite="skip"``: whether every gradient is finite, one flag per device.
-
-        Computed without reading anything back to Python (no host synchronisation, no
-        graph break under ``torch.compile``); every param group counts the steps it
-        skipped in ``group["skipped_steps"]``, a 0-d integer tensor on its device.
-        """
-        flags = all_finite([grad for *_, grads in gathered for grad in grads])
-        for _, group, params, _ in gathered:
-            if params:
-                device = params[0].device
-                skipped = group.get("skipped_steps")
-                if not isinstance(skipped, Tensor):
-                    skipped = group["skipped_steps"] = torch.zeros(
-                        (), dtype=torch.int64, device=device
-                    )
-                skipped.add_(flags[skipped.device].logical_not().to(torch.int64))
-        return flags
-
     def _next_noise_requests(self) -> list[NoiseRequest]:
         """The next step's draws to prefetch: large CPU and CUDA parameters of groups at T > 0.
 
@@ -409,7 +357,7 @@ class SamplerOptimizer(ChainOptimizer):
             params = [
                 param
                 for param in group["params"]
-                if param.numel() >= PREFETCH_MIN_NUMEL
+                if large(param)
                 and param.requires_grad
                 and param.device.type in ("cpu", "cuda")
                 and parameter_layout(param) is None
@@ -452,11 +400,8 @@ class SamplerOptimizer(ChainOptimizer):
         step must change nothing; the new parameters and buffers are then selected with
         ``torch.where`` against the old ones, without a host synchronisation.
 
-        On the CPU without foreach, tensors larger than ``CHUNK`` elements are updated
-        chunk by chunk (the kernel on views, the noise drawn into a scratch chunk): the
-        same operations on the same numbers, so the same results bit for bit, but each
-        chunk stays in cache across the kernel's passes. That keeps a step within ~15%
-        of SGD's step plus drawing the noise, instead of ~30% for whole tensors.
+        On the CPU without foreach, large tensors are updated chunk by chunk, in cache
+        (``_chunked_update``), with the same numbers.
         """
         foreach = group["foreach"]
         if foreach is None:  # under compile, whole tensors (both paths: the same numbers)
@@ -471,13 +416,42 @@ class SamplerOptimizer(ChainOptimizer):
                 group, params, states, lr=lr, temperature=temperature, foreach=foreach
             )
         buffers = [[state.get(name) for state in states] for name in fields]
+        exact = self.definition.zero_temperature_step
+        if exact is not None and temperature == 0 and keep is None:
+            inputs = UpdateInput(params, grads, dict(zip(fields, buffers, strict=True)), None)
+            if exact({**group, "lr": lr, "temperature": 0.0}, inputs, foreach=foreach):
+                return
         noise_of = None
         if temperature > 0:
-            noise_of = _GroupNoise(self, group, params)
+            noise_of = GroupNoise(
+                params,
+                stream=self._stream(group["seed"]),
+                keys=self._noise_keys(params),
+                step=group["step"],
+                shard=self._shard,
+                prefetcher=self._prefetcher,
+                ahead=self._overlap_noise,
+            )
 
         kwargs = {"lr": lr, "temperature": temperature}
-        if keep is None and not foreach and self._chunkable(params, grads, buffers):
-            self._update_in_chunks(group, params, grads, buffers, noise_of, **kwargs)
+        if (
+            keep is None
+            and not foreach
+            and self.chunked_kernel
+            and chunkable(params, grads, buffers)
+        ):
+
+            def kernel(
+                ps: list[Tensor],
+                gs: list[Tensor],
+                bs: list[list[Tensor | None]],
+                noise: list[Tensor] | None,
+            ) -> list[Tensor]:
+                return self._kernel(group, ps, gs, bs, noise, foreach=False, **kwargs)[0]
+
+            update_in_chunks(
+                kernel, params, grads, buffers, noise_of, lr=lr, temperature=temperature
+            )
             return
         noise = None if noise_of is None else [noise_of.whole(i) for i in range(len(params))]
         old = None
@@ -489,86 +463,9 @@ class SamplerOptimizer(ChainOptimizer):
         for f, (name, field) in enumerate(zip(fields, new_buffers, strict=True)):
             for i, (state, value) in enumerate(zip(states, field, strict=True)):
                 if old is not None and keep is not None and isinstance(value, Tensor):
-                    value = _kept(value, old[f][i], keep)
+                    value = kept(value, old[f][i], keep)
                 state[name] = value
         apply_step_(params, directions, lr=lr, as_sgd=temperature == 0, foreach=foreach, keep=keep)
-
-    def _chunkable(
-        self,
-        params: list[Tensor],
-        grads: list[Tensor],
-        buffers: list[list[Tensor | None]],
-    ) -> bool:
-        if not self.chunked_kernel or not any(p.numel() > CHUNK for p in params):
-            return False
-        if any(parameter_layout(p) is not None or is_dtensor(p) for p in params):
-            return False  # a share of a larger tensor draws its part of that one's noise
-        tensors = [*params, *grads, *(b for field in buffers for b in field)]
-        # not e.g. SGHMC's first step, whose buffers the kernel creates
-        return all(t is not None and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
-
-    def _update_in_chunks(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        buffers: list[list[Tensor | None]],
-        noise_of: _GroupNoise | None,
-        *,
-        lr: float,
-        temperature: float,
-    ) -> None:
-        """``_update_group`` for CPU tensors, large ones chunk by chunk (buffers in place).
-
-        A chunk is a block of the noise (:data:`~samplers_as_optim.core.streams.BLOCK`): a
-        view of the prefetched noise, or drawn with ``normal_`` into a scratch tensor from
-        the block's own generator: the numbers of ``NoiseStream.draw``, which draws each
-        block with ``torch.randn``.
-        """
-
-        def update(
-            ps: list[Tensor],
-            gs: list[Tensor],
-            bs: list[list[Tensor | None]],
-            noise: list[Tensor] | None,
-        ) -> None:
-            directions, _ = self._kernel(
-                group, ps, gs, bs, noise, lr=lr, temperature=temperature, foreach=False
-            )
-            apply_step_(ps, directions, lr=lr, as_sgd=temperature == 0, foreach=False)
-
-        def flat(tensor: Tensor, start: int, stop: int) -> Tensor:
-            return tensor.view(-1)[start:stop]
-
-        small: list[int] = []  # consecutive small tensors, updated together in order
-
-        def flush() -> None:
-            if small:
-                noise = None if noise_of is None else [noise_of.whole(i) for i in small]
-                bs = [[field[i] for i in small] for field in buffers]
-                update([params[i] for i in small], [grads[i] for i in small], bs, noise)
-                small.clear()
-
-        scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}
-        for i, param in enumerate(params):
-            if param.numel() <= CHUNK:
-                small.append(i)
-                continue
-            flush()
-            kind = (param.device, param.dtype)
-            if kind not in scratch:
-                scratch[kind] = param.new_empty(streams.BLOCK)
-            for block, (start, stop) in enumerate(block_bounds(param.numel())):
-                noise = None
-                if noise_of is not None:
-                    noise = [noise_of.block(i, block, start, stop, scratch[kind])]
-                update(
-                    [flat(param, start, stop)],
-                    [flat(grads[i], start, stop)],
-                    [[flat(cast(Tensor, field[i]), start, stop)] for field in buffers],
-                    noise,
-                )
-        flush()
 
     # What a sampler supplies.
     #: whether the kernel is elementwise, so that it may run on chunks of a tensor
@@ -662,8 +559,7 @@ class SamplerOptimizer(ChainOptimizer):
 
         ``own_dtype_state`` (a thermostat) keeps its dtype on the parameter's device; the
         noise key (``ChainOptimizer._restore_noise_keys``) and the rate of a momentum
-        buffer keep theirs on the CPU (a float rate, as checkpoints wrote it before,
-        becomes a tensor; None, an unknown rate, none).
+        buffer (``_checkpoint.restore_momentum_rate``) keep theirs on the CPU.
         """
         self._restore_noise_keys(state_dict)
         saved_state = state_dict.get("state", {})
@@ -674,27 +570,12 @@ class SamplerOptimizer(ChainOptimizer):
                     value = saved.get(key)
                     if isinstance(value, Tensor):
                         self.state[param][key] = value.to(device=param.device, copy=True)
-                if MOMENTUM_RATE in saved:
-                    value = saved[MOMENTUM_RATE]
-                    if value is None:
-                        self.state[param].pop(MOMENTUM_RATE, None)
-                    elif isinstance(value, Tensor):
-                        self.state[param][MOMENTUM_RATE] = value.detach().to(
-                            device="cpu", copy=True
-                        )
-                    else:
-                        self.state[param][MOMENTUM_RATE] = host_scalar(float(value))
+                if MOMENTUM_RATE in saved:  # (indexing self.state creates an entry)
+                    restore_momentum_rate(self.state[param], saved)
 
     def _migrate_host_state(self) -> None:
         """A rate kept as a float (or None) by an earlier version becomes a tensor (or none)."""
-        for state in self.state.values():
-            if not isinstance(state, dict) or MOMENTUM_RATE not in state:
-                continue
-            rate = state[MOMENTUM_RATE]
-            if rate is None:
-                del state[MOMENTUM_RATE]
-            elif not isinstance(rate, Tensor):
-                state[MOMENTUM_RATE] = host_scalar(float(rate))
+        migrate_momentum_rates(self.state.values())
 
     def _prime_runtime(self) -> None:
         """Read the stored keys and rates now, so that the next step reads no tensor back.
@@ -729,49 +610,13 @@ class SamplerOptimizer(ChainOptimizer):
                 value is invalid, or a saved buffer holds NaN or infinity.
         """
         state_dict = dict(state_dict)
-        saved_groups = [dict(group) for group in state_dict.get("param_groups", [])]
-        legacy = state_dict.pop(_LEGACY_SAMPLER_KEY, None)
-        if legacy is not None:  # written by 0.1.0: {"seed", "steps"} beside the groups
-            for group in saved_groups:
-                group.update(seed=legacy["seed"], step=legacy["steps"])
-        elif not self._hold_chain_state(saved_groups):
-            found = sorted(
-                {key for group in saved_groups for key in _SAMPLER_ONLY_KEYS}
-                & {key for group in saved_groups for key in group}
-            )
-            if found:
-                raise ValueError(
-                    f"Invalid state_dict: its param groups hold {', '.join(found)} but not "
-                    "the chain's random state ('seed' and 'step'), so loading it would "
-                    "silently restart the noise (expected a sampler's state_dict(), or a "
-                    "torch.optim.SGD checkpoint, which has neither)"
-                )
-        saved_state = state_dict.get("state", {})
-        _refuse_non_finite_state(saved_state)
-        named_now = any("param_names" in group for group in self.param_groups)
-        named_then = any("param_names" in group for group in saved_groups)
-        keyless = sum(
-            NOISE_KEY not in (saved_state.get(param_id) or {})
-            for group in saved_groups
-            for param_id in group.get("params", [])
+        saved_groups = saved_groups_with_chain_state(
+            state_dict,
+            self._hold_chain_state([dict(g) for g in state_dict.get("param_groups", [])]),
         )
-        if (
-            named_now
-            and not named_then
-            and keyless
-            and all("seed" in group for group in saved_groups)
-        ):
-            warnings.warn(
-                f"{type(self).__name__}.load_state_dict: this optimizer was given parameter "
-                "names and the saved one was not, so the noise is now keyed by name, not "
-                f"by position, for the {keyless} parameter(s) whose saved state holds no "
-                "noise key (a checkpoint written before the samplers stored the keys, or "
-                "parameters that have not drawn noise yet: frozen, or only stepped at "
-                "temperature 0): they go on with other (equally valid) noise than the saved "
-                "run would have drawn. For an exact resume, build the optimizer as the "
-                "saved one was built (model.parameters() rather than named_parameters()).",
-                stacklevel=2,
-            )
+        saved_state = state_dict.get("state", {})
+        refuse_non_finite_state(saved_state)
+        warn_if_keyed_otherwise(type(self).__name__, self.param_groups, saved_groups, saved_state)
         if len(saved_groups) == len(self.param_groups):
             saved_groups = [
                 {**{k: v for k, v in current.items() if k != "params"}, **saved}
@@ -793,108 +638,3 @@ if not COMPILED_DRAW:
     SamplerOptimizer.step = torch.compiler.disable(  # type: ignore[method-assign,no-untyped-call]
         SamplerOptimizer.step
     )
-
-
-def _drawn_ahead(param: Tensor) -> bool:
-    """Whether a parameter's next noise is drawn ahead on the worker (CPU, large)."""
-    return param.device.type == "cpu" and param.numel() >= PREFETCH_MIN_NUMEL
-
-
-def _kept(new: Tensor, old: Tensor | None, keep: dict[torch.device, Tensor]) -> Tensor:
-    """``new`` where the step is kept, else ``old`` (zeros for a buffer the step created)."""
-    before = torch.zeros_like(new) if old is None else old
-    return new.copy_(torch.where(keep[new.device], new, before))  # the kernel's own buffer
-
-
-def _valid_rate(value: Any) -> bool:
-    """None, or a finite number > 0 (a float, or a 0-d floating tensor)."""
-    if value is None:
-        return True
-    if isinstance(value, Tensor):
-        if value.dim() != 0 or not value.is_floating_point():
-            return False
-        value = float(value)
-    elif not isinstance(value, float):
-        return False
-    return math.isfinite(value) and value > 0
-
-
-def _refuse_non_finite_state(saved_state: dict[Any, Any]) -> None:
-    """Raise if a saved per-parameter buffer holds NaN or infinity (before loading it).
-
-    Also checks the learning rate recorded with a momentum buffer (``"momentum_lr"``):
-    None or a finite number > 0, since the next change of lr rescales the buffer by it;
-    and the noise key (``"noise_key"``): a 0-d int64 tensor.
-    """
-    for param_id, entries in saved_state.items():
-        for key, value in (entries or {}).items():
-            if key == MOMENTUM_RATE and not _valid_rate(value):
-                raise ValueError(
-                    f"Invalid state_dict: 'momentum_lr' of parameter {param_id} is "
-                    f"{value!r} (expected None or a finite number > 0: the learning rate "
-                    "its momentum buffer was written at)"
-                )
-            if key == NOISE_KEY:
-                check_saved_noise_key(param_id, value)
-            if (
-                isinstance(value, Tensor)
-                and value.is_floating_point()
-                and not bool(torch.isfinite(value).all())
-            ):
-                raise ValueError(
-                    f"Invalid state_dict: {key!r} of parameter {param_id} holds NaN or "
-                    "infinity (expected finite buffers: they would reach the parameters at "
-                    "the next step)"
-                )
-
-
-class _GroupNoise:
-    """The noise of one param group's step: prefetched where it was, drawn otherwise."""
-
-    def __init__(self, optimizer: SamplerOptimizer, group: dict[str, Any], params: list[Tensor]):
-        self.params = params
-        self.stream = optimizer._stream(group["seed"])
-        self.keys = optimizer._noise_keys(params)
-        self.step = group["step"]
-        self.shard = optimizer._shard
-        self.prefetched: list[Tensor | None] = [None] * len(params)
-        #: under torch.compile, whether the draw hands the next step's to the worker
-        self.ahead = optimizer._overlap_noise
-        if optimizer._prefetcher is not None:
-            self.prefetched = [
-                optimizer._prefetcher.take(
-                    NoiseRequest(param, group["seed"], self.step, key, self.shard)
-                )
-                for param, key in zip(params, self.keys, strict=True)
-            ]
-
-    def whole(self, i: int) -> Tensor:
-        """Parameter i's noise, shaped like it."""
-        prefetched = self.prefetched[i]
-        if prefetched is not None:
-            return prefetched
-        param = self.params[i]
-        if is_dtensor(param):  # FSDP2: this rank's rows of the whole parameter's noise
-            local, layout = local_layout(param)
-            noise = self.stream.draw(
-                local, step=self.step, key=self.keys[i], shard=self.shard, layout=layout
-            )
-            return wrap_like(noise, param)
-        share = parameter_layout(param)
-        return self.stream.draw(
-            param,
-            step=self.step,
-            key=self.keys[i],
-            shard=self.shard,
-            layout=share,
-            ahead=self.ahead and share is None and _drawn_ahead(param),
-        )
-
-    def block(self, i: int, block: int, start: int, stop: int, scratch: Tensor) -> Tensor:
-        """Elements ``[start, stop)`` of parameter i's noise (its block ``block``)."""
-        prefetched = self.prefetched[i]
-        if prefetched is not None:
-            return prefetched.view(-1)[start:stop]
-        return self.stream.fill_block_(
-            scratch[: stop - start], step=self.step, key=self.keys[i], block=block, shard=self.shard
-        )

@@ -86,7 +86,7 @@ import torch
 from torch import Tensor
 
 from ..core.validation import check_bool, check_nonnegative, refuse
-from ._common import buckets, default_foreach, effective_grad, effective_grads
+from ._common import buckets, effective_grad, effective_grads
 from .arguments import (
     DIFFERENTIABLE,
     FOREACH,
@@ -101,7 +101,7 @@ from .arguments import (
     sampling_meaningless,
 )
 from .definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
-from .optimizer import SamplerOptimizer, at_group
+from .optimizer import SamplerOptimizer
 from .transformation import pick, transformation_of
 
 __all__ = ["DEFINITION", "PSGLD", "PSGLDState", "psgld", "psgld_direction", "psgld_noise_scale"]
@@ -511,6 +511,38 @@ def _update(
     )
 
 
+def _check_parameters(group: Mapping[str, Any], params: list[Tensor], where: str) -> None:
+    _check_dtypes(
+        {param.dtype for param in params},
+        eps=float(group["eps"]),
+        lr=float(group["lr"]),
+        temperature=float(group["temperature"]),
+        num_data=group["num_data"],
+        where=where,
+    )
+
+
+def _rmsprop_step(group: Mapping[str, Any], inputs: UpdateInput, *, foreach: bool) -> bool:
+    """At temperature 0 without momentum: RMSprop's last operation, ``addcdiv_``, bit for bit."""
+    if group["momentum"] > 0:
+        return False
+    _, new = _update(group, inputs, foreach=foreach, inplace=True, split=True)
+    params, numerators, denominators = inputs.params, new["numerator"], new["denominator"]
+    lr = group["lr"]
+    if not foreach:
+        for param, numerator, denominator in zip(params, numerators, denominators, strict=True):
+            param.addcdiv_(numerator, denominator, value=-lr)
+        return True
+    for index in buckets(params):
+        torch._foreach_addcdiv_(
+            [params[i] for i in index],
+            [numerators[i] for i in index],
+            [denominators[i] for i in index],
+            value=-lr,
+        )
+    return True
+
+
 def _zeros(param: Tensor, group: Mapping[str, Any]) -> Tensor:
     return torch.zeros_like(param, memory_format=torch.preserve_format)
 
@@ -638,6 +670,8 @@ DEFINITION = SamplerDefinition(
     example="lr=1e-3",
     check=_check,
     transform_fixed={"capturable": False},
+    check_parameters=_check_parameters,
+    zero_temperature_step=_rmsprop_step,
     optimizer_doc=r"""Preconditioned SGLD (Li et al., 2016), a drop-in for ``torch.optim.RMSprop``.
 
     Each step is one transition of the Markov chain
@@ -709,60 +743,6 @@ DEFINITION = SamplerDefinition(
 
 class PSGLD(SamplerOptimizer, definition=DEFINITION):
     """Preconditioned SGLD, a drop-in for ``torch.optim.RMSprop`` (docs: ``DEFINITION``)."""
-
-    def _gather(self, group: dict[str, Any], index: int) -> tuple[list[Tensor], list[Tensor]]:
-        # checked with every group's hyperparameters, before any group changes
-        params, grads = super()._gather(group, index)
-        _check_dtypes(
-            {param.dtype for param in params},
-            eps=float(group["eps"]),
-            lr=float(group["lr"]),
-            temperature=float(group["temperature"]),
-            num_data=group["num_data"],
-            where=at_group(index),
-        )
-        return params, grads
-
-    def _update_group(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        *,
-        lr: float,
-        temperature: float,
-        **kwargs: Any,
-    ) -> None:
-        if temperature > 0 or group["momentum"] > 0 or kwargs.get("keep") is not None:
-            super()._update_group(group, params, grads, lr=lr, temperature=temperature, **kwargs)
-            return
-        # temperature 0 without momentum: RMSprop's last operation, addcdiv_, bit for bit
-        foreach = group["foreach"]
-        if foreach is None:
-            foreach = default_foreach(params)
-        states = [self.state[p] for p in params]
-        for param, state in zip(params, states, strict=True):
-            self._init_state(group, param, state)
-        fields = self._state_fields(group)
-        _, new = _update(
-            {**group, "lr": lr, "temperature": 0.0},
-            UpdateInput(params, grads, {name: [s[name] for s in states] for name in fields}, None),
-            foreach=foreach,
-            inplace=True,
-            split=True,
-        )
-        numerators, denominators = new["numerator"], new["denominator"]
-        if not foreach:
-            for param, numerator, denominator in zip(params, numerators, denominators, strict=True):
-                param.addcdiv_(numerator, denominator, value=-lr)
-            return
-        for index in buckets(params):
-            torch._foreach_addcdiv_(
-                [params[i] for i in index],
-                [numerators[i] for i in index],
-                [denominators[i] for i in index],
-                value=-lr,
-            )
 
 
 psgld, PSGLDState = transformation_of(DEFINITION, PSGLD)

@@ -1,0 +1,92 @@
+"""The noise of one param group's step: prefetched where it was, drawn otherwise.
+
+A parameter's noise is whole (shaped like it; an FSDP2 shard's rows of the whole
+parameter's noise; a ``ParallelEnsemble`` share's part) or, for the CPU update chunk by
+chunk (``_chunked_update``), one block at a time; every way gives the numbers of
+``NoiseStream.draw`` (``docs/design.md``, "Noise").
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ..core.dtensor import is_dtensor, local_layout, wrap_like
+from ..core.streams import NoiseStream
+from ..names import parameter_layout
+from ._prefetch import NoisePrefetcher, NoiseRequest
+
+__all__ = ["PREFETCH_MIN_NUMEL", "GroupNoise", "drawn_ahead", "large"]
+
+#: Parameters with at least this many elements have their noise drawn ahead (on the
+#: worker thread, or a CUDA side stream: ``overlap_noise``); smaller ones draw in the step.
+PREFETCH_MIN_NUMEL = 2**16
+
+
+def large(param: Tensor) -> bool:
+    """Whether a parameter is large enough for its noise to be drawn ahead."""
+    return param.numel() >= PREFETCH_MIN_NUMEL
+
+
+def drawn_ahead(param: Tensor) -> bool:
+    """Whether a parameter's next noise is drawn ahead on the worker (CPU, large)."""
+    return param.device.type == "cpu" and large(param)
+
+
+class GroupNoise:
+    """The noise of one param group's step: prefetched where it was, drawn otherwise."""
+
+    def __init__(
+        self,
+        params: list[Tensor],
+        *,
+        stream: NoiseStream,
+        keys: list[int],
+        step: int,
+        shard: int | None,
+        prefetcher: NoisePrefetcher | None,
+        ahead: bool,
+    ) -> None:
+        self.params = params
+        self.stream = stream
+        self.keys = keys
+        self.step = step
+        self.shard = shard
+        self.prefetched: list[Tensor | None] = [None] * len(params)
+        #: under torch.compile, whether the draw hands the next step's to the worker
+        self.ahead = ahead
+        if prefetcher is not None:
+            self.prefetched = [
+                prefetcher.take(NoiseRequest(param, stream.seed, step, key, shard))
+                for param, key in zip(params, keys, strict=True)
+            ]
+
+    def whole(self, i: int) -> Tensor:
+        """Parameter i's noise, shaped like it."""
+        prefetched = self.prefetched[i]
+        if prefetched is not None:
+            return prefetched
+        param = self.params[i]
+        if is_dtensor(param):  # FSDP2: this rank's rows of the whole parameter's noise
+            local, layout = local_layout(param)
+            noise = self.stream.draw(
+                local, step=self.step, key=self.keys[i], shard=self.shard, layout=layout
+            )
+            return wrap_like(noise, param)
+        share = parameter_layout(param)
+        return self.stream.draw(
+            param,
+            step=self.step,
+            key=self.keys[i],
+            shard=self.shard,
+            layout=share,
+            ahead=self.ahead and share is None and drawn_ahead(param),
+        )
+
+    def block(self, i: int, block: int, start: int, stop: int, scratch: Tensor) -> Tensor:
+        """Elements ``[start, stop)`` of parameter i's noise (its block ``block``)."""
+        prefetched = self.prefetched[i]
+        if prefetched is not None:
+            return prefetched.view(-1)[start:stop]
+        return self.stream.fill_block_(
+            scratch[: stop - start], step=self.step, key=self.keys[i], block=block, shard=self.shard
+        )
