@@ -522,8 +522,9 @@ def robust_sd(alpha, correction, *, steps, seed):
     """K chains of PSGLD on N(0, 1) (N = 1, T = 1, lr 0.01, full-batch gradients), float64.
 
     Returns the interquartile range / 1.349 of the final states, the sd for a Gaussian:
-    the chains' law has heavy tails (a coordinate whose running average V is small gets
-    a large preconditioner), so the sample variance is dominated by a few chains.
+    a measure of the bulk's bias only. The chains' law has heavy tails (a coordinate whose
+    running average V is small gets a large preconditioner), so the full variance, which
+    the module docstring reports, is larger still and dominated by a few chains.
     """
     generator = torch.Generator().manual_seed(seed)
     theta = torch.nn.Parameter(torch.randn(K, generator=generator, dtype=torch.float64))
