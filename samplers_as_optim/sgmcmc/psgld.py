@@ -62,10 +62,10 @@ fattens the tails (full variances from 1.5 to 75), so it stays off by default. O
 ``alpha=0.999``. Freezing :math:`V` after a warm-up does not cure it by itself: each
 frozen :math:`G_{ii}` remembers where its coordinate was, and the slow coordinate's
 variance stays 1.15-1.28 times the target's after 30-1000 adaptive steps. Every figure
-here comes from ``benchmarks/bench_psgld_law.py``. A preconditioner that samples its law is issue 25's work; until then
-use PSGLD at temperature 0 (RMSprop) or check its draws' full variances. With minibatch
-gradients :math:`V` is dominated by the gradient noise and depends less on the
-position.
+here comes from ``benchmarks/bench_psgld_law.py``. A preconditioner that samples its
+law is issue 25's work; until then use PSGLD at temperature 0 (RMSprop) or check its
+draws' full variances. With minibatch gradients :math:`V` is dominated by the gradient
+noise and depends less on the position.
 
 Changing the learning rate needs no re-expression: :math:`V` is in the units of the
 squared gradient, not of ``lr``.
