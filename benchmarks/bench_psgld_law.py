@@ -11,7 +11,10 @@ samplers guide:
     the target, 6,000 steps: each coordinate's final variance over the target's, with the
     defaults and with alpha = 0.999.
 (c) the same Gaussian with the preconditioner frozen after K adaptive steps (the update
-    written out here, since PSGLD has no such option): what a warm-up alone gives.
+    written out here, since PSGLD has no such option): what a warm-up alone gives, with
+    RMSprop's elementwise second moment and with Adafactor's factored one (a row and a
+    column average, pooled over many elements, so it remembers little of one element's
+    position).
 
 Run: ``python benchmarks/bench_psgld_law.py`` (about two minutes on one core).
 """
@@ -50,18 +53,25 @@ def three_scales(**kwargs: float) -> list[float]:
     return [round(v, 3) for v in (theta.detach().var(0) / SIGMA**2).tolist()]
 
 
-def frozen_after(warmup: int, alpha: float = 0.99, eps: float = 1e-8) -> list[float]:
-    """PSGLD's update on the three-scale Gaussian, V frozen after ``warmup`` steps."""
-    num_data, lr, steps = 1000, 1e-3, 6000
+def frozen_after(warmup: int, factored: bool = False, alpha: float = 0.99) -> list[float]:
+    """PSGLD's update on the three-scale Gaussian, the second moment frozen after ``warmup``."""
+    num_data, lr, steps, eps = 1000, 1e-3, 6000, 1e-8
     generator = torch.Generator().manual_seed(0)
     theta = torch.randn(4000, 3, generator=generator) * SIGMA
     square_avg = torch.zeros(4000, 3)
+    rows, columns = torch.zeros(4000, 1), torch.zeros(1, 3)
     precondition = torch.zeros(4000, 3)
     for step in range(steps):
         grad = theta / (num_data * SIGMA**2)
         if step < warmup:
-            square_avg = alpha * square_avg + (1 - alpha) * grad**2
-            precondition = 1 / (square_avg.sqrt() + eps)
+            if factored:
+                rows = alpha * rows + (1 - alpha) * grad.square().mean(1, keepdim=True)
+                columns = alpha * columns + (1 - alpha) * grad.square().mean(0, keepdim=True)
+                second_moment = rows * columns / rows.mean()
+            else:
+                square_avg = alpha * square_avg + (1 - alpha) * grad**2
+                second_moment = square_avg
+            precondition = 1 / (second_moment.sqrt() + eps)
         noise = torch.randn(4000, 3, generator=generator)
         theta = theta - lr * precondition * grad + (2 * lr * precondition / num_data).sqrt() * noise
     return [round(v, 3) for v in (theta.var(0) / SIGMA**2).tolist()]
@@ -78,9 +88,10 @@ def main() -> None:
     print("(b) N(0, diag(0.1^2, 1, 10^2)): final variance / target's, per coordinate")
     print(f"  defaults:     {three_scales()}")
     print(f"  alpha=0.999:  {three_scales(alpha=0.999)}")
-    print("(c) the same, V frozen after K adaptive steps (alpha 0.99)")
-    for warmup in (30, 100, 300, 1000):
-        print(f"  K={warmup:<5} {frozen_after(warmup)}")
+    print("(c) the same, the second moment frozen after K adaptive steps (alpha 0.99)")
+    for warmup in (30, 100, 300, 1000, 6000):
+        elementwise, factored = frozen_after(warmup), frozen_after(warmup, factored=True)
+        print(f"  K={warmup:<5} elementwise {elementwise}  factored {factored}")
 
 
 if __name__ == "__main__":
