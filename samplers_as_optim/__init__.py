@@ -18,6 +18,8 @@ deep ensembles: :class:`ParallelEnsemble`. Samples: :class:`SampleCollector`,
 :mod:`.diagnostics`.
 """
 
+from typing import TYPE_CHECKING
+
 from . import curvature, diagnostics, predictive, transforms
 from .gaussian.ekf import ExtendedKalmanFilter
 from .gaussian.laplace import Laplace
@@ -28,8 +30,12 @@ from .names import name_parameters
 from .samples.collect import RunningMoments, SampleCollector
 from .samples.ensemble import ParallelEnsemble, ensemble_loss
 from .samples.stacked import call_stacked
-from .sgmcmc import BAOA, PSGLD, SGHMC, SGLD, SGNHT
 from .sgmcmc.cyclical import CyclicalSGMCMC
+
+if TYPE_CHECKING:  # their signatures, compiled at import from their definitions, stated
+    from ._signatures import BAOA, PSGLD, SGHMC, SGLD, SGNHT
+else:
+    from .sgmcmc import BAOA, PSGLD, SGHMC, SGLD, SGNHT
 
 __all__ = [
     "BAOA",

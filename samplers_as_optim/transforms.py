@@ -65,15 +65,32 @@ Example:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .sgmcmc.baoa import BAOAState, baoa
 from .sgmcmc.langevin_noise import LangevinNoiseState, langevin_noise
-from .sgmcmc.psgld import PSGLDState, psgld
-from .sgmcmc.sghmc import SGHMCState, sghmc
-from .sgmcmc.sgld import SGLDState, sgld
-from .sgmcmc.sgnht import SGNHTState, sgnht
 from .sgmcmc.transformation import ScalarOrSchedule, chain_dims
+
+if TYPE_CHECKING:  # their signatures, compiled at import from their definitions, stated
+    from ._signatures import (
+        BAOAState,
+        PSGLDState,
+        SGHMCState,
+        SGLDState,
+        SGNHTState,
+        baoa,
+        psgld,
+        sghmc,
+        sgld,
+        sgnht,
+    )
+else:
+    from .sgmcmc.baoa import BAOAState, baoa
+    from .sgmcmc.psgld import PSGLDState, psgld
+    from .sgmcmc.sghmc import SGHMCState, sghmc
+    from .sgmcmc.sgld import SGLDState, sgld
+    from .sgmcmc.sgnht import SGNHTState, sgnht
 
 __all__ = [
     "BAOAState",

@@ -111,16 +111,8 @@ def _keyed_normal(
 
 
 @_keyed_normal.register_fake
-def _keyed_normal_fake(
-    like: Tensor,
-    seed: int,
-    step: int,
-    key: int,
-    shard: int,
-    offset: int,
-    total: int,
-    ahead: bool,
-) -> Tensor:
+def _keyed_normal_fake(like: Tensor, *where: int | bool) -> Tensor:
+    """The op's output under tracing: a tensor like ``like`` (``where`` locates the draw)."""
     return torch.empty(like.shape, dtype=like.dtype, device=like.device)
 
 
