@@ -2,7 +2,7 @@
 
 A sampler's constructor and its transformation factory are compiled at import from its
 ``SamplerDefinition`` (``docs/design.md``), which a static type checker (mypy, pyright)
-does not run. ``samplers_as_optim/_signatures.pyi`` states them for it, and the public
+does not run. The stub is written from their runtime signatures. ``samplers_as_optim/_signatures.pyi`` states them for it, and the public
 faces (``__init__``, ``transforms``) import from it under ``TYPE_CHECKING``. The stub is
 generated from the registry, never written by hand: this test fails when it differs from
 what the definitions give. Regenerate it with::
@@ -13,12 +13,13 @@ what the definitions give. Regenerate it with::
 from __future__ import annotations
 
 import ast
+import inspect
 import sys
 from pathlib import Path
 from typing import Any
 
+from samplers_as_optim import transforms
 from samplers_as_optim.sgmcmc import SAMPLERS
-from samplers_as_optim.sgmcmc.definition import REQUIRED, Hyperparameter
 
 STUB = Path(__file__).resolve().parents[1] / "samplers_as_optim" / "_signatures.pyi"
 
@@ -39,53 +40,39 @@ from .sgmcmc.transformation import ScalarOrSchedule
 '''
 
 
-def _parameter(name: str, annotation: str, default: Any) -> str:
-    return f"{name}: {annotation}" if default is REQUIRED else f"{name}: {annotation} = {default!r}"
-
-
-def _signature(parameters: list[tuple[str, str, Any, bool]]) -> str:
+def _signature(function: Any, *, skip_self: bool = False) -> str:
+    """The runtime signature of a generated function, written as a stub's parameters."""
     pieces: list[str] = []
     star = False
-    for name, annotation, default, positional in parameters:
-        if not positional and not star:
+    parameters = list(inspect.signature(function).parameters.values())
+    for parameter in parameters[1:] if skip_self else parameters:
+        if parameter.kind is parameter.KEYWORD_ONLY and not star:
             pieces.append("*")
             star = True
-        pieces.append(_parameter(name, annotation, default))
+        text = f"{parameter.name}: {parameter.annotation}"
+        if parameter.default is not parameter.empty:
+            text += f" = {parameter.default!r}"
+        pieces.append(text)
     return ", ".join(pieces)
 
 
 def _optimizer(cls: Any) -> str:
-    hyperparameters: tuple[Hyperparameter, ...] = cls.definition.hyperparameters
-    parameters = [("params", "Any", REQUIRED, True)] + [
-        (h.name, h.annotation, h.default, h.positional) for h in hyperparameters
-    ]
+    signature = _signature(cls.__init__, skip_self=True)
     return (
         f"class {cls.__name__}(SamplerOptimizer):\n"
-        f"    def __init__(self, {_signature(parameters)}) -> None: ...\n"
+        f"    def __init__(self, {signature}) -> None: ...\n"
     )
 
 
 def _transformation(cls: Any) -> str:
     definition = cls.definition
-    declared = [h for h in definition.hyperparameters if h.transform]
-    parameters = [
-        (
-            h.name,
-            h.transform_annotation or h.annotation,
-            h.default_in_transform(),
-            h.positional if h.transform_positional is None else h.transform_positional,
-        )
-        for h in declared
-    ]
-    parameters = [p for p in parameters if p[3]] + [p for p in parameters if not p[3]]
-    fields = [state.name for state in definition.state]
-    if definition.momentum_in_lr_units:
-        fields.append("momentum_lr")
-    body = "".join(f"    {name}: tuple[Any, ...]\n" for name in fields)
+    factory = getattr(transforms, definition.transform_name)
+    state = getattr(transforms, f"{definition.name}State")
+    body = "".join(f"    {name}: tuple[Any, ...]\n" for name in state._fields[:-2])
     return (
         f"class {definition.name}State(NamedTuple):\n{body}    seed: int\n"
         "    count: int  # type: ignore[assignment]  # a field, as optax's states have\n\n"
-        f"def {definition.transform_name}({_signature(parameters)}) -> GradientTransformation:"
+        f"def {definition.transform_name}({_signature(factory)}) -> GradientTransformation:"
         " ...\n"
     )
 

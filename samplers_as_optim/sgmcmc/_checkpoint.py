@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ..core.chain import NOISE_KEY, check_saved_noise_key
 from ._common import host_scalar
+from .momentum_units import MOMENTUM_RATE
 
 __all__ = [
     "MOMENTUM_RATE",
@@ -30,8 +31,6 @@ __all__ = [
     "warn_if_keyed_otherwise",
 ]
 
-#: the per-parameter entry that holds the learning rate its momentum buffer was written at
-MOMENTUM_RATE = "momentum_lr"
 #: where checkpoints written before the chain state moved into the param groups kept it
 LEGACY_SAMPLER_KEY = "sampler"
 #: param-group entries that only a sampler (not torch.optim.SGD) writes

@@ -24,12 +24,16 @@ section is assembled from the hyperparameters' documentation (:func:`arguments_d
 
 from __future__ import annotations
 
+import dataclasses
 import keyword
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from torch import Tensor
+
+from ..core.chain import CHAIN_KEYS, NOISE_KEY
+from .momentum_units import MOMENTUM_RATE
 
 __all__ = [
     "REQUIRED",
@@ -103,8 +107,7 @@ class Hyperparameter:
 
     def replace(self, **changes: Any) -> Hyperparameter:
         """A copy with some attributes changed (another default, another doc)."""
-        values = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        return Hyperparameter(**{**values, **changes})
+        return dataclasses.replace(self, **changes)
 
     def default_in_transform(self) -> Any:
         """Its default in the transformation."""
@@ -139,7 +142,7 @@ class StateField:
 
 #: names the front ends keep beside a sampler's state: the chain's random state and the
 #: noise key (``docs/design.md``), the rate of a momentum buffer
-RESERVED_STATE = frozenset({"seed", "count", "step", "noise_key", "momentum_lr"})
+RESERVED_STATE = frozenset({*CHAIN_KEYS, "count", NOISE_KEY, MOMENTUM_RATE})
 
 
 class UpdateInput(NamedTuple):

@@ -20,7 +20,11 @@ from torch import Tensor
 
 from ._common import HostScalars, buckets, host_scalar, host_value, known_buffer
 
-__all__ = ["rescale_momentum", "rescale_momentum_state"]
+__all__ = ["MOMENTUM_RATE", "rescale_momentum", "rescale_momentum_state"]
+
+#: the per-parameter entry (and transformation state field) that holds the learning rate
+#: at which a momentum buffer was last written
+MOMENTUM_RATE = "momentum_lr"
 
 
 def rescale_momentum(
@@ -115,7 +119,7 @@ def rescale_momentum_state(
             remembers are not read back from their tensors (an Optimizer's step).
         known: the Optimizer's :class:`~._common.HostScalars` of its rates.
     """
-    records = [state.get("momentum_lr") for state in states]
+    records = [state.get(MOMENTUM_RATE) for state in states]
     if params is not None and known is not None:
         rates = [known.value(p, r) for p, r in zip(params, records, strict=True)]
     else:
@@ -133,6 +137,6 @@ def rescale_momentum_state(
         if new is None or (new == rate and isinstance(record, Tensor)):
             continue  # unchanged: the same tensor, whose value ``known`` remembers
         if params is not None and known is not None:
-            state["momentum_lr"] = known.tensor(params[i], new)
+            state[MOMENTUM_RATE] = known.tensor(params[i], new)
         else:
-            state["momentum_lr"] = host_scalar(new)
+            state[MOMENTUM_RATE] = host_scalar(new)

@@ -499,7 +499,7 @@ class SamplerOptimizer(ChainOptimizer):
         temperature > 0 would (``docs/design.md``); a sampler without such state does
         nothing.
         """
-        params = [p for p in group["params"] if self.state[p].get("momentum_lr") is not None]
+        params = [p for p in group["params"] if self.state[p].get(MOMENTUM_RATE) is not None]
         states = [self.state[p] for p in params]
         self._reexpress_state(group, params, states, lr=lr, temperature=1.0, foreach=False)
 

@@ -40,7 +40,7 @@ from ..core.validation import check_seed
 from ._common import buckets, default_foreach, may_be_non_finite
 from .arguments import RETURNS_DOC
 from .definition import SamplerDefinition, UpdateInput, arguments_doc, generated_function
-from .momentum_units import rescale_momentum
+from .momentum_units import MOMENTUM_RATE, rescale_momentum
 from .optimizer import SamplerOptimizer
 
 __all__ = [
@@ -317,8 +317,6 @@ def _scatter(values: list[Any], index: list[int], new: list[Any]) -> list[Any]:
     return out
 
 
-#: the field of a transformation's state that holds the rate of each momentum buffer
-MOMENTUM_RATE = "momentum_lr"
 #: the module whose names the transformations' state classes are (for pickling)
 PUBLIC_MODULE = "samplers_as_optim.transforms"
 
