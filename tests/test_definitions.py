@@ -82,6 +82,13 @@ def test_every_argument_is_documented_in_order(cls, front):
     positions = [args.find(f"\n        {name}: ") for name in names]
     assert -1 not in positions, [n for n, p in zip(names, positions, strict=True) if p < 0]
     assert positions == sorted(positions)
+    if front == "transformation":
+        assert "\n    Returns:\n        A ``torchopt.base.GradientTransformation``" in doc
+    else:
+        assert (
+            f"\n    Example:\n        >>> import torch\n        >>> from samplers_as_optim import {cls.__name__}"
+            in doc
+        )
 
 
 @pytest.mark.parametrize("cls", SAMPLERS, ids=NAMES)

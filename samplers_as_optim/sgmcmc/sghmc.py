@@ -256,24 +256,7 @@ MOMENTUM = Hyperparameter(
     positional=True,
 )
 
-DEFINITION = SamplerDefinition(
-    name="SGHMC",
-    transform_name="sghmc",
-    hyperparameters=sgd_signature(MOMENTUM),
-    state=(
-        StateField(
-            "momentum_buffer",
-            "one buffer :math:`b` per leaf of the params tree, in the order of its "
-            "leaves, starting at zero (empty when ``momentum`` is 0).",
-            # as in torch.optim.SGD, no state is kept without momentum
-            used=lambda group: group["momentum"] != 0,
-        ),
-    ),
-    update=_update,
-    example="lr=1e-3, momentum=0.9",
-    check=_check,
-    momentum_in_lr_units=True,
-    optimizer_doc=r"""Stochastic gradient Hamiltonian Monte Carlo, a drop-in for torch.optim.SGD.
+_OPTIMIZER_DOC = r"""Stochastic gradient Hamiltonian Monte Carlo, a drop-in for ``torch.optim.SGD``.
 
     Each step is one transition of the Markov chain
 
@@ -310,7 +293,26 @@ DEFINITION = SamplerDefinition(
     References:
         Chen, T., Fox, E. & Guestrin, C. (2014). Stochastic gradient Hamiltonian Monte
         Carlo. ICML. Eq. (15).
-    """,
+    """
+
+DEFINITION = SamplerDefinition(
+    name="SGHMC",
+    transform_name="sghmc",
+    hyperparameters=sgd_signature(MOMENTUM),
+    state=(
+        StateField(
+            "momentum_buffer",
+            "one buffer :math:`b` per leaf of the params tree, in the order of its "
+            "leaves, starting at zero (empty when ``momentum`` is 0).",
+            # as in torch.optim.SGD, no state is kept without momentum
+            used=lambda group: group["momentum"] != 0,
+        ),
+    ),
+    update=_update,
+    example="lr=1e-3, momentum=0.9",
+    check=_check,
+    momentum_in_lr_units=True,
+    optimizer_doc=_OPTIMIZER_DOC,
     transform_doc=r"""Stochastic gradient Hamiltonian Monte Carlo as a torchopt transformation.
 
     The same chain as :class:`SGHMC`, computed by the same kernel: each update is

@@ -317,6 +317,49 @@ KINETIC_ENERGY_ARGUMENT = Hyperparameter(
     check=lambda value, where: check_choice("kinetic_energy", value, KINETIC_ENERGY, where=where),
 )
 
+_OPTIMIZER_DOC = r"""Stochastic gradient Nosé--Hoover thermostat, a drop-in for ``torch.optim.SGD``.
+
+    Each step is one transition of the Markov chain
+
+    .. math::
+
+        g' &= \pm g + \lambda\,\theta, \\
+        b &\leftarrow (1 - \alpha)\, b + g' + \sqrt{{2 (1-\mu)\, T / (N\, lr)}}\;\xi, \\
+        \theta &\leftarrow \theta - lr\, b, \\
+        \alpha &\leftarrow \alpha + lr^2\, |b|^2 / n - lr\, T / N,
+
+    with :math:`g` = ``p.grad`` (the gradient of the mean minibatch loss), :math:`\mu` =
+    ``momentum``, :math:`\lambda` = ``weight_decay``, :math:`T` = ``temperature``,
+    :math:`N` = ``num_data``, :math:`\xi \sim \mathcal N(0, I)`, one thermostat
+    :math:`\alpha` per parameter tensor of :math:`n` elements (starting at
+    :math:`1 - \mu`, the buffer :math:`b` at 0). The thermostat adapts the friction so
+    that the kinetic energy matches the temperature, which corrects for unknown
+    gradient noise; with the default ``kinetic_energy="symmetric"`` that is the kinetic
+    energy of the midpoint :math:`(b_{{\text{{old}}}} + b)/2` (:math:`|b|^2` above becomes
+    :math:`|(b_{{\text{{old}}}} + b)/2|^2`), which removes the paper's cold bias of about
+    :math:`(1-\mu)/2` (module docstring, with measurements). When ``lr`` changes (a
+    scheduler, a warm restart), the step first rescales the buffer by
+    :math:`\sqrt{{lr_{{\text{{old}}}}/lr}}`, keeping the physical momentum, and leaves
+    :math:`\alpha`, whose equilibrium does not depend on ``lr``, as it is: the schedule
+    neither heats nor cools the chain (module docstring of
+    :mod:`samplers_as_optim.sgmcmc.sgnht`). ``temperature`` must be > 0: at 0 the
+    thermostat diverges.
+
+    {arguments}
+
+    {example}
+
+    Note:
+        Ding et al. (2014) use one thermostat for all coordinates and step :math:`h` on
+        the summed log posterior; here there is one per parameter tensor, :math:`h =
+        \sqrt{{lr/N}}`, :math:`\alpha = h\,\xi_{{\text{{Ding}}}}`, and the noise variance is
+        multiplied by ``temperature``.
+
+    References:
+        Ding, N., Fang, Y., Babbush, R., Chen, C., Skeel, R. D. & Neven, H. (2014).
+        Bayesian sampling using stochastic gradient thermostats. NeurIPS. Algorithm 1.
+    """
+
 DEFINITION = SamplerDefinition(
     name="SGNHT",
     transform_name="sgnht",
@@ -372,48 +415,7 @@ DEFINITION = SamplerDefinition(
     dtensor_unsupported_reason=(
         "its thermostat reduces each parameter's kinetic energy over the whole tensor"
     ),
-    optimizer_doc=r"""SG Nosé--Hoover thermostat, a drop-in for ``torch.optim.SGD``.
-
-    Each step is one transition of the Markov chain
-
-    .. math::
-
-        g' &= \pm g + \lambda\,\theta, \\
-        b &\leftarrow (1 - \alpha)\, b + g' + \sqrt{{2 (1-\mu)\, T / (N\, lr)}}\;\xi, \\
-        \theta &\leftarrow \theta - lr\, b, \\
-        \alpha &\leftarrow \alpha + lr^2\, |b|^2 / n - lr\, T / N,
-
-    with :math:`g` = ``p.grad`` (the gradient of the mean minibatch loss), :math:`\mu` =
-    ``momentum``, :math:`\lambda` = ``weight_decay``, :math:`T` = ``temperature``,
-    :math:`N` = ``num_data``, :math:`\xi \sim \mathcal N(0, I)`, one thermostat
-    :math:`\alpha` per parameter tensor of :math:`n` elements (starting at
-    :math:`1 - \mu`, the buffer :math:`b` at 0). The thermostat adapts the friction so
-    that the kinetic energy matches the temperature, which corrects for unknown
-    gradient noise; with the default ``kinetic_energy="symmetric"`` that is the kinetic
-    energy of the midpoint :math:`(b_{{\text{{old}}}} + b)/2` (:math:`|b|^2` above becomes
-    :math:`|(b_{{\text{{old}}}} + b)/2|^2`), which removes the paper's cold bias of about
-    :math:`(1-\mu)/2` (module docstring, with measurements). When ``lr`` changes (a
-    scheduler, a warm restart), the step first rescales the buffer by
-    :math:`\sqrt{{lr_{{\text{{old}}}}/lr}}`, keeping the physical momentum, and leaves
-    :math:`\alpha`, whose equilibrium does not depend on ``lr``, as it is: the schedule
-    neither heats nor cools the chain (module docstring of
-    :mod:`samplers_as_optim.sgmcmc.sgnht`). ``temperature`` must be > 0: at 0 the
-    thermostat diverges.
-
-    {arguments}
-
-    {example}
-
-    Note:
-        Ding et al. (2014) use one thermostat for all coordinates and step :math:`h` on
-        the summed log posterior; here there is one per parameter tensor, :math:`h =
-        \sqrt{{lr/N}}`, :math:`\alpha = h\,\xi_{{\text{{Ding}}}}`, and the noise variance is
-        multiplied by ``temperature``.
-
-    References:
-        Ding, N., Fang, Y., Babbush, R., Chen, C., Skeel, R. D. & Neven, H. (2014).
-        Bayesian sampling using stochastic gradient thermostats. NeurIPS. Algorithm 1.
-    """,
+    optimizer_doc=_OPTIMIZER_DOC,
     transform_doc=r"""Stochastic gradient Nosé--Hoover thermostat as a torchopt transformation.
 
     The same chain as :class:`SGNHT`, computed by the same kernel: each update is

@@ -417,7 +417,7 @@ def transformation_of(
     entries = [
         (h.transform_doc or h.doc) for h in sorted(transform, key=lambda h: order.index(h.name))
     ]
-    doc = definition.transform_doc.format(arguments=arguments_doc(entries), returns=RETURNS_DOC)
+    doc = definition.transform_doc.format(arguments=arguments_doc(entries, RETURNS_DOC))
     factory = generated_function(
         definition.transform_name,
         parameters,
