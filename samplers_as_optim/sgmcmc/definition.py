@@ -8,8 +8,7 @@ A sampler module declares, once, everything that makes the sampler what it is:
   their initial values, and whether they are kept in SGD units and re-expressed when
   ``lr`` changes (``momentum_in_lr_units``, see ``docs/design.md``);
 * its **pure update** (:data:`Update`): parameters, gradients, buffers and the noise in
-  (:class:`UpdateInput`);
-  directions and new buffers out, nothing else touched;
+  (:class:`UpdateInput`), directions and new buffers out, nothing else touched;
 * the rules that join hyperparameters (``check``), and what the sampler cannot do
   (a temperature of 0, chunked or DTensor parameters).
 
@@ -252,13 +251,6 @@ class SamplerDefinition:
                 f"Invalid state of {self.name}: {taken} (expected unique names other than "
                 f"{sorted(RESERVED_STATE)}, which the front ends keep)"
             )
-
-    def hyperparameter(self, name: str) -> Hyperparameter:
-        """The declared hyperparameter called ``name``."""
-        for hyperparameter in self.hyperparameters:
-            if hyperparameter.name == name:
-                return hyperparameter
-        raise KeyError(name)
 
     def state_fields(self, group: Mapping[str, Any]) -> tuple[str, ...]:
         """The buffers a param group with these hyperparameters keeps, in order."""
