@@ -28,6 +28,9 @@ class PSGLD(SamplerOptimizer):
 class BAOA(SamplerOptimizer):
     def __init__(self, params: Any, lr: float | Tensor = 0.001, momentum: float = 0.9, *, num_data: int, temperature: float = 1.0, weight_decay: float = 0.0, dampening: float = 0.0, nesterov: bool = False, maximize: bool = False, foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None, seed: int | None = None, overlap_noise: bool = True, nonfinite: str = 'raise') -> None: ...
 
+class AdamWSGHMC(SamplerOptimizer):
+    def __init__(self, params: Any, lr: float | Tensor = 0.001, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-08, weight_decay: float = 0.01, amsgrad: bool = False, *, maximize: bool = False, foreach: bool | None = None, capturable: bool = False, differentiable: bool = False, fused: bool | None = None, num_data: int, temperature: float = 1.0, preconditioner: str = 'factored', preconditioner_warmup: int | None = 1000, seed: int | None = None, overlap_noise: bool = True, nonfinite: str = 'raise') -> None: ...
+
 class SGLDState(NamedTuple):
     seed: int
     count: int  # type: ignore[assignment]  # a field, as optax's states have
@@ -69,3 +72,16 @@ class BAOAState(NamedTuple):
     count: int  # type: ignore[assignment]  # a field, as optax's states have
 
 def baoa(lr: ScalarOrSchedule, momentum: float = 0.9, *, num_data: int, temperature: ScalarOrSchedule = 1.0, weight_decay: float = 0.0, dampening: float = 0.0, nesterov: bool = False, maximize: bool = False, foreach: bool | None = None, seed: int | None = None) -> GradientTransformation: ...
+
+class AdamWSGHMCState(NamedTuple):
+    step: tuple[Any, ...]
+    exp_avg: tuple[Any, ...]
+    exp_avg_sq: tuple[Any, ...]
+    max_exp_avg_sq: tuple[Any, ...]
+    preconditioner: tuple[Any, ...]
+    preconditioner_step: tuple[Any, ...]
+    momentum_lr: tuple[Any, ...]
+    seed: int
+    count: int  # type: ignore[assignment]  # a field, as optax's states have
+
+def adamw_sghmc(lr: ScalarOrSchedule, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-08, weight_decay: float = 0.01, amsgrad: bool = False, *, maximize: bool = False, foreach: bool | None = None, num_data: int, temperature: ScalarOrSchedule = 1.0, preconditioner: str = 'factored', preconditioner_warmup: int | None = 1000, seed: int | None = None) -> GradientTransformation: ...

@@ -1,10 +1,12 @@
 r"""The samplers as torchopt gradient transformations, for torchopt and ``torch.func`` loops.
 
-:func:`sgld`, :func:`sghmc`, :func:`sgnht`, :func:`psgld` and :func:`baoa` are the chains
+:func:`sgld`, :func:`sghmc`, :func:`sgnht`, :func:`psgld`, :func:`baoa` and
+:func:`adamw_sghmc` are the chains
 of :class:`~samplers_as_optim.SGLD`, :class:`~samplers_as_optim.SGHMC`,
-:class:`~samplers_as_optim.SGNHT`, :class:`~samplers_as_optim.PSGLD` and
-:class:`~samplers_as_optim.BAOA`, computed by the same kernels, as
-``torchopt.base.GradientTransformation`` s: an ``(init, update)`` pair of pure functions.
+:class:`~samplers_as_optim.SGNHT`, :class:`~samplers_as_optim.PSGLD`,
+:class:`~samplers_as_optim.BAOA` and :class:`~samplers_as_optim.AdamWSGHMC`, computed by
+the same kernels, as ``torchopt.base.GradientTransformation`` s: an ``(init, update)``
+pair of pure functions.
 :func:`langevin_noise` is the noise they inject, as a part to chain in front of a
 torchopt optimizer. Each returns the update :math:`-lr\, d` for the kernel's
 direction :math:`d`; ``torchopt.apply_updates`` adds it to the parameters.
@@ -74,11 +76,13 @@ from .sgmcmc.transformation import ScalarOrSchedule, chain_dims
 
 if TYPE_CHECKING:  # their signatures, compiled at import from their definitions, stated
     from ._signatures import (
+        AdamWSGHMCState,
         BAOAState,
         PSGLDState,
         SGHMCState,
         SGLDState,
         SGNHTState,
+        adamw_sghmc,
         baoa,
         psgld,
         sghmc,
@@ -86,6 +90,7 @@ if TYPE_CHECKING:  # their signatures, compiled at import from their definitions
         sgnht,
     )
 else:
+    from .sgmcmc.adamw_sghmc import AdamWSGHMCState, adamw_sghmc
     from .sgmcmc.baoa import BAOAState, baoa
     from .sgmcmc.psgld import PSGLDState, psgld
     from .sgmcmc.sghmc import SGHMCState, sghmc
@@ -93,6 +98,7 @@ else:
     from .sgmcmc.sgnht import SGNHTState, sgnht
 
 __all__ = [
+    "AdamWSGHMCState",
     "BAOAState",
     "LangevinNoiseState",
     "PSGLDState",
@@ -100,6 +106,7 @@ __all__ = [
     "SGLDState",
     "SGNHTState",
     "ScalarOrSchedule",
+    "adamw_sghmc",
     "baoa",
     "chain_dims",
     "langevin_noise",
@@ -109,7 +116,15 @@ __all__ = [
     "sgnht",
 ]
 
-_STATES = (SGLDState, SGHMCState, SGNHTState, LangevinNoiseState, PSGLDState, BAOAState)
+_STATES = (
+    SGLDState,
+    SGHMCState,
+    SGNHTState,
+    LangevinNoiseState,
+    PSGLDState,
+    BAOAState,
+    AdamWSGHMCState,
+)
 #: where version 0.1 defined the state classes: a state it saved names them so
 _SAVED_BY_0_1 = {
     SGLDState: "samplers_as_optim.samplers.sgld",

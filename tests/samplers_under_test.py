@@ -8,7 +8,7 @@ with another ``lr``, up to rounding: ``tests/test_baoa.py``).
 from dataclasses import dataclass, field
 from typing import Any
 
-from samplers_as_optim import BAOA, PSGLD, SGHMC, SGLD, SGNHT
+from samplers_as_optim import BAOA, PSGLD, SGHMC, SGLD, SGNHT, AdamWSGHMC
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,11 @@ SAMPLERS = [
     SamplerCase("sgnht", SGNHT, {"momentum": 0.9}, sgd_at_zero=False),
     SamplerCase("baoa", BAOA, {"momentum": 0.9}, sgd_at_zero=False),
 ]
-#: Samplers whose signature is not ``torch.optim.SGD``'s (no ``dampening``, and a
-#: ``momentum`` that is RMSprop's, temperature 0 only): the generic tests above assume
+#: Samplers whose signature is not ``torch.optim.SGD``'s (PSGLD: RMSprop's, whose
+#: ``momentum`` is temperature 0 only; AdamWSGHMC: AdamW's): the generic tests above assume
 #: SGD's, so ``tests/test_psgld.py`` runs the ones that apply over these.
-OTHER_SIGNATURES = [SamplerCase("psgld", PSGLD, {"alpha": 0.99}, sgd_at_zero=False)]
+OTHER_SIGNATURES = [
+    SamplerCase("psgld", PSGLD, {"alpha": 0.99}, sgd_at_zero=False),
+    SamplerCase("adamw_sghmc", AdamWSGHMC, {"betas": (0.9, 0.999)}, sgd_at_zero=False),
+]
 SGD_LIKE = [case for case in SAMPLERS if case.sgd_at_zero]

@@ -7,6 +7,7 @@ torchopt transformation are built (``docs/design.md``, "A sampler is one definit
 every registered sampler's front ends against its definition.
 """
 
+from .adamw_sghmc import AdamWSGHMC, adamw_sghmc_direction
 from .baoa import BAOA, baoa_direction
 from .optimizer import SamplerOptimizer
 from .psgld import PSGLD, psgld_direction
@@ -15,7 +16,7 @@ from .sgld import SGLD, sgld_direction, sgld_noise_scale
 from .sgnht import SGNHT, sgnht_direction, sgnht_initial_state
 
 #: every SG-MCMC sampler (a new sampler adds its class here)
-SAMPLERS: tuple[type[SamplerOptimizer], ...] = (SGLD, SGHMC, SGNHT, PSGLD, BAOA)
+SAMPLERS: tuple[type[SamplerOptimizer], ...] = (SGLD, SGHMC, SGNHT, PSGLD, BAOA, AdamWSGHMC)
 
 __all__ = [
     "BAOA",
@@ -24,6 +25,8 @@ __all__ = [
     "SGHMC",
     "SGLD",
     "SGNHT",
+    "AdamWSGHMC",
+    "adamw_sghmc_direction",
     "baoa_direction",
     "psgld_direction",
     "sghmc_direction",

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from ..core.chain import CHAIN_KEYS, NOISE_KEY
+from ..core.chain import NOISE_KEY
 from .momentum_units import MOMENTUM_RATE
 
 __all__ = [
@@ -130,6 +130,12 @@ class StateField:
             is told by ``initial_state`` (see :data:`Update`).
         own_dtype: kept in its own dtype when a state is loaded (torch casts the others
             to the parameter's dtype): a thermostat.
+        host: a number per parameter that the update reads in Python (AdamW's step
+            count): the Optimizer keeps it as a 0-d CPU tensor, as ``torch.optim`` keeps
+            its step counters, restored on the CPU in its saved dtype when a state is
+            loaded; the transformation keeps it as a Python float. The update reads it
+            with ``float(...)`` (no device synchronisation) and returns the same kind.
+            A step that ``nonfinite="skip"`` turns into a no-op still advances it.
     """
 
     name: str
@@ -137,11 +143,14 @@ class StateField:
     used: Callable[[Mapping[str, Any]], bool] = lambda group: True
     init: Callable[[Tensor, Mapping[str, Any]], Tensor] | None = None
     own_dtype: bool = False
+    host: bool = False
 
 
-#: names the front ends keep beside a sampler's state: the chain's random state and the
-#: noise key (``docs/design.md``), the rate of a momentum buffer
-RESERVED_STATE = frozenset({*CHAIN_KEYS, "count", NOISE_KEY, MOMENTUM_RATE})
+#: names the front ends keep beside a sampler's state: the transformation's ``seed`` and
+#: ``count``, the noise key (``docs/design.md``), the rate of a momentum buffer. (The
+#: chain's step counter lives in the param groups, so a per-parameter ``"step"``, as
+#: AdamW keeps, is a sampler's own.)
+RESERVED_STATE = frozenset({"seed", "count", NOISE_KEY, MOMENTUM_RATE})
 
 
 class UpdateInput(NamedTuple):
@@ -195,6 +204,7 @@ class SamplerDefinition:
             momentum=0.9"``), which builds it for a small model and takes one step.
         momentum_in_lr_units: the state holds a momentum buffer in SGD units, which a
             change of ``lr`` at temperature > 0 re-expresses (``docs/design.md``).
+        momentum_buffer: the name of that buffer (``"exp_avg"`` for AdamW's units).
         requires_positive_temperature: the sampler has no temperature-0 limit.
         positive_temperature_reason: why, for the error message.
         zero_temperature_fault: what goes wrong at temperature 0, for a schedule's
@@ -224,6 +234,7 @@ class SamplerDefinition:
     transform_doc: str
     example: str = "lr=1e-3"
     momentum_in_lr_units: bool = False
+    momentum_buffer: str = "momentum_buffer"
     requires_positive_temperature: bool = False
     positive_temperature_reason: str = ""
     zero_temperature_fault: str = ""

@@ -101,14 +101,16 @@ def rescale_momentum_state(
     foreach: bool,
     params: Sequence[Tensor] | None = None,
     known: HostScalars | None = None,
+    buffer: str = "momentum_buffer",
 ) -> None:
     """:func:`rescale_momentum` on an Optimizer's per-parameter states, in place.
 
-    Reads ``"momentum_buffer"`` and its recorded rate ``"momentum_lr"`` (absent from a
-    ``torch.optim.SGD`` state) and records the rate of the coming step. The rate is a 0-d
-    float64 tensor on the CPU, as ``torch.optim`` keeps every per-parameter state entry a
-    tensor (checkpoints written before it was one hold a float, read alike and replaced);
-    an entry is replaced when its rate changes, never modified in place.
+    Reads ``buffer`` (``"momentum_buffer"``; AdamW's ``"exp_avg"``) and its recorded rate
+    ``"momentum_lr"`` (absent from a ``torch.optim.SGD`` state) and records the rate of the
+    coming step. The rate is a 0-d float64 tensor on the CPU, as ``torch.optim`` keeps every
+    per-parameter state entry a tensor (checkpoints written before it was one hold a float,
+    read alike and replaced); an entry is replaced when its rate changes, never modified in
+    place.
 
     Args:
         states: the per-parameter states.
@@ -118,6 +120,7 @@ def rescale_momentum_state(
         params: the parameters of ``states``, with ``known``: the rates ``known``
             remembers are not read back from their tensors (an Optimizer's step).
         known: the Optimizer's :class:`~._common.HostScalars` of its rates.
+        buffer: the name of the momentum buffer in the states.
     """
     records = [state.get(MOMENTUM_RATE) for state in states]
     if params is not None and known is not None:
@@ -125,7 +128,7 @@ def rescale_momentum_state(
     else:
         rates = [host_value(record) for record in records]
     _, new_rates = rescale_momentum(
-        [state.get("momentum_buffer") for state in states],
+        [state.get(buffer) for state in states],
         rates,
         lr=lr,
         temperature=temperature,

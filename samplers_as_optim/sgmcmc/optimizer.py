@@ -126,6 +126,8 @@ class SamplerOptimizer(ChainOptimizer):
     zero_temperature_fault: str = ""
     #: per-parameter state kept in its own dtype on load (torch casts to the param's dtype)
     own_dtype_state: tuple[str, ...] = ()
+    #: per-parameter numbers read in Python, kept as 0-d CPU tensors (``StateField.host``)
+    host_state: tuple[str, ...] = ()
 
     def __init_subclass__(cls, definition: SamplerDefinition | None = None, **kwargs: Any):
         """Build a sampler's class from its definition: signature, docs, hooks' data."""
@@ -141,6 +143,7 @@ class SamplerOptimizer(ChainOptimizer):
         cls.supports_dtensor = definition.supports_dtensor
         cls.dtensor_unsupported_reason = definition.dtensor_unsupported_reason
         cls.own_dtype_state = tuple(state.name for state in definition.state if state.own_dtype)
+        cls.host_state = tuple(state.name for state in definition.state if state.host)
         cls.signature_only_arguments = tuple(
             h.name for h in definition.hyperparameters if not h.kept
         )
@@ -461,8 +464,12 @@ class SamplerOptimizer(ChainOptimizer):
             group, params, grads, buffers, noise, foreach=foreach, **kwargs
         )
         for f, (name, field) in enumerate(zip(fields, new_buffers, strict=True)):
+            host = name in self.host_state  # a count on the CPU: advanced even when skipped
             for i, (state, value) in enumerate(zip(states, field, strict=True)):
-                if old is not None and keep is not None and isinstance(value, Tensor):
+                if value is None:  # not created yet: torch.optim keeps tensors only
+                    state.pop(name, None)
+                    continue
+                if old is not None and keep is not None and isinstance(value, Tensor) and not host:
                     value = kept(value, old[f][i], keep)
                 state[name] = value
         apply_step_(params, directions, lr=lr, as_sgd=temperature == 0, foreach=foreach, keep=keep)
@@ -529,6 +536,7 @@ class SamplerOptimizer(ChainOptimizer):
                 foreach=foreach,
                 params=params,
                 known=self._host_scalars,
+                buffer=self.definition.momentum_buffer,
             )
 
     def _kernel(
@@ -557,7 +565,8 @@ class SamplerOptimizer(ChainOptimizer):
     def _restore_own_dtype_state(self, state_dict: dict[str, Any]) -> None:
         """Undo torch's cast of some saved entries to the parameter's dtype and device.
 
-        ``own_dtype_state`` (a thermostat) keeps its dtype on the parameter's device; the
+        ``own_dtype_state`` (a thermostat) keeps its dtype on the parameter's device,
+        ``host_state`` (AdamW's step count) its dtype on the CPU; the
         noise key (``ChainOptimizer._restore_noise_keys``) and the rate of a momentum
         buffer (``_checkpoint.restore_momentum_rate``) keep theirs on the CPU.
         """
@@ -570,6 +579,10 @@ class SamplerOptimizer(ChainOptimizer):
                     value = saved.get(key)
                     if isinstance(value, Tensor):
                         self.state[param][key] = value.to(device=param.device, copy=True)
+                for key in self.host_state:
+                    value = saved.get(key)
+                    if isinstance(value, Tensor):
+                        self.state[param][key] = value.detach().to(device="cpu", copy=True)
                 if MOMENTUM_RATE in saved:  # (indexing self.state creates an entry)
                     restore_momentum_rate(self.state[param], saved)
 

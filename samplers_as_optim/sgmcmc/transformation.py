@@ -335,6 +335,7 @@ def transformation_of(
     same values with the same messages.
     """
     rated = definition.momentum_in_lr_units
+    momentum = definition.momentum_buffer
     names = [state.name for state in definition.state] + ([MOMENTUM_RATE] if rated else [])
     lines = [f"The state of :func:`{definition.transform_name}`: buffers and the chain's "]
     lines[0] += "random state.\n\nAttributes:"
@@ -364,18 +365,23 @@ def transformation_of(
                 buffers.append(())
                 continue
             init = state.init or (lambda leaf, _: torch.zeros_like(leaf))
+            if state.host:  # a number read in Python: a float here (``StateField.host``)
+                buffers.append(
+                    tuple(None if leaf is None else float(init(leaf, group)) for leaf in leaves)
+                )
+                continue
             buffers.append(tuple(None if leaf is None else init(leaf, group) for leaf in leaves))
         if rated:
-            buffers.append((None,) * len(leaves) if "momentum_buffer" in used else ())
+            buffers.append((None,) * len(leaves) if momentum in used else ())
         return tuple(buffers)
 
     def kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
         given = dict(zip(names, inputs.buffers, strict=True))
         used = definition.state_fields(group)
         rates: list[Any] = given.get(MOMENTUM_RATE, [])
-        if rated and given.get("momentum_buffer"):
-            given["momentum_buffer"], rates = rescale_momentum(
-                given["momentum_buffer"],
+        if rated and given.get(momentum):
+            given[momentum], rates = rescale_momentum(
+                given[momentum],
                 rates,
                 **pick(group, "lr", "temperature", "foreach", "inplace"),
             )
