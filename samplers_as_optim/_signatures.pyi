@@ -23,7 +23,7 @@ class SGNHT(SamplerOptimizer):
     def __init__(self, params: Any, lr: float | Tensor = 0.001, momentum: float = 0.9, *, num_data: int, temperature: float = 1.0, weight_decay: float = 0.0, dampening: float = 0.0, nesterov: bool = False, maximize: bool = False, foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None, seed: int | None = None, overlap_noise: bool = True, nonfinite: str = 'raise', kinetic_energy: str = 'symmetric') -> None: ...
 
 class PSGLD(SamplerOptimizer):
-    def __init__(self, params: Any, lr: float | Tensor = 0.01, alpha: float = 0.99, eps: float = 1e-08, weight_decay: float = 0.0, momentum: float = 0.0, centered: bool = False, capturable: bool = False, foreach: bool | None = None, maximize: bool = False, differentiable: bool = False, *, num_data: int, temperature: float = 1.0, correction: bool = False, seed: int | None = None, overlap_noise: bool = True, nonfinite: str = 'raise') -> None: ...
+    def __init__(self, params: Any, lr: float | Tensor = 0.01, alpha: float = 0.99, eps: float = 1e-08, weight_decay: float = 0.0, momentum: float = 0.0, centered: bool = False, capturable: bool = False, foreach: bool | None = None, maximize: bool = False, differentiable: bool = False, *, num_data: int, temperature: float = 1.0, preconditioner: str = 'factored', preconditioner_warmup: int | None = 1000, correction: bool = False, seed: int | None = None, overlap_noise: bool = True, nonfinite: str = 'raise') -> None: ...
 
 class BAOA(SamplerOptimizer):
     def __init__(self, params: Any, lr: float | Tensor = 0.001, momentum: float = 0.9, *, num_data: int, temperature: float = 1.0, weight_decay: float = 0.0, dampening: float = 0.0, nesterov: bool = False, maximize: bool = False, foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None, seed: int | None = None, overlap_noise: bool = True, nonfinite: str = 'raise') -> None: ...
@@ -60,10 +60,13 @@ class PSGLDState(NamedTuple):
     grad_avg: tuple[Any, ...]
     previous_param: tuple[Any, ...]
     previous_grad: tuple[Any, ...]
+    step: tuple[Any, ...]
+    preconditioner: tuple[Any, ...]
+    preconditioner_step: tuple[Any, ...]
     seed: int
     count: int  # type: ignore[assignment]  # a field, as optax's states have
 
-def psgld(lr: ScalarOrSchedule, alpha: float = 0.99, eps: float = 1e-08, weight_decay: float = 0.0, momentum: float = 0.0, centered: bool = False, *, foreach: bool | None = None, maximize: bool = False, num_data: int, temperature: ScalarOrSchedule = 1.0, correction: bool = False, seed: int | None = None) -> GradientTransformation: ...
+def psgld(lr: ScalarOrSchedule, alpha: float = 0.99, eps: float = 1e-08, weight_decay: float = 0.0, momentum: float = 0.0, centered: bool = False, *, foreach: bool | None = None, maximize: bool = False, num_data: int, temperature: ScalarOrSchedule = 1.0, preconditioner: str = 'factored', preconditioner_warmup: int | None = 1000, correction: bool = False, seed: int | None = None) -> GradientTransformation: ...
 
 class BAOAState(NamedTuple):
     momentum_buffer: tuple[Any, ...]

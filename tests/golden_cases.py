@@ -319,7 +319,14 @@ SAMPLERS: dict[str, tuple[Any, Any, dict[str, Any], tuple[float, ...]]] = {
     "sgld": (SGLD, transforms.sgld, {}, (0.0, 1.0)),
     "sghmc": (SGHMC, transforms.sghmc, {"momentum": 0.9}, (0.0, 1.0)),
     "sgnht": (SGNHT, transforms.sgnht, {"momentum": 0.9}, (1.0, 0.3)),  # needs T > 0
-    "psgld": (PSGLD, transforms.psgld, {"alpha": 0.9}, (0.0, 1.0)),
+    # Li et al.'s moving elementwise preconditioner, the default when these were recorded
+    # (0.2 pools and freezes it by default; its chains are not recorded here)
+    "psgld": (
+        PSGLD,
+        transforms.psgld,
+        {"alpha": 0.9, "preconditioner": "elementwise", "preconditioner_warmup": None},
+        (0.0, 1.0),
+    ),
     "baoa": (BAOA, transforms.baoa, {"momentum": 0.9}, (0.0, 1.0)),
 }
 

@@ -483,7 +483,10 @@ def old_setup(name, naming):
     w, b = (Parameter(torch.tensor(v, dtype=torch.float64)) for v in entry["params"])
     case = BY_NAME[name.removesuffix("_named")]
     params = [w, b] if naming is None else [(f"{naming}.weight", w), (f"{naming}.bias", b)]
-    optimizer = case.cls(params, lr=0.01, num_data=50, seed=123, **case.kwargs)
+    # PSGLD's old chain is Li et al.'s (a moving elementwise preconditioner, 0.1's default)
+    old = {"preconditioner": "elementwise", "preconditioner_warmup": None}
+    extra = old if case.name == "psgld" else {}
+    optimizer = case.cls(params, lr=0.01, num_data=50, seed=123, **case.kwargs, **extra)
     return w, b, optimizer
 
 

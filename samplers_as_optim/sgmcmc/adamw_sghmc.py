@@ -107,10 +107,15 @@ from .arguments import (
 from .definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
 from .optimizer import SamplerOptimizer
 from .sampling_preconditioner import (
-    check_preconditioner,
-    check_preconditioner_warmup,
-    freezes_now,
-    sampling_preconditioner,
+    FROZEN_AT,
+    FROZEN_PRECONDITIONER,
+    PRECONDITIONER,
+    PRECONDITIONER_WARMUP,
+    STEP,
+    advanced,
+    informed_noise,
+    released,
+    sampling_scale,
 )
 from .transformation import pick, transformation_of
 
@@ -150,26 +155,6 @@ def _check_eps(value: Any, where: str) -> float:
     if not (math.isfinite(value) and value > 0):
         refuse("eps", value, expected, where)
     return float(value)
-
-
-def _advanced(count: Any, inplace: bool) -> Any:
-    """``count + 1`` as the same kind: a 0-d CPU tensor (in place when ``inplace``), a float."""
-    if isinstance(count, Tensor):
-        return count.add_(1) if inplace else count.add(1)
-    return float(count) + 1.0
-
-
-def _released(flag: Any, inplace: bool) -> Any:
-    """A frozen-at step set to 0 (the preconditioner released), as the same kind."""
-    if isinstance(flag, Tensor):
-        return flag.zero_() if inplace else torch.zeros_like(flag)
-    return 0.0
-
-
-def _frozen(flag: Any, step: float) -> Any:
-    if isinstance(flag, Tensor):
-        return torch.tensor(step, dtype=flag.dtype)
-    return step
 
 
 def adamw_sghmc_direction(
@@ -246,7 +231,7 @@ def adamw_sghmc_direction(
     new_steps, new_ms, new_vs = [], [], []
     for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
         grad = -grad if maximize else grad
-        step = _advanced(steps[i], inplace)
+        step = advanced(steps[i], inplace)
         t = float(step)
         m = exp_avgs[i] if inplace else exp_avgs[i].clone()
         v = exp_avg_sqs[i] if inplace else exp_avg_sqs[i].clone()
@@ -262,20 +247,21 @@ def adamw_sghmc_direction(
                 torch.maximum(peak, v, out=peak)
                 maxima[i] = second = peak
             denominator = second.sqrt().div(math.sqrt(correction2)).add(eps)
-            flags[i] = _released(flags[i], inplace)
+            flags[i] = released(flags[i], inplace)
         else:
-            if float(flags[i]) > 0 and preconditioners[i] is not None:
-                denominator = preconditioners[i]  # type: ignore[assignment]
-            else:
-                denominator = sampling_preconditioner(
-                    v, correction=correction2, eps=eps, how=preconditioner, inplace=inplace
-                )
-                if freezes_now(float(flags[i]), t, preconditioner_warmup):
-                    preconditioners[i], flags[i] = denominator, _frozen(flags[i], t)
-            # no noise where the preconditioner has no scale (a = eps exactly: every
-            # gradient pooled so far was 0; see sampling_preconditioner)
-            root = denominator.sqrt().mul(sigma).masked_fill(denominator == eps, 0.0)
-            kick = noise[i].mul(root).add(grad)
+            denominator, preconditioners[i], flags[i] = sampling_scale(
+                v,
+                preconditioners[i],
+                flags[i],
+                t,
+                correction=correction2,
+                eps=eps,
+                how=preconditioner,
+                warmup=preconditioner_warmup,
+                inplace=inplace,
+            )
+            # no noise where the preconditioner has no scale (see sampling_preconditioner)
+            kick = informed_noise(noise[i], denominator, sigma=sigma, eps=eps, root=1).add(grad)
             m.lerp_(kick, 1 - beta1)
         direction = m.div(denominator)
         if correction1 != 1:
@@ -382,15 +368,6 @@ def _zeros(param: Tensor, group: Mapping[str, Any]) -> Tensor:
     return torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
-def _count(param: Tensor, group: Mapping[str, Any]) -> Tensor:
-    """A step count as ``torch.optim.AdamW`` keeps it: 0-d, on the CPU, float32.
-
-    (float64 when that is torch's default dtype, as torch does.)
-    """
-    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    return torch.tensor(0.0, dtype=dtype)
-
-
 DEFINITION = SamplerDefinition(
     name="AdamWSGHMC",
     transform_name="adamw_sghmc",
@@ -468,34 +445,14 @@ DEFINITION = SamplerDefinition(
         ),
         NUM_DATA,
         TEMPERATURE,
-        Hyperparameter(
-            "preconditioner",
-            default="factored",
-            annotation="str",
-            doc=r"""preconditioner: how the sampling preconditioner pools AdamW's
-            second moment at temperature > 0 (default: ``"factored"``, Adafactor's
-            rank-one estimate, so that an element weighs little in its own scale;
-            ``"elementwise"``: AdamW's own, whose law is biased, for comparison).""",
-            check=lambda value, where: check_preconditioner(value, where),
-        ),
-        Hyperparameter(
-            "preconditioner_warmup",
-            default=1000,
-            annotation="int | None",
-            doc=r"""preconditioner_warmup: the parameter's step count after which the
-            sampling preconditioner is frozen, at its first step at temperature > 0
-            past it (default: 1000; an integer >= 0; None: never frozen, which biases
-            the law). A step at temperature 0 releases it.""",
-            check=lambda value, where: check_preconditioner_warmup(value, where),
-        ),
+        PRECONDITIONER,
+        PRECONDITIONER_WARMUP,
         SEED,
         OVERLAP_NOISE,
         NONFINITE,
     ),
     state=(
-        StateField(
-            "step", "the parameter's step count t (AdamW's), per leaf.", init=_count, host=True
-        ),
+        STEP,
         StateField("exp_avg", ":math:`m` per leaf, starting at zero.", init=_zeros),
         StateField("exp_avg_sq", ":math:`V` per leaf, starting at zero.", init=_zeros),
         StateField(
@@ -504,17 +461,8 @@ DEFINITION = SamplerDefinition(
             used=lambda group: bool(group["amsgrad"]),
             init=_zeros,
         ),
-        StateField(
-            "preconditioner",
-            "the frozen sampling preconditioner :math:`a` per leaf (in its pooled "
-            "shape once frozen).",
-        ),
-        StateField(
-            "preconditioner_step",
-            "the step at which each leaf's preconditioner was frozen, 0 when it is not.",
-            init=_count,
-            host=True,
-        ),
+        FROZEN_PRECONDITIONER,
+        FROZEN_AT,
     ),
     update=_update,
     example="lr=1e-3",

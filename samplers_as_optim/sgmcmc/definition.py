@@ -136,6 +136,10 @@ class StateField:
             loaded; the transformation keeps it as a Python float. The update reads it
             with ``float(...)`` (no device synchronisation) and returns the same kind.
             A step that ``nonfinite="skip"`` turns into a no-op still advances it.
+        legacy: for a field added after transformation states could be saved without it
+            (it then comes after every older field): its value in such a state, from
+            the old state's fields by name (``legacy(old) -> tuple``), so that a state
+            pickled by an older version loads.
     """
 
     name: str
@@ -144,6 +148,7 @@ class StateField:
     init: Callable[[Tensor, Mapping[str, Any]], Tensor] | None = None
     own_dtype: bool = False
     host: bool = False
+    legacy: Callable[[Mapping[str, Any]], tuple[Any, ...]] | None = None
 
 
 #: names the front ends keep beside a sampler's state: the transformation's ``seed`` and

@@ -44,31 +44,39 @@ separable quadratic with full-batch gradients and noisy otherwise. Li et al. dro
 :math:`\Gamma` (its effect is :math:`O(1-\alpha)`), as most implementations do, and so
 does the default ``correction=False``.
 
-The law it samples, measured. The preconditioner follows each coordinate's own recent
-gradients, so it depends on the position, and PSGLD as written here does **not** sample
-its stated law: a coordinate whose :math:`V` is small gets a large preconditioner, is
-thrown far out, and stays there once :math:`V` has grown. The bulk looks right and the
-tails are heavy, so report full variances. On :math:`\mathcal N(0, 1)` with full-batch
-gradients, ``lr=0.01``, 10,000 chains, two seeds, the variance of the final states
-against the target's 1: at ``alpha=0.5`` (1,500 steps) 2.14 and 1.96, where the
-interquartile range gives an sd of 1.73; at ``alpha=0.99`` 3.29 and 1.35 (interquartile
-sd 1.20); at ``alpha=0.999`` (6,000 steps) 4.47 and 1.04 (interquartile sd 1.02-1.03;
-0.40% of the chains beyond 3 sd, against 0.27%). Li et al.'s :math:`\Gamma` narrows the
-bulk of a fast-adapting preconditioner (interquartile sd 1.39 at ``alpha=0.5``) and
-fattens the tails (full variances from 1.5 to 75), so it stays off by default. On
-:math:`\mathcal N(0, \mathrm{diag}(0.1^2, 1, 10^2))` (``lr=1e-3``, :math:`N = 1000`,
-4,000 elements per coordinate started at the target, 6,000 steps) the variances are
-1.31, 1.80 and 1.60 times the target's with the defaults and 1.04, 1.38, 1.52 with
-``alpha=0.999``. Freezing :math:`V` after a warm-up does not cure it by itself: each
-frozen :math:`G_{ii}` remembers where its coordinate was, and the slow coordinate's
-variance stays 1.15-1.28 times the target's after 30-1000 adaptive steps. A factored
-second moment (Adafactor's row and column averages, each pooled over many elements)
-frozen after the same warm-ups stays within 0.95-1.02 on every coordinate (and within
-0.96-1.01 on the two slower ones when it never freezes). Every figure here comes from
-``benchmarks/bench_psgld_law.py``. A preconditioner that samples its
-law is issue 25's work; until then use PSGLD at temperature 0 (RMSprop) or check its
-draws' full variances. With minibatch gradients :math:`V` is dominated by the gradient
-noise and depends less on the position.
+The law it samples. Li et al.'s preconditioner follows each coordinate's own recent
+gradients, so it depends on the position, and that chain does **not** sample its stated
+law: a coordinate whose :math:`V` is small gets a large preconditioner, is thrown far
+out, and stays there once :math:`V` has grown. The bulk looks right and the tails are
+heavy, so what follows reports full variances. By default PSGLD therefore samples with
+the preconditioner of :mod:`.sampling_preconditioner`: RMSprop's :math:`V` pooled
+(``preconditioner="factored"``, Adafactor's rank-one estimate over the two largest
+dimensions, the mean for a vector), following it during ``preconditioner_warmup=1000``
+steps of the parameter's step count and then frozen, which leaves :math:`p_T` invariant
+exactly, whatever the frozen value (its :math:`\Gamma` is 0); a step at temperature 0
+(RMSprop) releases it. ``preconditioner="elementwise", preconditioner_warmup=None`` is
+Li et al.'s chain, the default before version 0.2.
+
+Measured (``benchmarks/bench_psgld_law.py``). On :math:`\mathcal N(0, 1)` with full-batch
+gradients, ``lr=0.01``, 10,000 chains started at the target, two seeds, the variance of
+the final states against the target's 1 (Monte Carlo sd 0.014): with the defaults
+1.021/1.001 at ``alpha=0.5`` and ``alpha=0.99`` (1,500 steps) and 0.995/0.992 at
+``alpha=0.999`` (6,000 steps), 0.19-0.37% of the chains beyond 3 sd (the target's
+0.27%). Li et al.'s: 2.14/1.96 at ``alpha=0.5``, where the interquartile range gives an
+sd of 1.73; 3.29/1.35 at ``alpha=0.99`` (interquartile sd 1.20); 4.47/1.04 at
+``alpha=0.999`` (interquartile sd 1.02-1.03). Their :math:`\Gamma` narrows the bulk of a
+fast-adapting preconditioner (interquartile sd 1.39 at ``alpha=0.5``) and fattens the
+tails (full variances 1.5 to 75), so it is off by default, and it applies to their
+moving elementwise preconditioner only. On :math:`\mathcal N(0, \mathrm{diag}(0.1^2, 1,
+10^2))` (``lr=1e-3``, :math:`N = 1000`, 4,000 elements per coordinate started at the
+target, 6,000 steps; Monte Carlo sd 0.022) the variances are 1.00, 1.05 and 1.02 times
+the target's with the defaults (1.00, 1.05, 1.02 at ``alpha=0.999``), against 1.31, 1.80
+and 1.60 with Li et al.'s (1.04, 1.38, 1.52 at ``alpha=0.999``). Freezing alone does not
+cure it: frozen after 30-1000 steps, the elementwise preconditioner remembers where each
+element was and the slow coordinate's variance stays 1.16-1.29 times the target's; pooled
+and frozen, 1.02-1.03. Pooled but never frozen, the fast coordinate (whose row of three
+elements it dominates) is 1.30. With minibatch gradients :math:`V` is dominated by the
+gradient noise and depends less on the position.
 
 Changing the learning rate needs no re-expression: :math:`V` is in the units of the
 squared gradient, not of ``lr``.
@@ -93,6 +101,7 @@ infinity. bfloat16 has float32's range and needs none of this.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -117,6 +126,16 @@ from .arguments import (
 )
 from .definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
 from .optimizer import SamplerOptimizer
+from .sampling_preconditioner import (
+    FROZEN_AT,
+    FROZEN_PRECONDITIONER,
+    PRECONDITIONER,
+    PRECONDITIONER_WARMUP,
+    STEP,
+    advanced,
+    released,
+    sampling_scale,
+)
 from .transformation import pick, transformation_of
 
 __all__ = ["DEFINITION", "PSGLD", "PSGLDState", "psgld", "psgld_direction", "psgld_noise_scale"]
@@ -286,6 +305,11 @@ def psgld_direction(
     previous: tuple[list[Tensor], list[Tensor]] | None = None,
     inplace: bool = True,
     split: bool = False,
+    steps: list[Any] | None = None,
+    preconditioners: list[Tensor | None] | None = None,
+    frozen_at: list[Any] | None = None,
+    preconditioner: str = "elementwise",
+    preconditioner_warmup: int | None = None,
 ) -> tuple[list[Tensor], dict[str, list[Any]]]:
     r"""The pure kernel of PSGLD: the directions :math:`d` and the new state.
 
@@ -323,11 +347,21 @@ def psgld_direction(
         split: at temperature 0 without momentum, return ``g'`` and :math:`a` as the
             state entries ``"numerator"`` and ``"denominator"`` instead of dividing, so
             that the Optimizer takes RMSprop's last step ``addcdiv_`` bit for bit.
+        steps: each parameter's step count before this step (a 0-d CPU tensor, as
+            ``torch.optim.RMSprop`` keeps it, or a float); None: no counts are kept,
+            and the preconditioner is never frozen.
+        preconditioners: the frozen sampling preconditioners (None before a freeze).
+        frozen_at: the step at which each was frozen, 0 when it is not (as ``steps``).
+        preconditioner: ``"factored"`` or ``"elementwise"`` pooling of :math:`V` at
+            temperature > 0 (:mod:`.sampling_preconditioner`; the default here is Li et
+            al.'s elementwise, the Optimizer's is ``"factored"``).
+        preconditioner_warmup: the step count after which it is frozen (None: never).
 
     Returns:
         ``(directions, state)`` with state entries ``"square_avg"``, ``"grad_avg"``,
-        ``"momentum_buffer"``, ``"previous_param"``, ``"previous_grad"`` (lists, or
-        None where unused).
+        ``"momentum_buffer"``, ``"previous_param"``, ``"previous_grad"``, ``"step"``,
+        ``"preconditioner"`` and ``"preconditioner_step"`` (lists, or None where
+        unused).
 
     Raises:
         ValueError: ``noise`` is given at temperature 0 or missing above it; ``eps``
@@ -355,7 +389,12 @@ def psgld_direction(
         "previous_grad": [],
         "numerator": [None] * len(grads),
         "denominator": [None] * len(grads),
+        "step": [],
+        "preconditioner": list(preconditioners or [None] * len(grads)),
+        "preconditioner_step": list(frozen_at or [0.0] * len(grads)),
     }
+    if steps is not None:
+        state["step"] = [advanced(count, inplace) for count in steps]
     if previous is not None:
         state["previous_param"], state["previous_grad"] = list(previous[0]), list(previous[1])
     for index in buckets(params) if foreach else [[i] for i in range(len(params))]:
@@ -397,6 +436,25 @@ def psgld_direction(
                 )
             state["square_avg"][i] = square
             state["grad_avg"][i] = means[position]
+            if temperature == 0:
+                state["preconditioner_step"][i] = released(state["preconditioner_step"][i], inplace)
+                continue
+            # the sampling preconditioner: pooled, frozen after the warm-up
+            step = float(state["step"][i]) if steps is not None else 0.0
+            sampled, state["preconditioner"][i], state["preconditioner_step"][i] = sampling_scale(
+                squares[position],
+                state["preconditioner"][i],
+                state["preconditioner_step"][i],
+                step,
+                correction=1.0,
+                eps=eps,
+                how=preconditioner,
+                warmup=preconditioner_warmup if steps is not None else None,
+                inplace=inplace,
+            )
+            if sampled.shape != gs[position].shape:
+                sampled = sampled.expand_as(gs[position])
+            avgs[position] = sampled
         if temperature == 0 and momentum > 0:
             assert momentum_buffers is not None
             bufs = [momentum_buffers[i] for i in index]
@@ -421,14 +479,11 @@ def psgld_direction(
         else:
             ds = [grad.div(avg) for grad, avg in zip(gs, avgs, strict=True)]
         if noise is not None:
-            # the noise variance follows the preconditioner: xi * scale / sqrt(a)
-            if foreach:
-                roots = torch._foreach_sqrt(avgs)
-                scaled = torch._foreach_div([_lift(noise[i], upcast) for i in index], roots)
-                torch._foreach_add_(ds, scaled, alpha=scale)
-            else:
-                for d, avg, i in zip(ds, avgs, index, strict=True):
-                    d.add_(_lift(noise[i], upcast).div(avg.sqrt()), alpha=scale)
+            # the noise variance follows the preconditioner: xi * scale / sqrt(a), none
+            # where a has no scale (sampling_preconditioner)
+            for d, avg, i in zip(ds, avgs, index, strict=True):
+                kick = _lift(noise[i], upcast).div(avg.sqrt()).masked_fill(avg == eps, 0.0)
+                d.add_(kick, alpha=scale)
         if previous is not None and temperature > 0:
             squares_now = [state["square_avg"][i] for i in index]
             ds = _correct(
@@ -497,6 +552,15 @@ def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:
         )
     sampling_meaningless("momentum", group["momentum"], 0, temperature, where)
     sampling_meaningless("centered", group["centered"], False, temperature, where)
+    moving = group["preconditioner"] == "elementwise" and group["preconditioner_warmup"] is None
+    if group["correction"] and not moving:
+        raise ValueError(
+            f"Invalid correction{where}: True (expected False with preconditioner="
+            f"{group['preconditioner']!r} and preconditioner_warmup="
+            f"{group['preconditioner_warmup']!r}: Li et al.'s correction is for a moving "
+            "elementwise preconditioner, preconditioner='elementwise' and "
+            "preconditioner_warmup=None; a frozen one needs none)"
+        )
 
 
 def _update(
@@ -523,6 +587,10 @@ def _update(
         previous=previous,
         inplace=inplace,
         split=split,
+        steps=inputs.buffers["step"],
+        preconditioners=inputs.buffers["preconditioner"],
+        frozen_at=inputs.buffers["preconditioner_step"],
+        **pick(group, "preconditioner", "preconditioner_warmup"),
     )
 
 
@@ -556,6 +624,11 @@ def _rmsprop_step(group: Mapping[str, Any], inputs: UpdateInput, *, foreach: boo
             value=-lr,
         )
     return True
+
+
+def _per_leaf(old: Mapping[str, Any], value: Any) -> tuple[Any, ...]:
+    """A field of a state saved before it existed: ``value(leaf)`` per leaf of ``square_avg``."""
+    return tuple(None if leaf is None else value(leaf) for leaf in old["square_avg"])
 
 
 def _zeros(param: Tensor, group: Mapping[str, Any]) -> Tensor:
@@ -636,6 +709,8 @@ DEFINITION = SamplerDefinition(
         DIFFERENTIABLE.replace(positional=True),
         NUM_DATA,
         TEMPERATURE,
+        PRECONDITIONER,
+        PRECONDITIONER_WARMUP,
         Hyperparameter(
             "correction",
             default=False,
@@ -643,7 +718,9 @@ DEFINITION = SamplerDefinition(
             doc=r"""correction: add Li et al.'s correction term :math:`\Gamma`,
             with the Hessian's diagonal estimated by the secant of the last step
             (default: False, as Li et al. and most implementations; it keeps two more
-            buffers per parameter).""",
+            buffers per parameter). It is the correction of their moving elementwise
+            preconditioner: True requires ``preconditioner="elementwise"`` and
+            ``preconditioner_warmup=None`` (a frozen preconditioner needs none).""",
             transform_doc=r"""correction: add Li et al.'s :math:`\Gamma` (default: False;
             see :class:`PSGLD`).""",
             check=lambda value, where: check_bool("correction", value, where=where),
@@ -680,6 +757,12 @@ DEFINITION = SamplerDefinition(
             used=lambda group: bool(group["correction"]),
             init=_zeros,
         ),
+        # added in 0.2: a PSGLDState saved before them loads with these values
+        dataclasses.replace(STEP, legacy=lambda old: _per_leaf(old, lambda _: float(old["count"]))),
+        dataclasses.replace(
+            FROZEN_PRECONDITIONER, legacy=lambda old: _per_leaf(old, torch.zeros_like)
+        ),
+        dataclasses.replace(FROZEN_AT, legacy=lambda old: _per_leaf(old, lambda _: 0.0)),
     ),
     update=_update,
     example="lr=1e-3",
@@ -687,6 +770,9 @@ DEFINITION = SamplerDefinition(
     transform_fixed={"capturable": False},
     check_parameters=_check_parameters,
     zero_temperature_step=_rmsprop_step,
+    chunked_kernel=False,
+    supports_dtensor=False,
+    dtensor_unsupported_reason="its pooled preconditioner takes means over whole tensors",
     optimizer_doc=r"""Preconditioned SGLD (Li et al., 2016), a drop-in for ``torch.optim.RMSprop``.
 
     Each step is one transition of the Markov chain
@@ -708,11 +794,13 @@ DEFINITION = SamplerDefinition(
     et al.'s :math:`+lr\,(T/N)\,\Gamma` (module docstring of
     :mod:`samplers_as_optim.sgmcmc.psgld`, with its measured effect).
 
-    Warning:
-        At temperature > 0 the adaptive preconditioner depends on the position and the
-        chain's law has heavy tails: full variances 1.3-1.8 times the target's on a
-        Gaussian with the defaults (the module docstring has the measurements). Use it as
-        RMSprop at temperature 0, or check your draws' full variances.
+    At temperature > 0 the preconditioner is not RMSprop's own :math:`a`, which depends on
+    the position and gives the chain heavy tails (full variances 1.3-1.8 times the
+    target's on a Gaussian), but :math:`V` pooled over each tensor and frozen after
+    ``preconditioner_warmup`` steps, with which PSGLD samples its law (within 5% on the
+    same Gaussian); Li et al.'s chain is ``preconditioner="elementwise",
+    preconditioner_warmup=None``. The measurements are in the module docstring of
+    :mod:`samplers_as_optim.sgmcmc.psgld`.
 
     {arguments}
 

@@ -50,20 +50,32 @@ figures the samplers' docstrings report).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..core.validation import check_choice, refuse
+from .definition import Hyperparameter, StateField
 
 __all__ = [
+    "FROZEN_AT",
+    "FROZEN_PRECONDITIONER",
+    "PRECONDITIONER",
     "PRECONDITIONERS",
+    "PRECONDITIONER_WARMUP",
+    "STEP",
+    "advanced",
     "check_preconditioner",
     "check_preconditioner_warmup",
     "freezes_now",
+    "informed_noise",
     "pooled_second_moment",
+    "released",
     "sampling_preconditioner",
+    "sampling_scale",
+    "step_count",
 ]
 
 #: how the sampling preconditioner pools the second moment
@@ -139,3 +151,114 @@ def sampling_preconditioner(
     if correction != 1:
         pooled.div_(correction)
     return pooled.sqrt_().add_(eps)
+
+
+def step_count(param: Tensor, group: Mapping[str, Any]) -> Tensor:
+    """A step count as ``torch.optim``'s AdamW and RMSprop keep it: 0-d, CPU, float32.
+
+    (float64 when that is torch's default dtype, as torch does.)
+    """
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return torch.tensor(0.0, dtype=dtype)
+
+
+def advanced(count: Any, inplace: bool) -> Any:
+    """``count + 1`` as the same kind: a 0-d CPU tensor (in place when ``inplace``), a float."""
+    if isinstance(count, Tensor):
+        return count.add_(1) if inplace else count.add(1)
+    return float(count) + 1.0
+
+
+def released(flag: Any, inplace: bool) -> Any:
+    """A frozen-at step set to 0 (the preconditioner released), as the same kind."""
+    if isinstance(flag, Tensor):
+        return flag.zero_() if inplace else torch.zeros_like(flag)
+    return 0.0
+
+
+def sampling_scale(
+    square: Tensor,
+    frozen: Tensor | None,
+    flag: Any,
+    step: float,
+    *,
+    correction: float,
+    eps: float,
+    how: str,
+    warmup: int | None,
+    inplace: bool,
+) -> tuple[Tensor, Tensor | None, Any]:
+    """This step's sampling preconditioner :math:`a`, and the new ``(frozen, flag)``.
+
+    ``frozen`` is the parameter's frozen :math:`a` (None before a freeze), ``flag`` the
+    step at which it was frozen (0: not frozen; a 0-d CPU tensor or a float), ``step``
+    its step count after this step. The frozen :math:`a` is used as it is; otherwise
+    :math:`a` is :func:`sampling_preconditioner` of ``square`` and is frozen now if the
+    warm-up is over (:func:`freezes_now`).
+    """
+    if float(flag) > 0 and frozen is not None:
+        return frozen, frozen, flag
+    scale = sampling_preconditioner(
+        square, correction=correction, eps=eps, how=how, inplace=inplace
+    )
+    if freezes_now(float(flag), step, warmup):
+        kept = torch.tensor(step, dtype=flag.dtype) if isinstance(flag, Tensor) else step
+        return scale, scale, kept
+    return scale, frozen, flag
+
+
+def informed_noise(noise: Tensor, scale: Tensor, *, sigma: float, eps: float, root: int) -> Tensor:
+    r"""``noise`` times :math:`\sigma\, a^{\pm 1/2}` (``root`` +1 or -1), :math:`a` = ``scale``.
+
+    Zero where :math:`a` has no scale (:math:`a = \epsilon` exactly: see
+    :func:`sampling_preconditioner`).
+    """
+    factor = scale.sqrt() if root > 0 else scale.sqrt().reciprocal()
+    return noise.mul(factor.mul(sigma).masked_fill(scale == eps, 0.0))
+
+
+#: the state fields of a sampler with a sampling preconditioner (PSGLD, AdamWSGHMC)
+STEP = StateField(
+    "step",
+    "the parameter's step count t, as torch.optim's AdamW and RMSprop keep it, per leaf.",
+    init=step_count,
+    host=True,
+)
+FROZEN_PRECONDITIONER = StateField(
+    "preconditioner",
+    "the frozen sampling preconditioner :math:`a` per leaf (in its pooled shape; absent "
+    "before the first freeze).",
+)
+FROZEN_AT = StateField(
+    "preconditioner_step",
+    "the step at which each leaf's preconditioner was frozen, 0 when it is not.",
+    init=step_count,
+    host=True,
+)
+
+#: the hyperparameters of the sampling preconditioner, shared by PSGLD and AdamWSGHMC
+PRECONDITIONER = Hyperparameter(
+    "preconditioner",
+    default="factored",
+    annotation="str",
+    doc=r"""preconditioner: how the sampling preconditioner pools the optimizer's
+            second moment at temperature > 0 (default: ``"factored"``, Adafactor's
+            rank-one estimate over the two largest dimensions, so that an element weighs
+            little in its own scale; ``"elementwise"``: the optimizer's own, whose law is
+            biased, for comparison).""",
+    transform_doc=r"""preconditioner: ``"factored"`` (default) or ``"elementwise"`` pooling
+            of the sampling preconditioner.""",
+    check=lambda value, where: check_preconditioner(value, where),
+)
+PRECONDITIONER_WARMUP = Hyperparameter(
+    "preconditioner_warmup",
+    default=1000,
+    annotation="int | None",
+    doc=r"""preconditioner_warmup: the parameter's step count after which the
+            sampling preconditioner is frozen, at its first step at temperature > 0 past
+            it (default: 1000; an integer >= 0; None: never frozen, which biases the
+            law). A step at temperature 0 releases it.""",
+    transform_doc=r"""preconditioner_warmup: the step count after which the sampling
+            preconditioner is frozen (default: 1000; an integer >= 0, or None: never).""",
+    check=lambda value, where: check_preconditioner_warmup(value, where),
+)

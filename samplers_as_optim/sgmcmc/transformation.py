@@ -317,6 +317,32 @@ def _scatter(values: list[Any], index: list[int], new: list[Any]) -> list[Any]:
     return out
 
 
+def _loading_legacy_states(base: type[Any], definition: SamplerDefinition) -> type[Any]:
+    """``base`` whose constructor also takes the fields of an older version's state.
+
+    A state pickled before some fields existed (``StateField.legacy``) is rebuilt with
+    ``cls(*old_values)`` (or by keyword): the missing fields are derived from the old ones.
+    """
+    added = [state for state in definition.state if state.legacy is not None]
+    new_names = {state.name for state in added}
+    old_names = [name for name in base._fields if name not in new_names]
+
+    def __new__(cls: type[Any], *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+        given = dict(zip(base._fields, args, strict=False)) | kwargs
+        if len(args) == len(old_names) and not kwargs:
+            given = dict(zip(old_names, args, strict=True))
+        if not all(name in given for name in new_names):
+            old = {name: given[name] for name in old_names if name in given}
+            for state in added:
+                assert state.legacy is not None
+                given.setdefault(state.name, state.legacy(old))
+        make: Any = base.__new__
+        return make(cls, **given)
+
+    namespace: dict[str, Any] = {"__slots__": (), "__new__": __new__}
+    return type(base.__name__, (base,), namespace)
+
+
 #: the module whose names the transformations' state classes are (for pickling)
 PUBLIC_MODULE = "samplers_as_optim.transforms"
 
@@ -354,6 +380,8 @@ def transformation_of(
     )
     fields = [(name, tuple[Any, ...]) for name in names] + [("seed", int), ("count", int)]
     state_type: type[Any] = NamedTuple(f"{definition.name}State", fields)  # type: ignore[misc]
+    if any(state.legacy is not None for state in definition.state):
+        state_type = _loading_legacy_states(state_type, definition)  # type: ignore[misc]
     state_type.__module__ = PUBLIC_MODULE
     state_type.__doc__ = "\n".join(lines)
 
