@@ -73,7 +73,9 @@ def cost(rounds: int = 15, iterations: int = 10) -> None:
 
     makers = {
         "AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
-        "twin T=1": lambda m: AdamWSGHMC(m.parameters(), lr=1e-3, num_data=60000, seed=0),
+        "twin T=1": lambda m: AdamWSGHMC(
+            m.parameters(), lr=1e-3, num_data=60000, seed=0, preconditioner_warmup=10
+        ),
         "twin T=0": lambda m: AdamWSGHMC(
             m.parameters(), lr=1e-3, num_data=60000, seed=0, temperature=0.0
         ),
@@ -81,7 +83,7 @@ def cost(rounds: int = 15, iterations: int = 10) -> None:
     runs = {name: (m := model(), make(m)) for name, make in makers.items()}
     full: dict[str, list[float]] = {name: [] for name in runs}
     step: dict[str, list[float]] = {name: [] for name in runs}
-    for round_ in range(rounds + 2):  # two warm-up rounds (the twin freezes at 1000)
+    for round_ in range(rounds + 2):  # two warm-up rounds (the twin freezes at step 10)
         for name, (m, opt) in runs.items():
             total = stepping = 0.0
             for _ in range(iterations):

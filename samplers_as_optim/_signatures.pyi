@@ -82,6 +82,7 @@ class AdamWSGHMCState(NamedTuple):
     exp_avg_sq: tuple[Any, ...]
     max_exp_avg_sq: tuple[Any, ...]
     preconditioner: tuple[Any, ...]
+    preconditioner_root: tuple[Any, ...]
     preconditioner_step: tuple[Any, ...]
     momentum_lr: tuple[Any, ...]
     seed: int

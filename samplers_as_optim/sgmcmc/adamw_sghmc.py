@@ -113,9 +113,9 @@ from .sampling_preconditioner import (
     PRECONDITIONER_WARMUP,
     STEP,
     advanced,
-    informed_noise,
+    freezes_now,
     released,
-    sampling_scale,
+    sampling_preconditioner,
 )
 from .transformation import pick, transformation_of
 
@@ -176,6 +176,7 @@ def adamw_sghmc_direction(
     amsgrad: bool = False,
     max_exp_avg_sqs: list[Tensor] | None = None,
     preconditioners: list[Tensor | None] | None = None,
+    roots: list[Tensor | None] | None = None,
     frozen_at: list[Any] | None = None,
     preconditioner: str = "factored",
     preconditioner_warmup: int | None = 1000,
@@ -212,6 +213,8 @@ def adamw_sghmc_direction(
         amsgrad: AdamW's variant (temperature 0 only).
         max_exp_avg_sqs: the running maxima of :math:`V` when ``amsgrad``.
         preconditioners: the frozen :math:`a` per parameter (None before a freeze).
+        roots: the frozen :math:`\sqrt{a}` per parameter, 0 where :math:`a` has no scale
+            (None before a freeze).
         frozen_at: the step at which each was frozen, 0 when it is not (as ``steps``).
         preconditioner: ``"factored"`` or ``"elementwise"`` pooling.
         preconditioner_warmup: the steps before the preconditioner freezes (None: never).
@@ -224,6 +227,7 @@ def adamw_sghmc_direction(
     """
     count = len(params)
     preconditioners = list(preconditioners) if preconditioners is not None else [None] * count
+    roots = list(roots) if roots is not None else [None] * count
     flags = list(frozen_at) if frozen_at is not None else [0.0] * count
     maxima: list[Tensor | None] = list(max_exp_avg_sqs) if amsgrad and max_exp_avg_sqs else []
     sigma = adamw_sghmc_noise_scale(lr, temperature, num_data)
@@ -249,25 +253,29 @@ def adamw_sghmc_direction(
             denominator = second.sqrt().div(math.sqrt(correction2)).add(eps)
             flags[i] = released(flags[i], inplace)
         else:
-            denominator, preconditioners[i], flags[i] = sampling_scale(
-                v,
-                preconditioners[i],
-                flags[i],
-                t,
-                correction=correction2,
-                eps=eps,
-                how=preconditioner,
-                warmup=preconditioner_warmup,
-                inplace=inplace,
-            )
-            # no noise where the preconditioner has no scale (see sampling_preconditioner)
-            kick = informed_noise(noise[i], denominator, sigma=sigma, eps=eps, root=1).add(grad)
+            frozen, root = preconditioners[i], roots[i]
+            if float(flags[i]) > 0 and frozen is not None and root is not None:
+                denominator = frozen
+            else:
+                denominator = sampling_preconditioner(
+                    v, correction=correction2, eps=eps, how=preconditioner, inplace=inplace
+                )
+                # no noise where the preconditioner has no scale (sampling_preconditioner)
+                root = denominator.sqrt().masked_fill(denominator == eps, 0.0)
+                if freezes_now(float(flags[i]), t, preconditioner_warmup):
+                    preconditioners[i], roots[i] = denominator, root
+                    flags[i] = _frozen_at(flags[i], t)
+            kick = torch.addcmul(grad, noise[i], root, value=sigma)
             m.lerp_(kick, 1 - beta1)
         direction = m.div(denominator)
         if correction1 != 1:
-            direction = direction.div(correction1)
+            direction = direction.div_(correction1) if inplace else direction.div(correction1)
         if weight_decay != 0:
-            direction = direction.add(param, alpha=weight_decay)
+            direction = (
+                direction.add_(param, alpha=weight_decay)
+                if inplace
+                else direction.add(param, alpha=weight_decay)
+            )
         directions.append(direction)
         new_steps.append(step)
         new_ms.append(m)
@@ -278,8 +286,14 @@ def adamw_sghmc_direction(
         "exp_avg_sq": new_vs,
         "max_exp_avg_sq": maxima,
         "preconditioner": preconditioners,
+        "preconditioner_root": roots,
         "preconditioner_step": flags,
     }
+
+
+def _frozen_at(flag: Any, step: float) -> Any:
+    """The step of a freeze, as the same kind as ``flag`` (a 0-d CPU tensor, or a float)."""
+    return torch.tensor(step, dtype=flag.dtype) if isinstance(flag, Tensor) else step
 
 
 def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:
@@ -318,6 +332,7 @@ def _update(
         **pick(group, "amsgrad", "preconditioner", "preconditioner_warmup"),
         max_exp_avg_sqs=buffers.get("max_exp_avg_sq"),
         preconditioners=buffers["preconditioner"],
+        roots=buffers["preconditioner_root"],
         frozen_at=buffers["preconditioner_step"],
         inplace=inplace,
     )
@@ -462,6 +477,11 @@ DEFINITION = SamplerDefinition(
             init=_zeros,
         ),
         FROZEN_PRECONDITIONER,
+        StateField(
+            "preconditioner_root",
+            "the frozen :math:`\\sqrt{a}` per leaf, 0 where :math:`a` has no scale (absent "
+            "before the first freeze).",
+        ),
         FROZEN_AT,
     ),
     update=_update,
