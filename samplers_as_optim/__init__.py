@@ -4,8 +4,8 @@ Replace ``torch.optim.SGD`` with :class:`SGHMC` (adding ``num_data``) and a trai
 draws samples from the posterior; with ``temperature=0`` it is SGD again, bit for bit.
 
 Samplers (``torch.optim`` optimizers): :class:`SGLD`, :class:`SGHMC`, :class:`SGNHT`,
-:class:`PSGLD` (RMSprop-preconditioned), :class:`BAOA`, the cyclical schedule
-:class:`CyclicalSGMCMC`,
+:class:`PSGLD` (RMSprop-preconditioned), :class:`AdamWSGHMC` (AdamW's twin),
+:class:`BAOA`, the cyclical schedule :class:`CyclicalSGMCMC`,
 and full-batch Metropolis-corrected :class:`HMC`;
 the same as torchopt transformations: :mod:`.transforms`. Gaussian approximations:
 :class:`Laplace` (diagonal, dense, KFAC; all or a subset of the weights),
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from . import curvature, diagnostics, predictive, transforms
 from .gaussian.ekf import ExtendedKalmanFilter
+from .gaussian.ivon import IVON
 from .gaussian.laplace import Laplace
 from .gaussian.swag import SWAG
 from .gaussian.vi import FullCovarianceVI, MeanFieldVI
@@ -33,18 +34,20 @@ from .samples.stacked import call_stacked
 from .sgmcmc.cyclical import CyclicalSGMCMC
 
 if TYPE_CHECKING:  # their signatures, compiled at import from their definitions, stated
-    from ._signatures import BAOA, PSGLD, SGHMC, SGLD, SGNHT
+    from ._signatures import BAOA, PSGLD, SGHMC, SGLD, SGNHT, AdamWSGHMC
 else:
-    from .sgmcmc import BAOA, PSGLD, SGHMC, SGLD, SGNHT
+    from .sgmcmc import BAOA, PSGLD, SGHMC, SGLD, SGNHT, AdamWSGHMC
 
 __all__ = [
     "BAOA",
     "HMC",
+    "IVON",
     "PSGLD",
     "SGHMC",
     "SGLD",
     "SGNHT",
     "SWAG",
+    "AdamWSGHMC",
     "CyclicalSGMCMC",
     "ExtendedKalmanFilter",
     "FullCovarianceVI",

@@ -72,6 +72,11 @@ The learning rate. The physical momentum is :math:`r = M v/\varepsilon \propto
 :math:`m \leftarrow \sqrt{lr_0/lr_1}\, m` (as SGHMC's buffer, ``docs/design.md``);
 :math:`V` and :math:`a` are in the gradient's units and stay.
 
+Cost. A frozen step is AdamW's passes over the state plus one ``addcmul`` (the noise,
+drawn ahead on a worker thread or a side stream); the frozen :math:`a` and its masked
+square root are kept (in their pooled shape: full-size for a matrix), so sampling holds
+five tensors per parameter where AdamW holds three.
+
 Not supported at temperature > 0: float16 parameters (refused: ``eps`` rounds to 0 in
 float16 and :math:`1/a` overflows; keep float32 master weights, as AMP does; bfloat16
 works), DTensor parameters (the pooled means would need a collective), and
