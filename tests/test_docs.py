@@ -88,6 +88,8 @@ def check_laplace_vi(ns: dict[str, Any]) -> None:
     assert ns["samples"]["0.weight"].shape == (50, 16, 4)
     assert ns["swag_logits"].shape == (30, 32, 3)
     assert all(torch.isfinite(s).all() for s in ns["s"].values())  # the CG solve
+    assert ns["ivon_samples"]["0.weight"].shape == (50, 16, 4)
+    assert ns["ivon_logits"].shape == (50, 32, 3) and torch.isfinite(ns["ivon_logits"]).all()
 
 
 def check_predictive(ns: dict[str, Any]) -> None:
