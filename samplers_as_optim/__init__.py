@@ -10,8 +10,8 @@ and full-batch Metropolis-corrected :class:`HMC`;
 the same as torchopt transformations: :mod:`.transforms`. Gaussian approximations:
 :class:`Laplace` (diagonal, dense, KFAC; all or a subset of the weights),
 :class:`ExtendedKalmanFilter`, :class:`SWAG`, :class:`MeanFieldVI`,
-:class:`FullCovarianceVI`, :class:`IVON` (variational learning at AdamW's cost); curvature-vector products and conjugate gradients:
-:mod:`.curvature`. Parallel chains and
+:class:`FullCovarianceVI`, :class:`IVON` (variational learning at AdamW's cost);
+curvature-vector products and conjugate gradients: :mod:`.curvature`. Parallel chains and
 deep ensembles: :class:`ParallelEnsemble`. Samples: :class:`SampleCollector`,
 :class:`RunningMoments`, :func:`call_stacked`. Names for wrappers that drop them
 (``ZeroRedundancyOptimizer``): :func:`name_parameters`. Using them: :mod:`.predictive`,

@@ -19,10 +19,18 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-__all__ = ["name_parameters", "parameter_layout", "parameter_name", "set_parameter_layout"]
+__all__ = [
+    "member_dims",
+    "name_parameters",
+    "parameter_layout",
+    "parameter_name",
+    "set_member_dims",
+    "set_parameter_layout",
+]
 
 _ATTRIBUTE = "_samplers_as_optim_name"
 _LAYOUT = "_samplers_as_optim_layout"
+_MEMBER_DIMS = "_samplers_as_optim_member_dims"
 
 
 def name_parameters(module: nn.Module) -> nn.Module:
@@ -71,3 +79,19 @@ def set_parameter_layout(param: Tensor, offset: int, total: int) -> None:
 def parameter_layout(param: Tensor) -> tuple[int, int] | None:
     """The ``(offset, total)`` that :func:`set_parameter_layout` wrote on ``param``, or None."""
     return getattr(param, _LAYOUT, None)
+
+
+def set_member_dims(param: Tensor, dims: int) -> None:
+    """Mark ``param``'s first ``dims`` dimensions as independent members (chains).
+
+    A ``ParallelEnsemble`` stacks its members along a leading dimension; a sampler that
+    pools statistics over a tensor (the sampling preconditioner of PSGLD and AdamWSGHMC)
+    pools within each member, so that the members stay the independent chains that
+    separate optimizers would run.
+    """
+    setattr(param, _MEMBER_DIMS, int(dims))
+
+
+def member_dims(param: Tensor) -> int:
+    """The number of leading member dimensions :func:`set_member_dims` wrote, else 0."""
+    return int(getattr(param, _MEMBER_DIMS, 0))

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core.streams import derive_seed
+from ..names import set_member_dims
 
 
 def _reset(module: nn.Module) -> None:
@@ -312,7 +313,9 @@ def _template(first: nn.Module, storage: Mapping[str, Tensor]) -> nn.Module:
         if name not in storage:
             memo[id(tensor)] = tensor
         elif isinstance(tensor, nn.Parameter):
-            memo[id(tensor)] = nn.Parameter(storage[name], requires_grad=tensor.requires_grad)
+            stacked = nn.Parameter(storage[name], requires_grad=tensor.requires_grad)
+            set_member_dims(stacked, 1)  # pooled statistics stay within a member
+            memo[id(tensor)] = stacked
         else:
             memo[id(tensor)] = storage[name]
     return copy.deepcopy(first, memo)

@@ -96,6 +96,7 @@ import torch
 from torch import Tensor
 
 from ..core.validation import check_bool, refuse
+from ..names import member_dims
 from .arguments import (
     DIFFERENTIABLE,
     FOREACH,
@@ -263,7 +264,12 @@ def adamw_sghmc_direction(
                 denominator = frozen
             else:
                 denominator = sampling_preconditioner(
-                    v, correction=correction2, eps=eps, how=preconditioner, inplace=inplace
+                    v,
+                    correction=correction2,
+                    eps=eps,
+                    how=preconditioner,
+                    inplace=inplace,
+                    members=member_dims(param),
                 )
                 # no noise where the preconditioner has no scale (sampling_preconditioner)
                 root = denominator.sqrt().masked_fill(denominator == eps, 0.0)

@@ -110,6 +110,7 @@ import torch
 from torch import Tensor
 
 from ..core.validation import check_bool, check_nonnegative, refuse
+from ..names import member_dims
 from ._common import buckets, effective_grad, effective_grads
 from .arguments import (
     DIFFERENTIABLE,
@@ -451,6 +452,7 @@ def psgld_direction(
                 how=preconditioner,
                 warmup=preconditioner_warmup if steps is not None else None,
                 inplace=inplace,
+                members=member_dims(params[i]),
             )
             if sampled.shape != gs[position].shape:
                 sampled = sampled.expand_as(gs[position])

@@ -99,24 +99,28 @@ def check_preconditioner_warmup(value: Any, where: str = "") -> int | None:
     return int(value)
 
 
-def pooled_second_moment(square: Tensor, how: str) -> Tensor:
+def pooled_second_moment(square: Tensor, how: str, members: int = 0) -> Tensor:
     r"""The pooled second moment :math:`\bar V` of ``square`` (module docstring).
 
     ``"factored"``: Adafactor's :math:`R\,C/\mathrm{mean}(V)` over the two largest
     dimensions, in its compact shape (1 in every other dimension; the mean over the
     whole tensor for fewer than two dimensions); ``"elementwise"``: ``square`` itself.
-    A new tensor either way (or ``square`` itself for ``"elementwise"``).
+    The first ``members`` dimensions are independent members (a ``ParallelEnsemble``'s
+    stack, :func:`~samplers_as_optim.names.member_dims`): each is pooled on its own. A new
+    tensor (or ``square`` itself for ``"elementwise"``).
     """
     if how == "elementwise":
         return square
-    if square.dim() < 2:
-        return square.mean().reshape([1] * square.dim())
-    order = sorted(range(square.dim()), key=lambda d: (square.shape[d], d))
+    every = list(range(members, square.dim()))
+    if not every:
+        return square.clone()
+    if len(every) < 2:
+        return square.mean(dim=every, keepdim=True)
+    order = sorted(every, key=lambda d: (square.shape[d], d))
     row, column = sorted(order[-2:])
-    every = list(range(square.dim()))
     rows = square.mean(dim=[d for d in every if d != row], keepdim=True)
     columns = square.mean(dim=[d for d in every if d != column], keepdim=True)
-    total = rows.mean().clamp_min(torch.finfo(square.dtype).tiny)
+    total = rows.mean(dim=[row], keepdim=True).clamp_min(torch.finfo(square.dtype).tiny)
     return rows.mul(columns).div_(total)
 
 
@@ -129,7 +133,13 @@ def freezes_now(frozen_at: float, step: float, warmup: int | None) -> bool:
 
 
 def sampling_preconditioner(
-    square: Tensor, *, correction: float, eps: float, how: str, inplace: bool = True
+    square: Tensor,
+    *,
+    correction: float,
+    eps: float,
+    how: str,
+    inplace: bool = True,
+    members: int = 0,
 ) -> Tensor:
     r""":math:`a = \sqrt{\bar V / c} + \epsilon` from the second moment ``square``.
 
@@ -144,7 +154,7 @@ def sampling_preconditioner(
     as it would not under the optimizer. Without ``inplace`` no operation is in place
     (a graph may flow through ``square``).
     """
-    pooled = pooled_second_moment(square, how)
+    pooled = pooled_second_moment(square, how, members)
     if not inplace or pooled is square:
         scaled = pooled / correction if correction != 1 else pooled
         return scaled.sqrt().add(eps)
@@ -187,6 +197,7 @@ def sampling_scale(
     how: str,
     warmup: int | None,
     inplace: bool,
+    members: int = 0,
 ) -> tuple[Tensor, Tensor | None, Any]:
     """This step's sampling preconditioner :math:`a`, and the new ``(frozen, flag)``.
 
@@ -194,12 +205,13 @@ def sampling_scale(
     step at which it was frozen (0: not frozen; a 0-d CPU tensor or a float), ``step``
     its step count after this step. The frozen :math:`a` is used as it is; otherwise
     :math:`a` is :func:`sampling_preconditioner` of ``square`` and is frozen now if the
-    warm-up is over (:func:`freezes_now`).
+    warm-up is over (:func:`freezes_now`). ``members``: as for
+    :func:`pooled_second_moment`.
     """
     if float(flag) > 0 and frozen is not None:
         return frozen, frozen, flag
     scale = sampling_preconditioner(
-        square, correction=correction, eps=eps, how=how, inplace=inplace
+        square, correction=correction, eps=eps, how=how, inplace=inplace, members=members
     )
     if freezes_now(float(flag), step, warmup):
         kept = torch.tensor(step, dtype=flag.dtype) if isinstance(flag, Tensor) else step
