@@ -455,3 +455,26 @@ def test_docstring_examples_run():
 
 def test_the_transforms_arguments_are_documented():
     transform_tests.test_every_argument_is_documented(transforms.adamw_sghmc)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nonfinite_skip_changes_nothing_but_the_step_count(temperature):
+    """The count is read on the host, so a step skipped on the device still advances it
+    (``StateField.host``); parameters and every other entry keep their bits."""
+    param = torch.nn.Parameter(torch.randn(4, 3))
+    opt = AdamWSGHMC(
+        [param], num_data=10, seed=0, nonfinite="skip", temperature=temperature,
+        preconditioner_warmup=1,
+    )  # fmt: skip
+    param.grad = torch.randn(4, 3)
+    opt.step()
+    before = param.detach().clone()
+    state = {key: value.clone() for key, value in opt.state[param].items()}
+    grad = torch.randn(4, 3)
+    grad[0, 0] = math.nan
+    param.grad = grad
+    opt.step()
+    assert torch.equal(param.detach(), before)
+    for key, value in state.items():
+        assert torch.equal(opt.state[param][key], value + (key == "step")), key
+    assert int(opt.param_groups[0]["skipped_steps"]) == 1
