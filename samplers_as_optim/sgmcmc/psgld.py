@@ -103,7 +103,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -112,6 +112,8 @@ from torch import Tensor
 from ..core.validation import check_bool, check_nonnegative, refuse
 from ..names import member_dims
 from ._common import buckets, effective_grad, effective_grads
+from ._li_correction import corrected
+from ._psgld_dtypes import check_dtypes, lift, psgld_noise_scale
 from .arguments import (
     DIFFERENTIABLE,
     FOREACH,
@@ -142,13 +144,6 @@ from .transformation import pick, transformation_of
 __all__ = ["DEFINITION", "PSGLD", "PSGLDState", "psgld", "psgld_direction", "psgld_noise_scale"]
 
 
-def psgld_noise_scale(lr: float, temperature: float, num_data: int) -> float:
-    r"""The noise scale :math:`\sqrt{2T/(N\,lr)}` before the preconditioner's :math:`1/\sqrt{a}`."""
-    if temperature == 0:
-        return 0.0
-    return math.sqrt(2.0 * temperature / (num_data * lr))
-
-
 def _check_alpha(value: Any, where: str) -> float:
     number = check_nonnegative("alpha", value, where=where)
     if not number < 1.0:
@@ -163,70 +158,6 @@ def _check_eps(value: Any, where: str) -> float:
     if not (math.isfinite(value) and value > 0):
         refuse("eps", value, expected, where)
     return float(value)
-
-
-#: the largest noise scale must fit the parameters' dtype this many times over: room for
-#: draws of that many standard deviations before the direction overflows
-_NOISE_ROOM = 10.0
-
-
-def _computed_in(dtype: torch.dtype, temperature: float) -> torch.dtype:
-    """The dtype the preconditioner of a ``dtype`` parameter is computed in (module doc)."""
-    return torch.float32 if temperature > 0 and dtype == torch.float16 else dtype
-
-
-def _lift(tensor: Tensor, upcast: bool) -> Tensor:
-    """``tensor`` in float32 where a float16 step is computed in float32, else itself."""
-    return tensor.float() if upcast and tensor.dtype == torch.float16 else tensor
-
-
-def _check_dtypes(
-    dtypes: Iterable[torch.dtype],
-    *,
-    eps: float,
-    lr: float,
-    temperature: float,
-    num_data: int,
-    where: str = "",
-) -> None:
-    r"""Raise ``ValueError`` unless PSGLD's step stays finite in the parameters' dtypes.
-
-    Refused: an ``eps`` that rounds to 0 in the dtype the preconditioner is computed in
-    (an element whose gradient is 0 would become :math:`0/0`, NaN), and at temperature
-    > 0 a largest noise scale :math:`\sqrt{2T/(N\,lr)}/\sqrt{\epsilon}` above the
-    dtype's largest number over ``_NOISE_ROOM``. Called before anything changes, by
-    :class:`PSGLD`'s step for every param group and by :func:`psgld_direction`.
-    """
-    for dtype in dtypes:
-        if not dtype.is_floating_point:
-            continue
-        computed = _computed_in(dtype, temperature)
-        info = torch.finfo(computed)
-        # at or below half the smallest subnormal, eps rounds to 0 (ties to even)
-        lowest = info.smallest_normal * info.eps / 2
-        if not eps > lowest:
-            at = ""
-            if temperature == 0 and _computed_in(dtype, 1.0) != dtype:
-                at = (
-                    " at temperature 0, where PSGLD is torch.optim.RMSprop, computed in the "
-                    "parameters' dtype"
-                )
-            raise ValueError(
-                f"Invalid eps{where}: {eps!r} (expected a value above {lowest:.3g} for "
-                f"{dtype} parameters{at}: {computed} rounds {eps!r} to 0, and an element "
-                "whose gradient is 0 would become NaN)"
-            )
-        if temperature > 0 and lr > 0:
-            largest = torch.finfo(dtype).max / _NOISE_ROOM
-            scale = psgld_noise_scale(lr, temperature, num_data) / math.sqrt(eps)
-            if not scale <= largest:
-                raise ValueError(
-                    f"Invalid temperature{where}: {temperature!r} (expected a value whose "
-                    f"largest noise scale sqrt(2 T / (N lr)) / sqrt(eps) = {scale:.3g}, that "
-                    f"of an element whose gradient is 0, fits {dtype} with room for "
-                    f"{_NOISE_ROOM:g} standard deviations, at most {largest:.3g}; a larger eps "
-                    "also lowers it)"
-                )
 
 
 def _preconditioner(
@@ -372,7 +303,7 @@ def psgld_direction(
     """
     if (noise is None) != (temperature == 0):
         raise ValueError("noise must be given exactly when temperature > 0")
-    _check_dtypes(
+    check_dtypes(
         {tensor.dtype for tensor in (*params, *grads)},
         eps=eps,
         lr=lr,
@@ -403,10 +334,10 @@ def psgld_direction(
         upcast = temperature > 0 and any(
             tensor.dtype == torch.float16 for i in index for tensor in (params[i], grads[i])
         )
-        lifted = [_lift(params[i], upcast and weight_decay != 0) for i in index]
+        lifted = [lift(params[i], upcast and weight_decay != 0) for i in index]
         if foreach:
             gs, _ = effective_grads(
-                [_lift(grads[i], upcast) for i in index],
+                [lift(grads[i], upcast) for i in index],
                 lifted,
                 weight_decay=weight_decay,
                 maximize=maximize,
@@ -415,13 +346,13 @@ def psgld_direction(
         else:
             gs = [
                 effective_grad(
-                    _lift(grads[i], upcast), param, weight_decay=weight_decay, maximize=maximize
+                    lift(grads[i], upcast), param, weight_decay=weight_decay, maximize=maximize
                 )
                 for i, param in zip(index, lifted, strict=True)
             ]
         avgs, squares, means = _preconditioner(
             gs,
-            [_lift(square_avgs[i], upcast) for i in index],
+            [lift(square_avgs[i], upcast) for i in index],
             [grad_avgs[i] for i in index],
             alpha=alpha,
             eps=eps,
@@ -484,11 +415,11 @@ def psgld_direction(
             # the noise variance follows the preconditioner: xi * scale / sqrt(a), none
             # where a has no scale (sampling_preconditioner)
             for d, avg, i in zip(ds, avgs, index, strict=True):
-                kick = _lift(noise[i], upcast).div(avg.sqrt()).masked_fill(avg == eps, 0.0)
+                kick = lift(noise[i], upcast).div(avg.sqrt()).masked_fill(avg == eps, 0.0)
                 d.add_(kick, alpha=scale)
         if previous is not None and temperature > 0:
             squares_now = [state["square_avg"][i] for i in index]
-            ds = _correct(
+            ds = corrected(
                 ds,
                 gs,
                 avgs,
@@ -514,36 +445,6 @@ def psgld_direction(
             direction = ds[position]
             directions[i] = direction.to(grads[i].dtype) if upcast else direction
     return directions, state
-
-
-def _correct(
-    ds: list[Tensor],
-    gs: list[Tensor],
-    avgs: list[Tensor],
-    squares: list[Tensor],
-    params: list[Tensor],
-    previous: tuple[list[Tensor], list[Tensor]],
-    index: list[int],
-    *,
-    alpha: float,
-    temperature: float,
-    num_data: int,
-) -> list[Tensor]:
-    r"""``d - (T/N) Gamma`` with the secant estimate of the Hessian's diagonal."""
-    out = []
-    for position, i in enumerate(index):
-        grad, avg = gs[position], avgs[position]
-        moved = params[i] - previous[0][i]
-        curvature = torch.where(
-            moved != 0, (grad - previous[1][i]) / torch.where(moved != 0, moved, 1.0), 0.0
-        )
-        root = squares[position].sqrt()
-        safe_root = torch.where(root > 0, root, 1.0)
-        gamma = torch.where(
-            root > 0, -(1 - alpha) * grad * curvature / (avg * avg * safe_root), 0.0
-        )
-        out.append(ds[position].sub(gamma, alpha=temperature / num_data))
-    return out
 
 
 def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:
@@ -597,7 +498,7 @@ def _update(
 
 
 def _check_parameters(group: Mapping[str, Any], params: list[Tensor], where: str) -> None:
-    _check_dtypes(
+    check_dtypes(
         {param.dtype for param in params},
         eps=float(group["eps"]),
         lr=float(group["lr"]),
