@@ -69,11 +69,16 @@ COMMON_CASES = [
         ValueError,
         "Invalid differentiable: True (expected False: differentiating through a sampler step is not supported)",
     ),
-    (
+    (  # CPU parameters, or no fused kernel (SGNHT): the reason, and what to do instead
         {"fused": True},
         ValueError,
-        "Invalid fused: True (expected None or False: there is no fused sampler kernel; use foreach=True",
+        re.compile(
+            r"^Invalid fused: True \((param group 0, parameter 0 of shape \([\d, ]*\) is on "
+            r"cpu: the fused kernels run on CUDA|SGNHT has no fused kernel yet); use fused=None "
+            r"to take the fused path only where it can run, or fused=False\)$"
+        ),
     ),
+    ({"fused": "yes"}, ValueError, "Invalid fused: 'yes' (expected None, True or False)"),
     ({"dampening": nan}, ValueError, "Invalid dampening: nan (expected a finite number)"),
 ]
 

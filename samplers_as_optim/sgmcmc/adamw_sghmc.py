@@ -465,8 +465,8 @@ DEFINITION = SamplerDefinition(
             "fused",
             default=None,
             annotation="bool | None",
-            doc=r"""fused: accepted for compatibility with ``torch.optim.AdamW``; only
-            None or False is supported (use ``foreach``).""",
+            doc=r"""fused: as ``torch.optim.AdamW``'s; this sampler has no fused kernel
+            yet, so ``fused=True`` is refused, saying so (default: None).""",
             transform=False,
         ),
         NUM_DATA,

@@ -150,8 +150,17 @@ FUSED = Hyperparameter(
     "fused",
     default=None,
     annotation="bool | None",
-    doc=r"""fused: accepted for compatibility with ``torch.optim.SGD``; only None or
-            False is supported (use ``foreach``).""",
+    doc=r"""fused: take each step in one Triton kernel per tensor, as
+            ``torch.optim.SGD(fused=True)`` does (default: None, unfused until the
+            kernels have run on a GPU, then fused where it can run: every parameter on
+            CUDA, Triton installed, a sampler with a fused kernel, no param group setting
+            ``foreach``; True: fused, or a ``ValueError`` saying why not; False:
+            never). The fused step draws its noise from another stream than the unfused
+            one (Triton's Philox, still a pure function of the seed, step,
+            parameter and element), and checks the gradients on the device: with
+            ``nonfinite="raise"`` a non-finite gradient is reported at the next
+            ``step()`` or ``state_dict()`` call, the refused step having changed
+            nothing. At temperature 0 it is ``torch.optim.SGD(fused=True)``'s step.""",
     transform=False,
 )
 

@@ -11,6 +11,9 @@ A sampler module declares, once, everything that makes the sampler what it is:
   (:class:`UpdateInput`), directions and new buffers out, nothing else touched;
 * the rules that join hyperparameters (``check``), and what the sampler cannot do
   (a temperature of 0, chunked or DTensor parameters).
+* optionally, its **fused kernel** (``fused_kernel``): the module beside it holding
+  the Triton kernel that takes the same step in one pass per tensor on CUDA
+  (``sgmcmc/fused``).
 
 From a :class:`SamplerDefinition`, ``sgmcmc/optimizer.py`` builds the
 ``torch.optim.Optimizer`` class and ``sgmcmc/transformation.py`` the torchopt
@@ -227,6 +230,11 @@ class SamplerDefinition:
             ``zero_temperature_step(group, inputs, *, foreach)`` takes the Optimizer's
             step itself (parameters and buffers in place) and returns True, or returns
             False where it does not apply.
+        fused_kernel: the module beside the sampler's (in ``sgmcmc/``, ``"_sghmc_fused"``)
+            that holds its fused Triton kernel, which takes the Optimizer's step in one
+            pass per tensor where it can run (``sgmcmc/fused``); imported on first use, so
+            that importing the package never imports Triton. None: no fused kernel yet
+            (``fused=True`` is refused).
     """
 
     name: str
@@ -249,6 +257,7 @@ class SamplerDefinition:
     transform_fixed: Mapping[str, Any] = field(default_factory=dict)
     check_parameters: Callable[[Mapping[str, Any], list[Tensor], str], None] | None = None
     zero_temperature_step: Callable[..., bool] | None = None
+    fused_kernel: str | None = None
 
     def __post_init__(self) -> None:
         names = [h.name for h in self.hyperparameters]

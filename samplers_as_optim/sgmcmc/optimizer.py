@@ -7,7 +7,9 @@ takes: param-group validation (at construction, on ``add_param_group`` and at ev
 step, since a schedule may move any hyperparameter), gathering parameters with a
 gradient, the non-finite policy (``_nonfinite``), the lr re-expression of the state, the
 noise (``_group_noise``, drawn ahead by ``_prefetch``), the CPU update in chunks
-(``_chunked_update``) and loading checkpoints (``_checkpoint``).
+(``_chunked_update``), the fused step (``fused``: one Triton kernel per tensor, its
+non-finite check on the device, ``_fused_nonfinite``) and loading checkpoints
+(``_checkpoint``).
 
 The chain itself (the seed and step counter in the param groups, the noise streams, each
 parameter's noise key, derived once and kept in its state as ``state["noise_key"]``) is
@@ -64,6 +66,8 @@ from ._common import (
     apply_step_,
     default_foreach,
 )
+from ._fused_launch import FusedInput
+from ._fused_nonfinite import DeferredRefusal, check_gradients, count_skipped
 from ._group_noise import GroupNoise, large
 from ._nonfinite import describe_parameter, finite_flags, kept, refuse_non_finite_gradients
 from ._prefetch import NoisePrefetcher, NoiseRequest
@@ -76,6 +80,15 @@ from .definition import (
     example_doc,
     generated_function,
 )
+from .fused import (
+    DEFAULT_ON_CUDA,
+    check_fused,
+    fused_kernel,
+    fused_message,
+    fused_noise_seed,
+    fused_refusal,
+    parameter_offset,
+)
 from .momentum_units import rescale_momentum_state
 
 __all__ = ["SamplerOptimizer"]
@@ -86,17 +99,12 @@ __all__ = ["SamplerOptimizer"]
 NONFINITE_POLICIES = ("raise", "skip")
 
 
-def check_sgd_only_flags(differentiable: Any, fused: Any) -> None:
-    """Reject the two ``torch.optim.SGD`` flags that have no sampler implementation."""
+def check_differentiable(differentiable: Any) -> None:
+    """Reject ``torch.optim.SGD``'s ``differentiable=True``: no sampler implements it."""
     if differentiable is not False:
         raise ValueError(
             f"Invalid differentiable: {differentiable!r} (expected False: differentiating "
             "through a sampler step is not supported)"
-        )
-    if fused not in (None, False):
-        raise ValueError(
-            f"Invalid fused: {fused!r} (expected None or False: there is no fused sampler "
-            "kernel; use foreach=True for the multi-tensor path)"
         )
 
 
@@ -110,7 +118,8 @@ class SamplerOptimizer(ChainOptimizer):
     ``_init_state``, ``_kernel``, the group checks) read the definition. This class owns
     the rest: param-group validation (at construction, on ``add_param_group`` and at every
     step, since a schedule may move any hyperparameter), gathering parameters with a
-    gradient, the non-finite policy, the lr re-expression of the state, and the chain.
+    gradient, the non-finite policy, the lr re-expression of the state, the fused step
+    (``fused``, where the definition names a fused kernel), and the chain.
     """
 
     #: the sampler this class is built from (set by ``__init_subclass__``)
@@ -178,7 +187,9 @@ class SamplerOptimizer(ChainOptimizer):
         Everything but ``params`` and the runtime options (``differentiable``, ``fused``,
         ``overlap_noise``, ``nonfinite``) becomes a param-group default, validated before
         anything is built; ``seed`` (drawn from torch's global RNG when None) and
-        ``step`` (0) start the chain's random state.
+        ``step`` (0) start the chain's random state. With ``fused=True``, what can be
+        known of the fused path before a step (the sampler's kernel, Triton, the
+        parameters' devices, dtypes and layout) is checked once the groups are built.
         """
         defaults = dict(arguments)
         params = defaults.pop("params")
@@ -187,7 +198,8 @@ class SamplerOptimizer(ChainOptimizer):
         self._nonfinite = check_choice(
             "nonfinite", defaults.pop("nonfinite", "raise"), NONFINITE_POLICIES
         )
-        check_sgd_only_flags(defaults.pop("differentiable", False), defaults.pop("fused", None))
+        check_differentiable(defaults.pop("differentiable", False))
+        self._fused = check_fused(defaults.pop("fused", None))
         self.check_hyperparameters(defaults, where="")
         for name in self.signature_only_arguments:
             del defaults[name]
@@ -195,6 +207,11 @@ class SamplerOptimizer(ChainOptimizer):
         defaults["step"] = 0
         self._reset_runtime(seed_given=seed is not None)
         Optimizer.__init__(self, params, defaults)
+        if self._fused:
+            groups = [(i, g, list(g["params"]), None) for i, g in enumerate(self.param_groups)]
+            reason = fused_refusal(self.definition, groups)
+            if reason is not None:
+                raise ValueError(fused_message(reason))
 
     def _reset_runtime(self, *, seed_given: bool) -> None:
         """Create what is not part of the chain's state: generator caches, rank agreement.
@@ -216,6 +233,7 @@ class SamplerOptimizer(ChainOptimizer):
             **super().__getstate__(),
             "_overlap_noise": self._overlap_noise,
             "_nonfinite": self._nonfinite,
+            "_fused": self._fused,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -229,6 +247,7 @@ class SamplerOptimizer(ChainOptimizer):
         """
         state.setdefault("_overlap_noise", getattr(self, "_overlap_noise", True))
         state.setdefault("_nonfinite", getattr(self, "_nonfinite", "raise"))
+        state.setdefault("_fused", getattr(self, "_fused", None))
         super().__setstate__(state)
         self._migrate_host_state()
         self._reset_runtime(seed_given=True)
@@ -298,16 +317,22 @@ class SamplerOptimizer(ChainOptimizer):
 
         Raises:
             FloatingPointError: a gradient holds NaN or infinity; nothing was changed
-                (with ``nonfinite="raise"``, the default).
+                (with ``nonfinite="raise"``, the default). A fused step checks on the
+                device, without a host synchronisation: its refusal is raised by the
+                next ``step()`` (before the closure runs) or ``state_dict()``, which
+                changes nothing either, and names the refused step.
             ValueError: a param group holds an invalid hyperparameter (a schedule may
-                have moved it); nothing was changed.
+                have moved it), or ``fused=True`` and the fused step cannot run (a
+                parameter moved off CUDA, say); nothing was changed.
 
         Under ``torch.compile`` the step is one graph (the noise draw is one custom op,
         ``samplers_as_optim.core.noise_op``) when built with ``nonfinite="skip"``; with
         ``"raise"`` the check of the gradients reads a value back to Python, which
-        splits the graph there, exactly as in eager mode.
+        splits the graph there, exactly as in eager mode. (The fused step is not traced:
+        ``fused=None`` takes the unfused step there.)
         """
         loss = None
+        self._raise_deferred_refusal()
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -322,6 +347,11 @@ class SamplerOptimizer(ChainOptimizer):
             params, grads = self._gather(group, index)
             check_representable(group, params, where=at_group(index))
             gathered.append((index, group, params, grads))
+        if self._takes_fused_step(gathered, compiling=compiling):
+            self._fused_step(gathered)
+            for group in self.param_groups:
+                group["step"] += 1
+            return loss
         keep = None
         if self._nonfinite == "raise":
             refuse_non_finite_gradients(type(self).__name__, gathered)
@@ -385,6 +415,161 @@ class SamplerOptimizer(ChainOptimizer):
         for group, seed in zip(self.param_groups, agreement.seeds, strict=True):
             group["seed"] = seed
         self._runtime.update(shard=agreement.shard, agreed=True)
+
+    # ------------------------------------------------------------------ the fused step
+    def _takes_fused_step(self, gathered: list[Any], *, compiling: bool) -> bool:
+        """Whether this step is fused (``fused``); with ``fused=True``, raise if it cannot be.
+
+        ``fused=None`` takes the fused path where :func:`~.fused.fused_refusal` finds no
+        reason against it and no param group sets ``foreach`` (a choice of the unfused
+        kernels); never under ``torch.compile``, which traces the unfused step, nor for a
+        step without gradients (which would only import Triton).
+        """
+        if self._fused is False or (self._fused is None and compiling):
+            return False
+        if self._fused is None and not DEFAULT_ON_CUDA:
+            return False
+        if self._fused is None and (
+            any(group["foreach"] is not None for _, group, *_ in gathered)
+            or not any(params for _, _, params, _ in gathered)
+        ):
+            return False
+        reason = fused_refusal(self.definition, gathered, self.state, compiling=compiling)
+        if reason is not None and self._fused:
+            raise ValueError(fused_message(reason))
+        return reason is None
+
+    def _fused_step(
+        self, gathered: list[tuple[int, dict[str, Any], list[Tensor], list[Tensor]]]
+    ) -> None:
+        """Every group's step by the sampler's fused kernel, checked on the device.
+
+        The kernels read the device flag of :func:`~._fused_nonfinite.check_gradients`
+        and write nothing when a gradient is not finite: with ``nonfinite="skip"`` the
+        step is counted as skipped, with ``"raise"`` the verdict is read by the next
+        ``step()`` or ``state_dict()`` (:class:`~._fused_nonfinite.DeferredRefusal`),
+        which can then put back what this step recorded on the host.
+        """
+        check = check_gradients(gathered)
+        rollback = None
+        if self._nonfinite == "skip":
+            count_skipped(gathered, check.largest)
+        else:
+            rollback = self._host_record(gathered)
+        for _, group, params, grads in gathered:
+            if not params:
+                continue
+            temperature = float(group["temperature"])
+            lr = float(group["lr"])
+            if temperature > 0 and lr == 0:
+                continue  # a step of length zero: no time passes, nothing changes
+            self._fused_update_group(
+                group, params, grads, lr=lr, temperature=temperature, largest=check.largest
+            )
+            if temperature > 0:  # the keys the noise was drawn with (module docstring)
+                self._record_noise_keys(params)
+        if rollback is not None:
+            steps = {id(group): int(group["step"]) for group in self.param_groups}
+            self._runtime["refusal"] = DeferredRefusal(check, steps=steps, rollback=rollback)
+
+    def _host_record(self, gathered: list[Any]) -> Any:
+        """A function that puts back the step counters and per-parameter state entries.
+
+        As they are now: entries added later are removed (tensors written in place are
+        not its business: a refused fused step writes none).
+        """
+        steps = [(group, group["step"]) for group in self.param_groups]
+        entries = [
+            (param, set(self.state[param]) if param in self.state else None)
+            for _, _, params, _ in gathered
+            for param in params
+        ]
+
+        def rollback() -> None:
+            for group, step in steps:
+                group["step"] = step
+            for param, keys in entries:
+                if keys is None:
+                    self.state.pop(param, None)
+                    continue
+                state = self.state[param]
+                for name in [name for name in state if name not in keys]:
+                    del state[name]
+
+        return rollback
+
+    def _raise_deferred_refusal(self) -> None:
+        """Raise the refusal of the last fused step (``nonfinite="raise"``), if refused.
+
+        Reads the verdict the step copied to the host (waiting, at most, for that copy,
+        queued at the end of the step), puts back what the step recorded on the host
+        and raises; the kernels changed no parameter or buffer.
+        """
+        refusal = self._runtime.pop("refusal", None)
+        if refusal is None:
+            return
+        found = refusal.culprit()
+        if found is None:
+            return
+        culprit, step = found
+        refusal.rollback()
+        raise FloatingPointError(
+            f"{type(self).__name__} refused step {step}: non-finite gradient in {culprit}; "
+            "no parameter or buffer was changed (the fused step checks the gradients on "
+            "the device, without a host synchronisation: this call, the next after that "
+            "step, raises it and changes nothing either)"
+        )
+
+    def _fused_update_group(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        *,
+        lr: float,
+        temperature: float,
+        largest: dict[torch.device, Tensor],
+    ) -> None:
+        """One param group's step by the sampler's fused kernel (``sgmcmc/fused``).
+
+        The state is created and re-expressed in lr's units as by the unfused step; the
+        kernel then reads and writes each parameter and buffer once, drawing the fused
+        noise stream (``fused.fused_noise_seed``) in registers.
+        """
+        fields = self._state_fields(group)
+        states = [self.state[p] for p in params] if fields else []
+        for param, state in zip(params if fields else [], states, strict=True):
+            if not all(name in state for name in fields):
+                self._init_state(group, param, state)
+        if fields:
+            self._reexpress_state(
+                group,
+                params,
+                states,
+                lr=lr,
+                temperature=temperature,
+                foreach=default_foreach(params),
+            )
+        keys = self._noise_keys(params) if temperature > 0 else [0] * len(params)
+        seeds = (
+            [fused_noise_seed(group["seed"], group["step"], key, self._shard) for key in keys]
+            if temperature > 0
+            else [0] * len(params)
+        )
+        inputs = FusedInput(
+            params,
+            grads,
+            {name: [state.get(name) for state in states] for name in fields},
+            seeds,
+            [parameter_offset(param) for param in params],
+            [largest[param.device] for param in params],
+        )
+        new = fused_kernel(self.definition).launch(
+            {**group, "lr": lr, "temperature": temperature}, inputs
+        )
+        for name in fields:
+            for state, value in zip(states, new[name], strict=True):
+                state[name] = value
 
     # ------------------------------------------------------------------ the update
     def _update_group(
@@ -601,6 +786,16 @@ class SamplerOptimizer(ChainOptimizer):
                 state = self.state.get(param)
                 if state and MOMENTUM_RATE in state:
                     self._host_scalars.value(param, state[MOMENTUM_RATE])
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer.state_dict``, once a refused fused step is raised.
+
+        With ``nonfinite="raise"``, a fused step whose gradients were not finite is
+        refused here if no ``step()`` has raised it yet, so that no checkpoint counts it
+        as taken (see :meth:`step`).
+        """
+        self._raise_deferred_refusal()
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by a sampler (or a wrapper of one), or by ``torch.optim.SGD``.

@@ -65,6 +65,14 @@ tensor on the CPU as ``torch.optim`` keeps every state entry a tensor; the field
 :math:`T > 0`; a buffer without a record (one that has only been SGD's, or loaded from
 a ``torch.optim.SGD`` checkpoint) is taken to be in the current units. A step of
 ``lr`` 0 at :math:`T > 0` is skipped (no time passes) and leaves the record as it is.
+
+Fused. ``_sghmc_fused`` holds the same update as one Triton kernel per tensor (its
+definition's ``fused_kernel``), which the Optimizer takes on CUDA (``fused``): it reads
+:math:`\theta`, :math:`g` and :math:`b` once and writes :math:`\theta` and :math:`b` once.
+The same chain in law, but its :math:`\xi` comes from the fused noise stream (Triton's
+Philox keyed by seed, step, parameter and element; ``sgmcmc/fused``), not from the keyed
+blocks of ``torch.randn`` the unfused update is given, and it rounds as
+``torch.optim.SGD(fused=True)`` does, which it is at :math:`T = 0`.
 """
 
 from __future__ import annotations
@@ -312,6 +320,7 @@ DEFINITION = SamplerDefinition(
     example="lr=1e-3, momentum=0.9",
     check=_check,
     momentum_in_lr_units=True,
+    fused_kernel="_sghmc_fused",
     optimizer_doc=_OPTIMIZER_DOC,
     transform_doc=r"""Stochastic gradient Hamiltonian Monte Carlo as a torchopt transformation.
 

@@ -29,6 +29,13 @@ ends round it: SGD's fused ``add_(d, alpha=-lr)`` at T = 0, torchopt's ``p + (-l
 T > 0). For a Gaussian target the stationary covariance of the discrete chain is
 :math:`T\,(H (I - h H / 2))^{-1}` with :math:`H` the Hessian of :math:`N L` and
 :math:`h = lr / N`: the step-size bias the statistical tests account for.
+
+Fused. ``_sgld_fused`` holds the same update as one Triton kernel per tensor (its
+definition's ``fused_kernel``), which the Optimizer takes on CUDA (``fused``): the same
+chain in law, but its :math:`\xi` comes from the fused noise stream (Triton's Philox keyed
+by seed, step, parameter and element; ``sgmcmc/fused``), not from the keyed blocks of
+``torch.randn`` the unfused update is given, and it rounds as
+``torch.optim.SGD(fused=True)`` does, which it is at :math:`T = 0`.
 """
 
 from __future__ import annotations
@@ -168,6 +175,7 @@ DEFINITION = SamplerDefinition(
     update=_update,
     example="lr=1e-3",
     check=_check,
+    fused_kernel="_sgld_fused",
     optimizer_doc=r"""Stochastic gradient Langevin dynamics, a drop-in for ``torch.optim.SGD``.
 
     Each step is one transition of the Markov chain

@@ -1,0 +1,32 @@
+"""The fused noise stream's numbers drawn alone: ``tl.randn(seed, offset + i)``.
+
+What the fused kernels draw in registers, written to a tensor (``fused.fused_normal``),
+so that a test can give the reference update the very noise of a fused step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from ._fused_launch import constexpr, launch_elementwise, optional_module
+
+__all__ = ["draw_"]
+
+tl: Any = optional_module("triton.language")
+
+
+def _draw(out: Any, numel: Any, offset: Any, seed: Any, BLOCK: constexpr) -> None:  # noqa: N803
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = index < numel
+    tl.store(out + index, tl.randn(seed, offset + index), mask=mask)
+
+
+def draw_(out: Tensor, *, seed: int, offset: int) -> Tensor:
+    """Fill contiguous float32 ``out`` with elements ``[offset, offset + numel)``.
+
+    Of the fused stream keyed ``seed`` (a Philox key: ``fused.fused_noise_seed``).
+    """
+    launch_elementwise(_draw, out, out.numel(), offset, seed, do_not_specialize=("offset", "seed"))
+    return out

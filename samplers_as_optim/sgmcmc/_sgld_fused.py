@@ -1,0 +1,103 @@
+r"""SGLD's fused Triton kernel: ``sgld.sgld_direction`` and the step in one pass.
+
+Per element, with :math:`g' = \pm g + \lambda\theta` (rounded to the parameter's dtype,
+as ``torch.optim.SGD(fused=True)`` rounds it) and :math:`c = \sqrt{2T/(N\,lr)}`,
+
+.. math::
+
+    \theta \leftarrow \theta - lr\,(g' - c\,\xi), \qquad \xi = \texttt{tl.randn}(seed,
+    \text{global index}),
+
+in float64 and rounded once (torch's fused SGD computes :math:`\theta - lr\,g'` so); at
+:math:`T = 0` no noise is drawn and the step is torch's fused SGD step. It reads
+:math:`\theta` and :math:`g` once and writes :math:`\theta` once; nothing is written
+when the step's flag (the largest absolute gradient) is not finite. One launch per
+tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from ._fused_launch import FusedInput, as_float64_bits, constexpr, launch_elementwise
+from ._fused_launch import optional_module as _optional_module
+
+__all__ = ["launch", "unsupported"]
+
+tl: Any = _optional_module("triton.language")
+
+#: arguments whose values change between steps: not specialised on (one compiled kernel)
+_VARYING = ("offset", "seed", "lr_bits", "decay_bits", "scale_bits")
+
+
+def _sgld(
+    param: Any,
+    grad: Any,
+    largest: Any,
+    numel: Any,
+    offset: Any,
+    seed: Any,
+    lr_bits: Any,
+    decay_bits: Any,
+    scale_bits: Any,
+    BLOCK: constexpr,  # noqa: N803
+    MAXIMIZE: constexpr,  # noqa: N803
+    DECAY: constexpr,  # noqa: N803
+    NOISE: constexpr,  # noqa: N803
+) -> None:
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # nothing is read or written unless every gradient is finite: the largest absolute
+    # gradient is at most the largest float64 (false for NaN and infinity)
+    worst = tl.load(largest)
+    mask = index < tl.where(worst <= 1.7976931348623157e308, numel, 0)
+    lr = lr_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    p = tl.load(param + index, mask=mask)
+    g = tl.load(grad + index, mask=mask)
+    if MAXIMIZE:
+        g = -g
+    if DECAY:
+        decay = decay_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        g = (g.to(tl.float64) + decay * p.to(tl.float64)).to(p.dtype)
+    direction = g.to(tl.float64)
+    if NOISE:
+        scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        xi = tl.randn(seed, offset + index)
+        direction = direction - scale * xi.to(tl.float64)
+    p = (p.to(tl.float64) - lr * direction).to(p.dtype)
+    tl.store(param + index, p, mask=mask)
+
+
+def unsupported(group: Mapping[str, Any], temperature: float) -> str | None:
+    """Every SGLD option is supported."""
+    return None
+
+
+def launch(group: Mapping[str, Any], inputs: FusedInput) -> Mapping[str, list[Tensor]]:
+    """Take SGLD's step on every tensor of ``inputs`` in place (one launch per tensor)."""
+    lr, temperature = float(group["lr"]), float(group["temperature"])
+    weight_decay = float(group["weight_decay"])
+    scale = math.sqrt(2.0 * temperature / (group["num_data"] * lr)) if temperature > 0 else 0.0
+    for param, grad, seed, offset, largest in zip(
+        inputs.params, inputs.grads, inputs.seeds, inputs.offsets, inputs.largest, strict=True
+    ):
+        launch_elementwise(
+            _sgld,
+            param,
+            grad,
+            largest,
+            param.numel(),
+            offset,
+            seed,
+            as_float64_bits(lr),
+            as_float64_bits(weight_decay),
+            as_float64_bits(scale),
+            do_not_specialize=_VARYING,
+            MAXIMIZE=bool(group["maximize"]),
+            DECAY=weight_decay != 0,
+            NOISE=temperature > 0,
+        )
+    return {}

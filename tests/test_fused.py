@@ -1,0 +1,462 @@
+"""The fused step (``fused``): SGLD's and SGHMC's Triton kernels, their noise, their refusals.
+
+Without CUDA the kernels run on CPU tensors in Triton's interpreter: ``TRITON_INTERPRET=1``
+is set here, and ``fused.RUN_ON_CPU_UNDER_INTERPRETER`` lets the fused path take CPU
+tensors. Triton decides when it is imported whether its own library kernels
+(``tl.randn``) are interpreted, and in a whole-suite run it has been imported before this
+module (``torch._dynamo`` and ``transformers`` import it, as does building a
+``torch.optim`` optimizer): its Python modules are then imported again, interpreted.
+With CUDA the same tests run on the GPU, and the step at temperature 0 is compared with
+``torch.optim.SGD(fused=True)`` bit for bit.
+
+What is checked: the kernels against the reference updates (``sgld_direction``,
+``sghmc_direction`` and the step) given the very noise the kernel drew
+(``fused.fused_normal``); the noise's moments and independence across steps, parameters,
+shards and positions; a shard drawing exactly its slice of the whole; exact resume;
+temperature 0 as SGD; when ``fused=None`` takes the fused path; every ``fused=True``
+refusal; the non-finite policies without a host synchronisation. Tensors are small: the
+interpreter runs each program in Python.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"
+    for name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
+        if not name.startswith("triton._C"):  # (the compiled extension stays loaded)
+            del sys.modules[name]
+pytest.importorskip("triton")
+
+from samplers_as_optim import BAOA, SGHMC, SGLD, SGNHT, AdamWSGHMC  # noqa: E402
+from samplers_as_optim.core.streams import parameter_key  # noqa: E402
+from samplers_as_optim.names import set_parameter_layout  # noqa: E402
+from samplers_as_optim.sgmcmc import _fused_launch, _sghmc_fused, fused  # noqa: E402
+from samplers_as_optim.sgmcmc import optimizer as optimizer_module  # noqa: E402
+from samplers_as_optim.sgmcmc.fused import fused_normal  # noqa: E402
+from samplers_as_optim.sgmcmc.sghmc import sghmc_direction  # noqa: E402
+from samplers_as_optim.sgmcmc.sgld import sgld_direction  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+N = 100
+
+
+@pytest.fixture(autouse=True)
+def _fused_on_this_device(monkeypatch):
+    """On the CPU, let the fused path run under Triton's interpreter (for tests only)."""
+    monkeypatch.setattr(fused, "RUN_ON_CPU_UNDER_INTERPRETER", not CUDA)
+
+
+def named(**shapes: tuple[int, ...]) -> list[tuple[str, torch.nn.Parameter]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (name, torch.nn.Parameter(torch.randn(shape, generator=generator).to(DEVICE)))
+        for name, shape in shapes.items()
+    ]
+
+
+def gradients(params, steps: int, seed: int = 2) -> list[list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        [torch.randn(p.shape, generator=generator, dtype=p.dtype).to(DEVICE) for _, p in params]
+        for _ in range(steps)
+    ]
+
+
+def run(optimizer, params, grads) -> None:
+    for step in grads:
+        for (_, p), g in zip(params, step, strict=True):
+            p.grad = g.clone()
+        optimizer.step()
+
+
+# ------------------------------------------------------------------ the noise stream
+def test_importing_the_package_does_not_import_triton():
+    code = "import sys, samplers_as_optim; assert 'triton' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_noise_is_standard_normal_and_independent_across_steps_keys_shards_and_positions():
+    """Over n = 20,000 draws a correlation is N(0, 1/n), the mean N(0, 1/n), the sample sd
+    about N(1, 1/(2n)) and the fourth moment N(3, 96/n): 5 standard errors each (a false
+    alarm about once in 10^6 per check); a Kolmogorov-Smirnov test at p > 1e-4."""
+    stats = pytest.importorskip("scipy.stats")
+    n = 20_000
+    key = parameter_key("w")
+    xi = fused_normal(n, seed=7, step=3, key=key, device=DEVICE).double().cpu()
+    assert abs(xi.mean()) < 5 / math.sqrt(n)
+    assert abs(xi.std() - 1) < 5 / math.sqrt(2 * n)
+    assert abs(xi.pow(4).mean() - 3) < 5 * math.sqrt(96 / n)
+    assert stats.kstest(xi.numpy(), "norm").pvalue > 1e-4
+    others = {
+        "next step": fused_normal(n, seed=7, step=4, key=key, device=DEVICE),
+        "another parameter": fused_normal(n, seed=7, step=3, key=parameter_key("v"), device=DEVICE),
+        "another seed": fused_normal(n, seed=8, step=3, key=key, device=DEVICE),
+        "another shard": fused_normal(n, seed=7, step=3, key=key, shard=1, device=DEVICE),
+        "the next elements": fused_normal(n, seed=7, step=3, key=key, offset=n, device=DEVICE),
+        "elements 2**32 on": fused_normal(n, seed=7, step=3, key=key, offset=2**32, device=DEVICE),
+    }
+    bound = 5 / math.sqrt(n)
+    for what, other in others.items():
+        r = torch.corrcoef(torch.stack((xi, other.double().cpu())))[0, 1]
+        assert abs(r) < bound, what
+    for lag in (1, 2, 1024):  # positions within one tensor
+        r = torch.corrcoef(torch.stack((xi[:-lag], xi[lag:])))[0, 1]
+        assert abs(r) < bound, lag
+
+
+def test_a_shard_draws_exactly_its_slice_of_the_whole_and_the_block_size_does_not_matter(
+    monkeypatch,
+):
+    whole = fused_normal(5000, seed=7, step=0, key=11, device=DEVICE)
+    for offset, size in ((0, 1), (1234, 2000), (4999, 1)):
+        part = fused_normal(size, seed=7, step=0, key=11, offset=offset, device=DEVICE)
+        assert torch.equal(part, whole[offset : offset + size])
+    far = fused_normal(40, seed=7, step=0, key=11, offset=2**32 + 5, device=DEVICE)
+    assert torch.equal(
+        far[3:13], fused_normal(10, seed=7, step=0, key=11, offset=2**32 + 8, device=DEVICE)
+    )
+    monkeypatch.setattr(_fused_launch, "block_size", lambda device: 1024)
+    assert torch.equal(fused_normal(5000, seed=7, step=0, key=11, device=DEVICE), whole)
+
+
+def test_a_sharded_parameter_steps_as_its_slice_of_the_whole():
+    """Parameters holding parts of one tensor (``set_parameter_layout``) take exactly the
+    whole tensor's step on their elements: the same noise, bit for bit."""
+    torch.manual_seed(0)
+    start, grads = torch.randn(300, device=DEVICE), torch.randn(3, 300, device=DEVICE)
+    whole = torch.nn.Parameter(start.clone())
+    parts = [torch.nn.Parameter(start[a:b].clone()) for a, b in ((0, 100), (100, 300))]
+    for part, offset in zip(parts, (0, 100), strict=True):
+        set_parameter_layout(part, offset, 300)
+    one = SGHMC([("w", whole)], lr=0.1, num_data=N, seed=5, fused=True)
+    split = [SGHMC([("w", part)], lr=0.1, num_data=N, seed=5, fused=True) for part in parts]
+    for g in grads:
+        whole.grad = g.clone()
+        one.step()
+        for part, opt, (a, b) in zip(parts, split, ((0, 100), (100, 300)), strict=True):
+            part.grad = g[a:b].clone()
+            opt.step()
+    assert torch.equal(torch.cat([part.detach() for part in parts]), whole.detach())
+
+
+# ------------------------------------------------------------------ the kernels
+CASES = {
+    "sghmc": (SGHMC, {"momentum": 0.9, "weight_decay": 0.01}),
+    "sghmc-maximize": (SGHMC, {"momentum": 0.5, "maximize": True}),
+    "sgld": (SGLD, {"weight_decay": 0.01}),
+    "sghmc-momentum-0": (SGHMC, {"momentum": 0.0, "maximize": True}),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_the_kernel_is_the_reference_update_given_its_noise(case, dtype):
+    """Three steps (the first creates SGHMC's buffer) against ``sghmc_direction`` or
+    ``sgld_direction`` and the step, given the noise the kernel drew; the kernel computes
+    in float64 and rounds once where the reference rounds each operation."""
+    cls, kwargs = CASES[case]
+    lr, temperature = 0.05, 2.0
+    params = [
+        (name, torch.nn.Parameter(p.detach().to(dtype))) for name, p in named(w=(3, 70), b=(5,))
+    ]
+    grads = gradients(params, 3)
+    opt = cls(params, lr=lr, num_data=N, temperature=temperature, seed=9, fused=True, **kwargs)
+    reference = {name: p.detach().clone() for name, p in params}
+    buffers: dict[str, torch.Tensor | None] = dict.fromkeys(reference)
+    momentum = kwargs.get("momentum", 0.0)
+    common = {
+        "lr": lr,
+        "temperature": temperature,
+        "num_data": N,
+        "weight_decay": kwargs.get("weight_decay", 0.0),
+        "maximize": kwargs.get("maximize", False),
+        "foreach": False,
+    }
+    for step, step_grads in enumerate(grads):
+        for (name, p), g in zip(params, step_grads, strict=True):
+            p.grad = g.clone()
+            xi = fused_normal(p.numel(), seed=9, step=step, key=parameter_key(name), device=DEVICE)
+            xi = xi.to(dtype).view_as(p)
+            if cls is SGLD:
+                [d] = sgld_direction([reference[name]], [g], [xi], **common)
+            else:
+                [d], [buffers[name]] = sghmc_direction(
+                    [reference[name]],
+                    [g],
+                    [buffers[name]],
+                    [xi],
+                    momentum=momentum,
+                    dampening=0.0,
+                    nesterov=False,
+                    **common,
+                )
+            reference[name].add_(d.mul(-lr))
+        opt.step()
+    tolerance = (
+        {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 2e-6, "atol": 2e-6}
+    )
+    for name, p in params:
+        torch.testing.assert_close(p.detach(), reference[name], **tolerance)
+        if momentum:
+            torch.testing.assert_close(opt.state[p]["momentum_buffer"], buffers[name], **tolerance)
+
+
+SGD_CASES = {
+    "plain": {"momentum": 0.0},
+    "weight-decay-maximize": {"momentum": 0.0, "weight_decay": 0.1, "maximize": True},
+    "momentum": {"momentum": 0.9, "weight_decay": 0.01},
+    "nesterov": {"momentum": 0.9, "nesterov": True},
+    "dampening": {"momentum": 0.8, "dampening": 0.3, "maximize": True},
+}
+
+
+@pytest.mark.parametrize("case", SGD_CASES)
+def test_at_temperature_zero_it_is_sgd(case):
+    """Equal to ``torch.optim.SGD(foreach=False)`` up to rounding (the kernel computes as
+    torch's fused SGD: in float64, rounded once), in float64 to float64's rounding."""
+    kwargs = SGD_CASES[case]
+    cls = SGHMC if kwargs["momentum"] else SGLD
+    for dtype, tolerance in ((torch.float32, 1e-6), (torch.float64, 1e-14)):
+        params = [(n, torch.nn.Parameter(p.detach().to(dtype))) for n, p in named(w=(4, 5), b=(3,))]
+        twins = [(n, torch.nn.Parameter(p.detach().clone())) for n, p in params]
+        grads = gradients(params, 3)
+        run(cls(params, lr=0.1, num_data=N, temperature=0.0, fused=True, **kwargs), params, grads)
+        run(torch.optim.SGD([p for _, p in twins], lr=0.1, foreach=False, **kwargs), twins, grads)
+        for (_, p), (_, q) in zip(params, twins, strict=True):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.skipif(not CUDA, reason="torch.optim.SGD(fused=True) runs on CUDA")
+@pytest.mark.parametrize("case", SGD_CASES)
+def test_at_temperature_zero_on_cuda_it_is_torchs_fused_sgd_bit_for_bit(case):
+    kwargs = SGD_CASES[case]
+    cls = SGHMC if kwargs["momentum"] else SGLD
+    params = named(w=(64, 33), b=(7,))
+    twins = [(n, torch.nn.Parameter(p.detach().clone())) for n, p in params]
+    grads = gradients(params, 4)
+    run(cls(params, lr=0.1, num_data=N, temperature=0.0, fused=True, **kwargs), params, grads)
+    run(torch.optim.SGD([p for _, p in twins], lr=0.1, fused=True, **kwargs), twins, grads)
+    for (_, p), (_, q) in zip(params, twins, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_resume_is_exact():
+    """A state_dict round trip, a deep copy: the same chain, bit for bit."""
+    params = named(w=(6, 7), b=(3,))
+    grads = gradients(params, 4)
+    opt = SGHMC(params, lr=0.05, num_data=N, seed=4, fused=True)
+    run(opt, params, grads[:2])
+    saved = copy.deepcopy(opt.state_dict())
+    twins = [(n, torch.nn.Parameter(p.detach().clone())) for n, p in params]
+    copied = copy.deepcopy(opt)
+    resumed = SGHMC(twins, lr=0.05, num_data=N, seed=0, fused=True)
+    resumed.load_state_dict(saved)
+    run(opt, params, grads[2:])
+    run(resumed, twins, grads[2:])
+    copied_params = [
+        (n, p) for (n, _), p in zip(params, copied.param_groups[0]["params"], strict=True)
+    ]
+    run(copied, copied_params, grads[2:])
+    for (_, p), (_, q), (_, r) in zip(params, twins, copied_params, strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(p, r)
+        assert torch.equal(opt.state[p]["momentum_buffer"], resumed.state[q]["momentum_buffer"])
+
+
+# ------------------------------------------------------------------ when it is fused
+def spy_on_the_kernel(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    original = optimizer_module.fused_kernel
+
+    def spied(definition):
+        calls.append(definition.name)
+        return original(definition)
+
+    monkeypatch.setattr(optimizer_module, "fused_kernel", spied)
+    return calls
+
+
+def test_fused_none_takes_the_fused_path_only_where_it_can_run(monkeypatch):
+    monkeypatch.setattr(optimizer_module, "DEFAULT_ON_CUDA", True)  # (until validated on a GPU)
+    calls = spy_on_the_kernel(monkeypatch)
+    params = named(w=(3, 4))
+    grads = gradients(params, 1)
+    run(SGHMC(params, lr=0.1, num_data=N), params, grads)  # on CUDA, or the CPU test hatch
+    assert calls == ["SGHMC"]
+    for kwargs in ({"fused": False}, {"foreach": False}, {"foreach": True}):
+        run(SGHMC(params, lr=0.1, num_data=N, **kwargs), params, grads)
+    run(SGNHT(params, lr=0.1, num_data=N), params, grads)  # no fused kernel yet
+    assert calls == ["SGHMC"]
+    monkeypatch.setattr(fused, "triton_importable", lambda: False)
+    run(SGHMC(params, lr=0.1, num_data=N), params, grads)
+    assert calls == ["SGHMC"]
+
+
+@pytest.mark.skipif(CUDA, reason="CPU parameters without the test hatch")
+def test_fused_none_takes_the_unfused_path_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(fused, "RUN_ON_CPU_UNDER_INTERPRETER", False)
+    calls = spy_on_the_kernel(monkeypatch)
+    params = named(w=(3, 4))
+    twins = [(n, torch.nn.Parameter(p.detach().clone())) for n, p in params]
+    grads = gradients(params, 2)
+    run(SGHMC(params, lr=0.1, num_data=N, seed=1), params, grads)
+    run(SGHMC(twins, lr=0.1, num_data=N, seed=1, fused=False), twins, grads)
+    assert calls == []
+    assert torch.equal(params[0][1], twins[0][1])
+
+
+def fused_error(reason: str) -> str:
+    return (
+        f"Invalid fused: True ({reason}; use fused=None to take the fused path only where it "
+        "can run, or fused=False)"
+    )
+
+
+@pytest.mark.parametrize("cls", [SGNHT, BAOA, AdamWSGHMC], ids=lambda c: c.__name__)
+def test_fused_true_without_a_kernel_is_refused(cls):
+    with pytest.raises(ValueError) as error:
+        cls([torch.nn.Parameter(torch.zeros(2, device=DEVICE))], lr=0.1, num_data=N, fused=True)
+    assert str(error.value) == fused_error(f"{cls.__name__} has no fused kernel yet")
+
+
+def test_fused_true_refusals_name_the_reason(monkeypatch):
+    def build(*params, **kwargs):
+        return SGHMC(list(params), lr=0.1, num_data=N, fused=True, **kwargs)
+
+    ok = torch.nn.Parameter(torch.zeros(2, device=DEVICE))
+    cases = [
+        ((ok, torch.nn.Parameter(torch.zeros(2, dtype=torch.float16, device=DEVICE))), {},
+         "param group 0, parameter 1 of shape (2,) is torch.float16: the fused kernels take "
+         "float32 and float64 parameters (half precision: not yet)"),
+        ((torch.nn.Parameter(torch.zeros(3, 2, device=DEVICE).t()),), {},
+         "param group 0, parameter 0 of shape (2, 3) is not contiguous: the fused kernels take "
+         "contiguous tensors"),
+        ((ok,), {"foreach": True},
+         "param group 0 sets foreach=True (fused and foreach exclude each other)"),
+    ]  # fmt: skip
+    if not CUDA:
+        cases.append(
+            ((torch.nn.Parameter(torch.zeros(3)),), {},
+             "param group 0, parameter 0 of shape (3,) is on cpu: the fused kernels run on CUDA")
+        )  # fmt: skip
+    for params, kwargs, reason in cases:
+        if reason.endswith("on CUDA"):
+            monkeypatch.setattr(fused, "RUN_ON_CPU_UNDER_INTERPRETER", False)
+        with pytest.raises(ValueError) as error:
+            build(*params, **kwargs)
+        assert str(error.value) == fused_error(reason)
+    monkeypatch.setattr(fused, "RUN_ON_CPU_UNDER_INTERPRETER", not CUDA)
+    monkeypatch.setattr(_sghmc_fused, "unsupported", lambda group, temperature: "no such option")
+    with pytest.raises(ValueError) as error:
+        build(ok)
+    assert str(error.value) == fused_error("no such option (param group 0)")
+    monkeypatch.undo()
+    monkeypatch.setattr(fused, "RUN_ON_CPU_UNDER_INTERPRETER", not CUDA)
+    monkeypatch.setattr(fused, "triton_importable", lambda: False)
+    with pytest.raises(ValueError) as error:
+        build(ok)
+    assert str(error.value) == fused_error("Triton cannot be imported (pip install triton)")
+    with pytest.raises(
+        ValueError, match=r"^Invalid fused: 'yes' \(expected None, True or False\)$"
+    ):
+        SGHMC([ok], lr=0.1, num_data=N, fused="yes")
+
+
+def test_fused_true_refuses_a_step_it_cannot_take_before_anything_changes():
+    p = torch.nn.Parameter(torch.zeros(3, 2, device=DEVICE))
+    opt = SGHMC([p], lr=0.1, num_data=N, fused=True)
+    p.grad = torch.ones(2, 3, device=DEVICE).t()  # not contiguous
+    with pytest.raises(ValueError) as error:
+        opt.step()
+    assert str(error.value) == fused_error(
+        "the gradient of param group 0, parameter 0 of shape (3, 2) is not contiguous: the "
+        "fused kernels take contiguous tensors"
+    )
+    assert not p.detach().any()
+    assert opt.state_dict()["state"] == {}
+    assert opt.param_groups[0]["step"] == 0
+
+
+# ------------------------------------------------------------------ non-finite gradients
+def snapshot(opt, params):
+    return copy.deepcopy(opt.state_dict()), [p.detach().clone() for _, p in params]
+
+
+def assert_same(before, after):
+    (state_a, params_a), (state_b, params_b) = before, after
+    assert all(torch.equal(a, b) for a, b in zip(params_a, params_b, strict=True))
+    assert state_a["param_groups"] == state_b["param_groups"]
+    assert state_a["state"].keys() == state_b["state"].keys()
+    for key, entries in state_a["state"].items():
+        assert entries.keys() == state_b["state"][key].keys()
+        for name, value in entries.items():
+            assert torch.equal(value, state_b["state"][key][name]), name
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_skip_leaves_every_bit_and_counts_the_step(bad):
+    params = named(w=(4, 3), b=(3,))
+    grads = gradients(params, 3)
+    opt = SGHMC(params, lr=0.1, num_data=N, seed=2, fused=True, nonfinite="skip")
+    run(opt, params, grads[:1])
+    before = [p.detach().clone() for _, p in params] + [
+        opt.state[p]["momentum_buffer"].clone() for _, p in params
+    ]
+    grads[1][1][2] = bad
+    run(opt, params, grads[1:2])
+    after = [p.detach() for _, p in params] + [opt.state[p]["momentum_buffer"] for _, p in params]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert int(opt.param_groups[0]["skipped_steps"]) == 1
+    assert opt.param_groups[0]["step"] == 2
+    huge = [[torch.full_like(g, 3e38) for g in grads[2]]]  # finite: not skipped
+    run(opt, params, huge)
+    assert int(opt.param_groups[0]["skipped_steps"]) == 1
+
+
+def test_raise_refuses_the_step_at_the_next_call_and_nothing_changed():
+    """The fused step checks on the device and writes nothing; the next ``step()`` raises,
+    naming the step and the parameter, and leaves the optimizer as before the refused
+    step: the chain then goes on as if that batch had never come."""
+    params = named(w=(4, 3), b=(3,))
+    grads = gradients(params, 4)
+    twins = [(n, torch.nn.Parameter(p.detach().clone())) for n, p in params]
+    opt = SGHMC(params, lr=0.1, num_data=N, seed=2, fused=True)
+    run(opt, params, grads[:1])
+    before = snapshot(opt, params)
+    bad = [g.clone() for g in grads[1]]
+    bad[1][0] = math.nan
+    run(opt, params, [bad])  # no error yet: no host synchronisation
+    assert all(torch.equal(a, p) for a, (_, p) in zip(before[1], params, strict=True))
+    with pytest.raises(FloatingPointError) as error:
+        run(opt, params, grads[2:3])
+    assert str(error.value) == (
+        "SGHMC refused step 2: non-finite gradient in param group 0, parameter 1 'b' of shape "
+        "(3,); no parameter or buffer was changed (the fused step checks the gradients on the "
+        "device, without a host synchronisation: this call, the next after that step, raises "
+        "it and changes nothing either)"
+    )
+    assert_same(before, snapshot(opt, params))
+    run(opt, params, grads[2:])
+    reference = SGHMC(twins, lr=0.1, num_data=N, seed=2, fused=True)
+    run(reference, twins, grads[:1] + grads[2:])
+    assert all(torch.equal(p, q) for (_, p), (_, q) in zip(params, twins, strict=True))
+
+
+def test_raise_at_the_first_step_is_reported_by_state_dict_and_nothing_changed():
+    params = named(w=(4, 3))
+    opt = SGHMC(params, lr=0.1, num_data=N, seed=2, fused=True)
+    before = snapshot(opt, params)
+    run(opt, params, [[torch.full((4, 3), math.inf, device=DEVICE)]])
+    with pytest.raises(FloatingPointError, match=r"^SGHMC refused step 1: non-finite gradient in"):
+        opt.state_dict()
+    assert_same(before, snapshot(opt, params))  # no buffer created, no key recorded
