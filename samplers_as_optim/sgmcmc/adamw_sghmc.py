@@ -28,7 +28,7 @@ the gradient that enters the momentum:
 .. math::
 
     m \leftarrow \beta_1 m + (1-\beta_1)\,\big(g' + \sigma\, \sqrt{a}\,\xi\big), \qquad
-    \theta \leftarrow (1 - lr\,\lambda)\,\theta - \frac{lr}{1-\beta_1^t}\; m / a,
+    \theta \leftarrow (1 - lr\,\lambda)\,\theta - lr\, m / a,
     \qquad \xi \sim \mathcal N(0, I),
 
 with :math:`a` the sampling preconditioner below. (With :math:`\beta_1 = 0` it is
@@ -36,10 +36,14 @@ preconditioned SGLD with step :math:`lr/N`.) At :math:`T = 0` the noise vanishes
 step is ``torch.optim.AdamW``'s, computed by torch's own functional ``adam`` (bit for bit,
 ``amsgrad`` included; ``amsgrad`` has no sampling meaning and requires temperature 0).
 
-The bias corrections. :math:`1/(1-\beta_1^t)` scales the step and its noise together, as
-a learning rate :math:`lr/(1-\beta_1^t)` would in the first :math:`\sim 1/(1-\beta_1)`
-steps of a parameter; it tends to 1 and leaves the stationary law alone.
-:math:`1-\beta_2^t` makes the early :math:`V` an unbiased estimate, and enters :math:`a`.
+The bias corrections. At temperature > 0 the momentum is **not** divided by
+:math:`1-\beta_1^t`: the chain's momentum starts at 0, as SGHMC's does, and dividing it
+would multiply the first steps' noise variance by :math:`1/(1-\beta_1^t)^2` (100 at
+:math:`t = 1`: a full preconditioned Langevin step, with :math:`a` estimated from one
+gradient, which threw elements far out where that gradient was tiny, a zero-initialised
+LoRA factor, and left them there). So the steps at :math:`T > 0` differ from AdamW's
+during a parameter's first :math:`\sim 1/(1-\beta_1)` steps only. :math:`1-\beta_2^t`
+makes the early :math:`V` an unbiased estimate, and enters :math:`a`.
 
 Decoupled weight decay is the prior. With :math:`a` fixed the drift is
 :math:`-lr\,(G g' + \lambda\theta) = -(lr/N)\, G\, \nabla_\theta \big(N L + \tfrac{N
@@ -194,7 +198,7 @@ def adamw_sghmc_direction(
 
     .. math::
 
-        d = \lambda\theta + \frac{m / a}{1-\beta_1^t}, \qquad
+        d = \lambda\theta + m / a \;\; (\text{over } 1-\beta_1^t \text{ at } T = 0), \qquad
         m \leftarrow \beta_1 m + (1-\beta_1)\big(g' + \sigma\sqrt{a}\,\xi\big),
 
     :math:`V` updated as AdamW's, :math:`a` AdamW's own denominator at temperature 0 and
@@ -279,7 +283,7 @@ def adamw_sghmc_direction(
             kick = torch.addcmul(grad, noise[i], root, value=sigma)
             m.lerp_(kick, 1 - beta1)
         direction = m.div(denominator)
-        if correction1 != 1:
+        if noise is None and correction1 != 1:  # (at T > 0 the momentum starts at 0: doc)
             direction = direction.div_(correction1) if inplace else direction.div(correction1)
         if weight_decay != 0:
             direction = (
@@ -514,7 +518,7 @@ DEFINITION = SamplerDefinition(
 
         m &\leftarrow \beta_1 m + (1-\beta_1)\big(g' + \sqrt{{2T/(N\,lr)}}\,\sqrt{{a}}\,
         \xi\big), \qquad V \leftarrow \beta_2 V + (1-\beta_2)\, g'^2, \\
-        \theta &\leftarrow (1 - lr\,\lambda)\,\theta - \frac{{lr}}{{1-\beta_1^t}}\,m / a,
+        \theta &\leftarrow (1 - lr\,\lambda)\,\theta - lr\,m / a,
         \qquad \xi \sim \mathcal N(0, I),
 
     SGHMC (Chen et al. 2014) with momentum :math:`\beta_1` and the diagonal mass
@@ -523,7 +527,9 @@ DEFINITION = SamplerDefinition(
     ``weight_decay``, :math:`T` = ``temperature``, :math:`N` = ``num_data``. At
     ``temperature=0`` it is ``torch.optim.AdamW`` with the same arguments, bit for bit
     (torch's own functional Adam takes the step), and an AdamW checkpoint loads and
-    continues. At temperature > 0 :math:`a` is the sampling preconditioner: AdamW's
+    continues (AdamW divides :math:`m` by :math:`1-\beta_1^t`; at temperature > 0 the
+    momentum starts at 0 undivided, as SGHMC's). At temperature > 0 :math:`a` is the
+    sampling preconditioner: AdamW's
     :math:`\sqrt{{V/(1-\beta_2^t)}} + \epsilon` pooled over each tensor (Adafactor's
     factored estimate), following :math:`V` for ``preconditioner_warmup`` steps and then
     frozen, so that the chain samples
@@ -555,7 +561,7 @@ DEFINITION = SamplerDefinition(
 
     .. math::
 
-        d = \lambda\theta + \frac{{m/a}}{{1-\beta_1^t}}, \qquad
+        d = \lambda\theta + m/a, \qquad
         m \leftarrow \beta_1 m + (1-\beta_1)\big(g' + \sqrt{{2T/(N\,lr)}}\,\sqrt{{a}}\,
         \xi\big),
 
