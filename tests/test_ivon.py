@@ -695,3 +695,29 @@ def test_sync_over_two_ranks_is_the_one_process_run(tmp_path):
     opt = IVON(model.named_parameters(), lr=0.05, ess=32, beta2=0.9, seed=ranks[0]["seed"])
     expected = train(opt, model, x, y, steps=4)[-1]
     torch.testing.assert_close(ranks[0]["params"], expected, **TOLERANCE)
+
+
+def test_a_weight_decay_that_leaves_a_negative_precision_is_refused():
+    """h may go below 0 down to -weight_decay (only h + δ is kept positive); a smaller δ
+    set later is refused before anything changes, naming the cause (it made NaN draws)."""
+    import re as _re
+
+    import torch as _torch
+
+    from samplers_as_optim import IVON as _IVON
+
+    param = _torch.nn.Parameter(_torch.zeros(1000))
+    opt = _IVON([("w", param)], lr=0.1, ess=100, hess_init=0.1, beta2=0.9, weight_decay=0.1,
+                seed=0)  # fmt: skip
+    for _ in range(50):
+        with opt.sampled_params(train=True):
+            param.grad = None
+            (0.01 * param).sum().backward()
+        opt.step()
+    assert float(opt.state[param]["hess"].min()) < 0
+    kept = param.detach().clone()
+    opt.param_groups[0]["weight_decay"] = 0.0
+    message = "Invalid weight_decay in param group 0: 0.0"
+    with pytest.raises(ValueError, match=_re.escape(message)), opt.sampled_params(train=True):
+        pass
+    assert _torch.equal(param.detach(), kept)

@@ -285,8 +285,31 @@ class IVON(ChainOptimizer):
         if checked.get(index) == values:
             return
         self.check_hyperparameters(group, where=at_group(index))
+        self._check_precision(index, group)
         if all(type(value) in (int, float, str, bool) for value in values):  # not a tensor
             checked[index] = values
+
+    def _check_precision(self, index: int, group: dict[str, Any]) -> None:
+        """Refuse a ``weight_decay`` under which some h + weight_decay is not positive.
+
+        Only h + δ is kept positive by the update, so h may be negative down to -δ; a
+        smaller δ set later (a schedule, a new task's prior) would make σ² negative and
+        every draw NaN. Checked when a group's hyperparameters change (one read of the
+        device), before anything is drawn or stepped.
+        """
+        delta = float(group["weight_decay"])
+        for position, param in enumerate(group["params"]):
+            hess = self.state[param].get("hess") if param in self.state else None
+            if hess is None or hess.numel() == 0:
+                continue
+            lowest = float(hess.min())
+            if not lowest + delta > 0:
+                raise ValueError(
+                    f"Invalid weight_decay{at_group(index)}: {delta!r} (expected a value "
+                    f"with h + weight_decay > 0 for every weight: parameter {position}'s "
+                    f"Hessian estimate h reaches {lowest:.6g}, which the weight decay it was "
+                    "learnt with kept positive; nothing was changed)"
+                )
 
     def _reset_runtime(self, *, seed_given: bool) -> None:
         """What is not the chain's state: streams and keys, the open draw, the prefetch."""
