@@ -38,6 +38,8 @@ from .transition_draws import TransitionDraws
 
 __all__ = [
     "Transition",
+    "code_key",
+    "compiled_copy",
     "compiled_transition",
     "evaluate_start",
     "frozen_parameters",
@@ -307,8 +309,9 @@ def transition(
     )
 
 
-#: compiled copies of :func:`transition`, per loss function's code and device type
-_COMPILED: weakref.WeakKeyDictionary[Any, dict[str, Callable[..., Transition]]] = (
+#: compiled copies of :func:`transition` (and of ``run.chain_chunk``), per loss function's
+#: code, per (function, device type)
+_COMPILED: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], Callable[..., Any]]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -329,26 +332,43 @@ def compiled_transition(
     wrapper is compiled C++ (inductor's ``cpp_wrapper``: a few microseconds less per
     call, which matters for small models); elsewhere inductor's defaults.
     """
+    compiled: Callable[..., Transition] = compiled_copy(transition, loss_fn, device)
+    return compiled
+
+
+def code_key(loss_fn: Callable[[Any], Any]) -> Any:
+    """What the compiled copies are cached by: the loss function's code (else its type)."""
     code = getattr(loss_fn, "__code__", None)
-    key: Any = code if code is not None else type(loss_fn)
+    return code if code is not None else type(loss_fn)
+
+
+def compiled_copy(
+    function: Callable[..., Any], loss_fn: Callable[[Any], Any], device: torch.device
+) -> Callable[..., Any]:
+    """A copy of ``function`` through ``torch.compile`` for this ``loss_fn``'s code and device.
+
+    See :func:`compiled_transition`: one copy (one code object, one dynamo cache) per
+    function, loss-function code and device type, made once and shared.
+    """
+    key = code_key(loss_fn)
     per_device = _COMPILED.get(key)
     if per_device is None:
         per_device = _COMPILED[key] = {}
-    compiled = per_device.get(device.type)
+    compiled = per_device.get((function.__name__, device.type))
     if compiled is None:
         copy = types.FunctionType(
-            transition.__code__.replace(),
-            transition.__globals__,
-            transition.__name__,
-            transition.__defaults__,
-            transition.__closure__,
+            function.__code__.replace(),
+            function.__globals__,
+            function.__name__,
+            function.__defaults__,
+            function.__closure__,
         )
-        copy.__kwdefaults__ = transition.__kwdefaults__
+        copy.__kwdefaults__ = function.__kwdefaults__
         options: dict[str, str | int | bool | Callable[..., Any]] = {}
         if device.type == "cpu":
             options["cpp_wrapper"] = True
         compiled = torch.compile(copy, dynamic=False, options=options)
-        per_device[device.type] = compiled
+        per_device[(function.__name__, device.type)] = compiled
     return compiled
 
 

@@ -118,7 +118,14 @@ class _Leapfrog:
 
 
 def _differentiated(tensors: Sequence[Tensor]) -> bool:
-    """Whether autograd records in-place ops on ``tensors`` (then no foreach ops, see below)."""
+    """Whether autograd records in-place ops on ``tensors`` (then no foreach ops, see below).
+
+    Also while ``torch.compile`` traces: inductor fuses per-tensor ops as well, and a
+    ``while_loop`` body (``HMC.run``) cannot hold in-place foreach ops (torch 2.13's alias
+    check of a loop body expects one tensor per written argument).
+    """
+    if torch.compiler.is_compiling():
+        return True
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
@@ -250,9 +257,11 @@ def _scaled_gradient(
     params: list[Tensor], grads: list[Tensor], weight_decay: float, num_data: int
 ) -> list[Tensor]:
     """``(g + weight_decay * p) * num_data`` for each pair, in foreach ops."""
-    if len(params) == 1:  # one tensor: the plain ops are cheaper
-        g, p = grads[0], params[0]
-        return [(g + weight_decay * p) * num_data if weight_decay != 0.0 else g * num_data]
+    if len(params) == 1 or torch.compiler.is_compiling():  # plain ops (see _differentiated)
+        return [
+            (g + weight_decay * p) * num_data if weight_decay != 0.0 else g * num_data
+            for g, p in zip(grads, params, strict=True)
+        ]
     if weight_decay == 0.0:
         return list(torch._foreach_mul(grads, num_data))
     out = torch._foreach_mul(params, weight_decay)

@@ -108,6 +108,7 @@ from .arguments import (
 )
 from .closure_transition import NOT_COMPILED, closure_transition, evaluate_closure
 from .rollback import Rollback
+from .run import HMCRun, run_chain
 from .start import START_KEY, Start, TransitionStart, check_start
 from .transition_draws import TransitionDraws, draw_transition
 
@@ -137,7 +138,8 @@ class HMC(ChainOptimizer):
     (the same random numbers and decisions, states equal up to rounding), and with
     ``compile=True`` the whole transition -- every leapfrog step's forward and backward,
     the energies, the test -- runs as one ``torch.compile`` graph instead of one Python
-    round trip per leapfrog step (see ``benchmarks/bench_hmc.py`` for what it saves).
+    round trip per leapfrog step (see ``benchmarks/bench_hmc.py`` for what it saves);
+    :meth:`run` makes many such transitions per call, the same chain.
 
     With parameters stacked along a leading member dimension K (a
     :class:`~samplers_as_optim.ParallelEnsemble`) the closure may return the K members'
@@ -473,6 +475,27 @@ class HMC(ChainOptimizer):
         except BaseException:
             undo.restore()
             raise
+
+    @torch.no_grad()
+    def run(self, loss_fn: Callable[[Any], Tensor], num_draws: int, *, thin: int = 1) -> HMCRun:
+        """``num_draws * thin`` transitions in one call; every ``thin``-th state is a draw.
+
+        The chain of as many ``step(loss_fn=loss_fn)`` calls, bit for bit: the draws, and
+        the optimizer afterwards (parameters, ``.grad``, ``state_dict()``); with
+        ``compile=True`` up to 64 transitions per compiled region, as BlackJAX's
+        ``lax.scan``. During the warm-up each transition is a ``step``. A run that raises
+        changes nothing (see ``hmc.run``).
+
+        Args:
+            loss_fn: the full-batch mean loss of the parameters, as for :meth:`step`.
+            num_draws: the number of draws (an integer >= 1).
+            thin: transitions per draw (default: 1; an integer >= 1).
+
+        Returns:
+            :class:`~samplers_as_optim.hmc.run.HMCRun`: ``samples`` (name ->
+            ``[num_draws, *shape]``), the ``loss`` and ``diagnostics`` of each draw.
+        """
+        return run_chain(self, loss_fn, num_draws, thin=thin)
 
     def _closure_step(self, closure: Callable[[], Any], undo: Rollback) -> Tensor:
         """:meth:`step` by closure (see ``closure_transition``), moving the parameters."""

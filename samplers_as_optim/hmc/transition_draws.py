@@ -5,7 +5,9 @@ the momentum of a parameter is ``NoiseStream(seed).draw`` at ``(step, parameter 
 scaled by :math:`\sqrt{T M}`; the uniforms of the Metropolis test and of the jitter come
 from generators seeded by ``(seed, step, key)`` with keys of their own. Both ways to run
 a transition (by closure, by loss function) take these same numbers, so they are the same
-chain.
+chain. :func:`draw_transitions` draws the numbers of several consecutive transitions at once
+(for ``HMC.run``), stacked along a leading dimension: for each transition the numbers
+:func:`draw_transition` draws at its step, bit for bit.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..core.streams import NoiseStream, derive_seed
+from ..core.streams import NoiseStream, block_bounds, derive_seed
 from .adaptation import start_step_size_
 from .start import Start
 
-__all__ = ["TransitionDraws", "draw_transition"]
+__all__ = ["TransitionDraws", "draw_transition", "draw_transitions"]
 
 #: keys of the uniforms of the accept test and of the jitter (apart from parameter keys)
 _ACCEPT_KEY = derive_seed(0x484D43, 1)
@@ -48,6 +50,32 @@ def _inverse_mass(state: Mapping[Any, Any], param: Tensor) -> Tensor | None:
     return None if mass is None else 1.0 / mass
 
 
+def _per_parameter(
+    param_groups: Sequence[dict[str, Any]],
+) -> tuple[dict[int, float], dict[int, float], dict[int, dict[str, Any]]]:
+    r"""Each parameter's weight decay, :math:`\sqrt{lr/N}` and param group, by ``id``."""
+    num_data = int(param_groups[0]["num_data"])
+    decay: dict[int, float] = {}
+    root_lr: dict[int, float] = {}
+    group_of: dict[int, dict[str, Any]] = {}
+    for group in param_groups:
+        for p in group["params"]:
+            decay[id(p)] = float(group["weight_decay"])
+            root_lr[id(p)] = math.sqrt(float(group["lr"]) / num_data)
+            group_of[id(p)] = group
+    return decay, root_lr, group_of
+
+
+def _momentum(xi: Tensor, inverse_mass: Tensor | None, temperature: float) -> Tensor:
+    r""":math:`r = \sqrt{T M}\,\xi` from standard normal ``xi`` (any leading dimensions)."""
+    scale = math.sqrt(temperature)
+    if inverse_mass is not None:
+        return xi * (scale / inverse_mass.sqrt())
+    if scale != 1.0:  # (xi * 1.0 is xi, bit for bit)
+        return xi * scale
+    return xi
+
+
 def draw_transition(
     param_groups: Sequence[dict[str, Any]],
     state: Mapping[Any, Any],
@@ -68,17 +96,9 @@ def draw_transition(
         keys: the noise key of each parameter of the chain.
     """
     first = param_groups[0]
-    num_data = int(first["num_data"])
     temperature = float(first["temperature"])
     jitter = float(first["jitter"])
-    decay: dict[int, float] = {}
-    root_lr: dict[int, float] = {}
-    group_of: dict[int, dict[str, Any]] = {}
-    for group in param_groups:
-        for p in group["params"]:
-            decay[id(p)] = float(group["weight_decay"])
-            root_lr[id(p)] = math.sqrt(float(group["lr"]) / num_data)
-            group_of[id(p)] = group
+    decay, root_lr, group_of = _per_parameter(param_groups)
     chain, members = start.chain, start.members
     device = chain[0].device
 
@@ -98,20 +118,17 @@ def draw_transition(
     for p, inv, key in zip(chain, inverse_mass, keys, strict=True):
         group = group_of[id(p)]
         xi = stream(int(group["seed"])).draw(p, step=int(group["step"]), key=key)
-        scale = math.sqrt(temperature)
-        if inv is not None:
-            xi = xi * (scale / inv.sqrt())
-        elif scale != 1.0:  # (xi * 1.0 is xi, bit for bit)
-            xi = xi * scale
-        momenta.append(xi)
+        momenta.append(_momentum(xi, inv, temperature))
     # the uniform of the Metropolis test
     generator = stream0.generator(device, step=step0, key=_ACCEPT_KEY, block=0)
     shape = () if members is None else (members,)
     uniform = torch.rand(shape, generator=generator, dtype=torch.float64, device=device)
     previous = hmc["diagnostics"]
-    if previous is None:
-        counts = torch.zeros(shape, dtype=torch.int64, device=device)
-        previous = {"num_accepted": counts, "divergences": counts}
+    if previous is None:  # two tensors: one aliasing the other recompiles a compiled step
+        previous = {
+            key: torch.zeros(shape, dtype=torch.int64, device=device)
+            for key in ("num_accepted", "divergences")
+        }
     params0 = first["params"]
     step_size = multiplier * root_lr[id(params0[0])] if params0 else multiplier
     return TransitionDraws(
@@ -121,6 +138,87 @@ def draw_transition(
         inverse_mass,
         momenta,
         uniform,
+        step_size,
+        previous["num_accepted"],
+        previous["divergences"],
+    )
+
+
+def draw_transitions(
+    param_groups: Sequence[dict[str, Any]],
+    state: Mapping[Any, Any],
+    hmc: dict[str, Any],
+    start: Start,
+    stream: Callable[[int], NoiseStream],
+    keys: Sequence[int],
+    *,
+    offset: int,
+    count: int,
+    capacity: int,
+) -> TransitionDraws:
+    """The numbers of ``count`` consecutive transitions, stacked (for ``HMC.run``).
+
+    Transition ``t`` (``0 <= t < count``) is the one each param group makes at its step
+    ``group["step"] + offset + t``; its entry of each stacked tensor is, bit for bit, what
+    :func:`draw_transition` draws at that step (the counters are read, not advanced). Only
+    after the warm-up (the step multiplier does not change between the transitions).
+
+    Returns:
+        A :class:`TransitionDraws` whose ``momenta`` (one ``[capacity, *shape]`` tensor per
+        parameter of the chain), ``uniform``, ``multiplier`` and ``step_size`` (each
+        ``[capacity]``, or ``[capacity, K]`` for K members) hold transition ``t`` at row
+        ``t``, zeros from row ``count`` on; the running counts are those before the first.
+    """
+    first = param_groups[0]
+    temperature = float(first["temperature"])
+    jitter = float(first["jitter"])
+    decay, root_lr, group_of = _per_parameter(param_groups)
+    chain, members = start.chain, start.members
+    device = chain[0].device
+    log_step = start_step_size_(hmc, members, device, first["target_accept"])
+    shape = () if members is None else (members,)
+    step0 = int(first["step"]) + offset
+    stream0 = stream(int(first["seed"]))
+
+    def uniforms(key: int) -> Tensor:
+        out = torch.zeros((capacity, *shape), dtype=torch.float64, device=device)
+        for t in range(count):  # torch.rand(shape, generator=...) is uniform_ of that shape
+            generator = stream0.generator(device, step=step0 + t, key=key, block=0)
+            out[t].uniform_(generator=generator)
+        return out
+
+    multiplier = torch.exp(log_step).expand(capacity, *shape).contiguous()
+    if jitter > 0:
+        multiplier = multiplier * (1 + jitter * (2 * uniforms(_JITTER_KEY) - 1))
+    multiplier[count:] = 0.0
+    inverse_mass = [_inverse_mass(state, p) for p in chain]
+    momenta = []
+    for p, inv, key in zip(chain, inverse_mass, keys, strict=True):
+        group = group_of[id(p)]
+        noise, steps = stream(int(group["seed"])), int(group["step"]) + offset
+        xi = torch.zeros((capacity, p.numel()), dtype=p.dtype, device=p.device)
+        bounds = list(enumerate(block_bounds(p.numel())))
+        for t in range(count):  # KeyedNormal.fill_ (draw's numbers, in place), inlined
+            row = xi[t]
+            for block, (low, high) in bounds:
+                generator = noise.generator(device, step=steps + t, key=key, block=block)
+                (row if len(bounds) == 1 else row[low:high]).normal_(generator=generator)
+        momenta.append(_momentum(xi.view(capacity, *p.shape), inv, temperature))
+    previous = hmc["diagnostics"]
+    if previous is None:  # two tensors: one aliasing the other recompiles a compiled step
+        previous = {
+            key: torch.zeros(shape, dtype=torch.int64, device=device)
+            for key in ("num_accepted", "divergences")
+        }
+    params0 = first["params"]
+    step_size = multiplier * root_lr[id(params0[0])] if params0 else multiplier
+    return TransitionDraws(
+        decay,
+        root_lr,
+        multiplier,
+        inverse_mass,
+        momenta,
+        uniforms(_ACCEPT_KEY),
         step_size,
         previous["num_accepted"],
         previous["divergences"],
