@@ -123,6 +123,8 @@ from .sampling_preconditioner import (
     PRECONDITIONER_WARMUP,
     STEP,
     advanced,
+    check_eps,
+    freeze_mark,
     freezes_now,
     released,
     sampling_preconditioner,
@@ -156,15 +158,6 @@ def _check_betas(value: Any, where: str) -> tuple[float, float]:
         if not (math.isfinite(beta) and 0.0 <= beta < 1.0):
             refuse("betas", value, expected, where)
     return float(value[0]), float(value[1])
-
-
-def _check_eps(value: Any, where: str) -> float:
-    expected = "a finite number > 0"
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        refuse("eps", value, expected, where, TypeError)
-    if not (math.isfinite(value) and value > 0):
-        refuse("eps", value, expected, where)
-    return float(value)
 
 
 def adamw_sghmc_direction(
@@ -279,7 +272,7 @@ def adamw_sghmc_direction(
                 root = denominator.sqrt().masked_fill(denominator == eps, 0.0)
                 if freezes_now(float(flags[i]), t, preconditioner_warmup):
                     preconditioners[i], roots[i] = denominator, root
-                    flags[i] = _frozen_at(flags[i], t)
+                    flags[i] = freeze_mark(flags[i], t)
             kick = torch.addcmul(grad, noise[i], root, value=sigma)
             m.lerp_(kick, 1 - beta1)
         direction = m.div(denominator)
@@ -304,11 +297,6 @@ def adamw_sghmc_direction(
         "preconditioner_root": roots,
         "preconditioner_step": flags,
     }
-
-
-def _frozen_at(flag: Any, step: float) -> Any:
-    """The step of a freeze, as the same kind as ``flag`` (a 0-d CPU tensor, or a float)."""
-    return torch.tensor(step, dtype=flag.dtype) if isinstance(flag, Tensor) else step
 
 
 def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:
@@ -427,7 +415,7 @@ DEFINITION = SamplerDefinition(
             default=1e-8,
             doc=r"""eps: :math:`\epsilon`, added to :math:`\sqrt{V}` (default: 1e-8; a
             finite number > 0).""",
-            check=lambda value, where: _check_eps(value, where),
+            check=lambda value, where: check_eps(value, where),
             positional=True,
         ),
         WEIGHT_DECAY.replace(

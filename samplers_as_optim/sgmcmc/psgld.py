@@ -102,7 +102,6 @@ infinity. bfloat16 has float32's range and needs none of this.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -136,6 +135,7 @@ from .sampling_preconditioner import (
     PRECONDITIONER_WARMUP,
     STEP,
     advanced,
+    check_eps,
     released,
     sampling_scale,
 )
@@ -149,15 +149,6 @@ def _check_alpha(value: Any, where: str) -> float:
     if not number < 1.0:
         refuse("alpha", value, "a number in [0, 1)", where)
     return number
-
-
-def _check_eps(value: Any, where: str) -> float:
-    expected = "a finite number > 0"
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        refuse("eps", value, expected, where, TypeError)
-    if not (math.isfinite(value) and value > 0):
-        refuse("eps", value, expected, where)
-    return float(value)
 
 
 def _preconditioner(
@@ -572,7 +563,7 @@ DEFINITION = SamplerDefinition(
             noise scale a dtype must hold).""",
             transform_doc=r"""eps: :math:`\epsilon` (default: 1e-8; a finite number > 0;
             for float16 at temperature 0, above 2.98e-8: see :class:`PSGLD`).""",
-            check=lambda value, where: _check_eps(value, where),
+            check=lambda value, where: check_eps(value, where),
             positional=True,
         ),
         WEIGHT_DECAY.replace(positional=True),

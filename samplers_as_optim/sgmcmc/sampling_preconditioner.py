@@ -50,6 +50,7 @@ figures the samplers' docstrings report).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,8 +68,10 @@ __all__ = [
     "PRECONDITIONER_WARMUP",
     "STEP",
     "advanced",
+    "check_eps",
     "check_preconditioner",
     "check_preconditioner_warmup",
+    "freeze_mark",
     "freezes_now",
     "informed_noise",
     "pooled_second_moment",
@@ -122,6 +125,21 @@ def pooled_second_moment(square: Tensor, how: str, members: int = 0) -> Tensor:
     columns = square.mean(dim=[d for d in every if d != column], keepdim=True)
     total = rows.mean(dim=[row], keepdim=True).clamp_min(torch.finfo(square.dtype).tiny)
     return rows.mul(columns).div_(total)
+
+
+def check_eps(value: Any, where: str = "") -> float:
+    """The ``eps`` added to the preconditioner's root: a finite number > 0."""
+    expected = "a finite number > 0"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        refuse("eps", value, expected, where, TypeError)
+    if not (math.isfinite(value) and value > 0):
+        refuse("eps", value, expected, where)
+    return float(value)
+
+
+def freeze_mark(flag: Any, step: float) -> Any:
+    """The step of a freeze, as the same kind as ``flag`` (a 0-d CPU tensor, or a float)."""
+    return torch.tensor(step, dtype=flag.dtype) if isinstance(flag, Tensor) else step
 
 
 def freezes_now(frozen_at: float, step: float, warmup: int | None) -> bool:
@@ -214,8 +232,7 @@ def sampling_scale(
         square, correction=correction, eps=eps, how=how, inplace=inplace, members=members
     )
     if freezes_now(float(flag), step, warmup):
-        kept = torch.tensor(step, dtype=flag.dtype) if isinstance(flag, Tensor) else step
-        return scale, scale, kept
+        return scale, scale, freeze_mark(flag, step)
     return scale, frozen, flag
 
 
