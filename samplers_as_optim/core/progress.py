@@ -9,6 +9,7 @@ with the ``examples`` extra, as laplace-torch's ``fit`` uses it.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 from collections.abc import Iterable, Iterator
@@ -49,8 +50,7 @@ class ProgressBar:
     def __init__(self, on: bool, total: int | None, description: str) -> None:
         self._bar: Any = None
         if on:
-            from tqdm.auto import tqdm
-
+            tqdm = importlib.import_module("tqdm.auto").tqdm
             self._bar = tqdm(total=total, desc=description, leave=False, dynamic_ncols=True)
 
     def update(self, count: int = 1) -> None:

@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ..core.progress import ProgressBar
 from .dynamics import member_sum, member_view
 
 __all__ = [
@@ -248,12 +249,17 @@ def initial_state(target_accept: Any, adapt_mass: bool) -> dict[str, Any]:
 
 
 def run_warmup(
-    hmc: dict[str, Any], num_steps: int, step: Callable[[], Any], update_mass: Callable[[], bool]
+    hmc: dict[str, Any],
+    num_steps: int,
+    step: Callable[[], Any],
+    update_mass: Callable[[], bool],
+    bar: ProgressBar | None = None,
 ) -> None:
     """Make ``num_steps`` warm-up transitions (``step``) on the schedule of :func:`warmup_windows`.
 
     Draws are collected for the mass in the windows only, and ``update_mass`` is called at
     each window's end. A step that raises changed nothing; nor does the schedule then.
+    ``bar`` (a progress bar) advances by one per transition.
     """
     init, term, ends = warmup_windows(num_steps, hmc["adapt_mass"])
     collect = hmc["collect_mass"]
@@ -266,6 +272,8 @@ def run_warmup(
             raise
         if t + 1 in ends:
             update_mass()
+        if bar is not None:
+            bar.update()
     hmc["collect_mass"] = False
 
 

@@ -61,6 +61,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from ..core.progress import ProgressBar, check_progress
 from ..core.streams import NoiseStream
 from ..core.validation import check_positive_int
 from . import _functional
@@ -362,26 +363,37 @@ def chunk_capacity(chain: Sequence[Tensor]) -> int:
 
 
 def run_chain(
-    optimizer: _Chain, loss_fn: Callable[[Any], Tensor], num_draws: Any, *, thin: Any = 1
+    optimizer: _Chain,
+    loss_fn: Callable[[Any], Tensor],
+    num_draws: Any,
+    *,
+    thin: Any = 1,
+    progress: Any = None,
 ) -> HMCRun:
     """``HMC.run``: ``num_draws * thin`` transitions, every ``thin``-th state kept.
 
+    ``progress`` shows a bar over the transitions (``core/progress``), advanced per
+    transition during the warm-up and per chunk after it.
+
     Raises:
-        TypeError: ``loss_fn`` is not a callable of one argument (a closure).
+        TypeError: ``loss_fn`` is not a callable of one argument (a closure), or
+            ``progress`` is not None, True or False.
         ValueError: ``num_draws`` or ``thin`` is not an integer >= 1, or what
             ``step(loss_fn=...)`` refuses.
     """
     num_draws = check_positive_int("num_draws", num_draws)
     thin = check_positive_int("thin", thin)
     _check_loss_fn(loss_fn)
+    show = check_progress(progress)
     optimizer._check_groups()
     groups, hmc = optimizer.param_groups, optimizer._hmc_state
     undo = Rollback(groups, optimizer.state, hmc, optimizer._next, clone_grads=False)
     undo.keep_values(optimizer._params())
     try:
-        if hmc["warmup"]:
-            return _run_steps(optimizer, loss_fn, num_draws, thin)
-        return _run_chunks(optimizer, loss_fn, num_draws, thin, undo.start_valid)
+        with ProgressBar(show, num_draws * thin, "HMC.run") as bar:
+            if hmc["warmup"]:
+                return _run_steps(optimizer, loss_fn, num_draws, thin, bar)
+            return _run_chunks(optimizer, loss_fn, num_draws, thin, undo.start_valid, bar)
     except BaseException:
         undo.restore()
         raise
@@ -415,7 +427,7 @@ def _sample_names(optimizer: _Chain, chain: Sequence[Tensor]) -> list[str]:
 
 
 def _run_steps(
-    optimizer: _Chain, loss_fn: Callable[[Any], Tensor], num_draws: int, thin: int
+    optimizer: _Chain, loss_fn: Callable[[Any], Tensor], num_draws: int, thin: int, bar: ProgressBar
 ) -> HMCRun:
     """During the warm-up: ``step(loss_fn=...)`` per transition, recorded."""
     draws: _Draws | None = None
@@ -423,6 +435,7 @@ def _run_steps(
     for index in range(num_draws):
         for _ in range(thin):
             loss = optimizer.step(loss_fn=loss_fn)
+            bar.update()
         if draws is None:
             end = optimizer._next.end
             assert end is not None  # (the step just left it)
@@ -439,7 +452,12 @@ def _run_steps(
 
 
 def _run_chunks(
-    optimizer: _Chain, loss_fn: Callable[[Any], Tensor], num_draws: int, thin: int, valid: bool
+    optimizer: _Chain,
+    loss_fn: Callable[[Any], Tensor],
+    num_draws: int,
+    thin: int,
+    valid: bool,
+    bar: ProgressBar,
 ) -> HMCRun:
     """After the warm-up: the transitions chunk by chunk, then the optimizer's new state."""
     groups, hmc = optimizer.param_groups, optimizer._hmc_state
@@ -517,6 +535,7 @@ def _run_chunks(
             for key, value in draws.diagnostics.items():
                 value.index_copy_(0, into, chunk.diagnostics[key].index_select(0, where))
         done += count
+        bar.update(count)
     # the optimizer as `total` steps leave it (HMC.step's _finish, without adaptation)
     for p, new, g in zip(chain, positions, gradients, strict=True):
         p.copy_(new)

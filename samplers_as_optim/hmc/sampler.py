@@ -95,6 +95,7 @@ import torch
 from torch import Tensor
 
 from ..core.chain import ChainOptimizer, at_group
+from ..core.progress import ProgressBar, check_progress
 from ..core.streams import seed_from_global_rng
 from ..core.validation import check_positive_int, check_seed
 from . import adaptation
@@ -477,7 +478,14 @@ class HMC(ChainOptimizer):
             raise
 
     @torch.no_grad()
-    def run(self, loss_fn: Callable[[Any], Tensor], num_draws: int, *, thin: int = 1) -> HMCRun:
+    def run(
+        self,
+        loss_fn: Callable[[Any], Tensor],
+        num_draws: int,
+        *,
+        thin: int = 1,
+        progress: bool | None = None,
+    ) -> HMCRun:
         """``num_draws * thin`` transitions in one call; every ``thin``-th state is a draw.
 
         The chain of as many ``step(loss_fn=loss_fn)`` calls, bit for bit: the draws, and
@@ -490,12 +498,14 @@ class HMC(ChainOptimizer):
             loss_fn: the full-batch mean loss of the parameters, as for :meth:`step`.
             num_draws: the number of draws (an integer >= 1).
             thin: transitions per draw (default: 1; an integer >= 1).
+            progress: a tqdm bar over the transitions (default None: where standard error
+                is a terminal and tqdm is installed; True or False to choose).
 
         Returns:
             :class:`~samplers_as_optim.hmc.run.HMCRun`: ``samples`` (name ->
             ``[num_draws, *shape]``), the ``loss`` and ``diagnostics`` of each draw.
         """
-        return run_chain(self, loss_fn, num_draws, thin=thin)
+        return run_chain(self, loss_fn, num_draws, thin=thin, progress=progress)
 
     def _closure_step(self, closure: Callable[[], Any], undo: Rollback) -> Tensor:
         """:meth:`step` by closure (see ``closure_transition``), moving the parameters."""
@@ -585,12 +595,15 @@ class HMC(ChainOptimizer):
         num_steps: int | None = None,
         *,
         loss_fn: Callable[[Any], Tensor] | None = None,
+        progress: bool | None = None,
     ) -> None:
         """Run ``num_steps`` warm-up transitions with Stan's schedule, then :meth:`end_warmup`.
 
         Each transition is ``step(closure)``, or ``step(loss_fn=loss_fn)`` (give one of
         them, as to :meth:`step`): ``opt.warmup(closure, 100)`` or
-        ``opt.warmup(num_steps=100, loss_fn=loss_fn)``.
+        ``opt.warmup(num_steps=100, loss_fn=loss_fn)``. ``progress``: a tqdm bar over
+        the transitions (default None: where standard error is a terminal and tqdm is
+        installed; True or False to choose; see ``core/progress``).
 
         Step size only: dual averaging throughout. With ``mass="adapt"``: a first 15% for
         the step size alone, then windows of doubling length after each of which the mass
@@ -599,16 +612,17 @@ class HMC(ChainOptimizer):
         """
         num_steps = check_positive_int("num_steps", num_steps)
         check_one_of(closure, loss_fn, where="HMC.warmup", expected="what step() takes")
+        show = check_progress(progress)
         hmc = self._hmc_state
         if not hmc["warmup"]:
             raise ValueError(
                 "HMC.warmup: the warm-up is over (expected target_accept or mass='adapt', "
                 "before end_warmup())"
             )
-        if loss_fn is None:
-            adaptation.run_warmup(hmc, num_steps, lambda: self.step(closure), self.update_mass)
-        else:
-            adaptation.run_warmup(
-                hmc, num_steps, lambda: self.step(loss_fn=loss_fn), self.update_mass
-            )
+        with ProgressBar(show, num_steps, "HMC warm-up") as bar:
+            if loss_fn is None:
+                step = lambda: self.step(closure)  # noqa: E731
+            else:
+                step = lambda: self.step(loss_fn=loss_fn)  # noqa: E731
+            adaptation.run_warmup(hmc, num_steps, step, self.update_mass, bar)
         self.end_warmup()
