@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,6 +14,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from samplers_as_optim.core.progress import progress_bar
 
 OUTPUT = Path(__file__).resolve().parent / "output"
 QUICK_MODE_NOTE = "quick mode: shorter runs, not the documented full-mode figures"
@@ -144,14 +145,13 @@ def warm_up() -> None:
     optimizer.step()
 
 
-def progress(iterable: Iterable[Any], description: str, **kwargs: Any) -> Iterable[Any]:
-    """A tqdm progress bar on stderr (silent when stderr is not a terminal or in CI)."""
-    disable = not sys.stderr.isatty() or bool(os.environ.get("CI"))
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return iterable
-    return tqdm(iterable, desc=description, disable=disable, leave=False, **kwargs)
+def progress(iterable: Iterable[Any], description: str) -> Iterable[Any]:
+    """The library's progress bar (``samplers_as_optim.core.progress``), off in CI.
+
+    A tqdm bar where stderr is a terminal and tqdm is installed, as ``progress=None`` of
+    ``Laplace.fit`` or ``HMC.run``; CI's logs get none.
+    """
+    return progress_bar(iterable, False if os.environ.get("CI") else None, description)
 
 
 def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: str = "") -> str:

@@ -15,7 +15,9 @@ curvature-vector products and conjugate gradients: :mod:`.curvature`. Parallel c
 deep ensembles: :class:`ParallelEnsemble`. Samples: :class:`SampleCollector`,
 :class:`RunningMoments`, :func:`call_stacked`. Names for wrappers that drop them
 (``ZeroRedundancyOptimizer``): :func:`name_parameters`. Using them: :mod:`.predictive`,
-:mod:`.diagnostics`.
+:mod:`.diagnostics`. Regression and priors: :class:`GaussianLikelihood` (a sampled noise
+scale), :class:`HeteroscedasticGaussian`, :func:`prior_param_groups` (N(0, σ²/fan_in)
+per layer as weight decay), :func:`prior_precision`, :func:`prior_loss`.
 """
 
 from typing import TYPE_CHECKING
@@ -28,6 +30,8 @@ from .gaussian.swag import SWAG
 from .gaussian.vi import FullCovarianceVI, MeanFieldVI
 from .hmc.sampler import HMC
 from .names import name_parameters
+from .priors import prior_loss, prior_param_groups, prior_precision
+from .regression import GaussianLikelihood, HeteroscedasticGaussian
 from .samples.collect import RunningMoments, SampleCollector
 from .samples.ensemble import ParallelEnsemble, ensemble_loss
 from .samples.stacked import call_stacked
@@ -51,6 +55,8 @@ __all__ = [
     "CyclicalSGMCMC",
     "ExtendedKalmanFilter",
     "FullCovarianceVI",
+    "GaussianLikelihood",
+    "HeteroscedasticGaussian",
     "Laplace",
     "MeanFieldVI",
     "ParallelEnsemble",
@@ -62,6 +68,9 @@ __all__ = [
     "ensemble_loss",
     "name_parameters",
     "predictive",
+    "prior_loss",
+    "prior_param_groups",
+    "prior_precision",
     "transforms",
 ]
 __version__ = "0.1.0"

@@ -23,7 +23,7 @@ class SGNHT(SamplerOptimizer):
     def __init__(self, params: Any, lr: float | Tensor = 0.001, momentum: float = 0.9, *, num_data: int, temperature: float = 1.0, weight_decay: float = 0.0, dampening: float = 0.0, nesterov: bool = False, maximize: bool = False, foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None, seed: int | None = None, overlap_noise: bool = True, nonfinite: str = 'raise', kinetic_energy: str = 'symmetric') -> None: ...
 
 class PSGLD(SamplerOptimizer):
-    def __init__(self, params: Any, lr: float | Tensor = 0.01, alpha: float = 0.99, eps: float = 1e-08, weight_decay: float = 0.0, momentum: float = 0.0, centered: bool = False, capturable: bool = False, foreach: bool | None = None, maximize: bool = False, differentiable: bool = False, *, num_data: int, temperature: float = 1.0, preconditioner: str = 'factored', preconditioner_warmup: int | None = 1000, correction: bool = False, seed: int | None = None, overlap_noise: bool = True, nonfinite: str = 'raise') -> None: ...
+    def __init__(self, params: Any, lr: float | Tensor = 0.01, alpha: float = 0.99, eps: float = 1e-08, weight_decay: float = 0.0, momentum: float = 0.0, centered: bool = False, capturable: bool = False, foreach: bool | None = None, maximize: bool = False, differentiable: bool = False, *, num_data: int, temperature: float = 1.0, preconditioner: str = 'factored', preconditioner_warmup: int | None = 1000, correction: bool = False, seed: int | None = None, overlap_noise: bool = True, nonfinite: str = 'raise', fused: bool | None = None) -> None: ...
 
 class BAOA(SamplerOptimizer):
     def __init__(self, params: Any, lr: float | Tensor = 0.001, momentum: float = 0.9, *, num_data: int, temperature: float = 1.0, weight_decay: float = 0.0, dampening: float = 0.0, nesterov: bool = False, maximize: bool = False, foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None, seed: int | None = None, overlap_noise: bool = True, nonfinite: str = 'raise') -> None: ...
@@ -35,7 +35,7 @@ class SGLDState(NamedTuple):
     seed: int
     count: int  # type: ignore[assignment]  # a field, as optax's states have
 
-def sgld(lr: ScalarOrSchedule, momentum: float = 0.0, *, num_data: int, temperature: ScalarOrSchedule = 1.0, weight_decay: float = 0.0, dampening: float = 0.0, nesterov: bool = False, maximize: bool = False, foreach: bool | None = None, seed: int | None = None) -> GradientTransformation: ...
+def sgld(lr: ScalarOrSchedule, momentum: float = 0.0, *, num_data: int, temperature: ScalarOrSchedule = 1.0, weight_decay: float = 0.0, dampening: float = 0.0, nesterov: bool = False, maximize: bool = False, foreach: bool | None = None, fused: bool | None = None, seed: int | None = None) -> GradientTransformation: ...
 
 class SGHMCState(NamedTuple):
     momentum_buffer: tuple[Any, ...]
@@ -43,7 +43,7 @@ class SGHMCState(NamedTuple):
     seed: int
     count: int  # type: ignore[assignment]  # a field, as optax's states have
 
-def sghmc(lr: ScalarOrSchedule, momentum: float = 0.9, *, num_data: int, temperature: ScalarOrSchedule = 1.0, weight_decay: float = 0.0, dampening: float = 0.0, nesterov: bool = False, maximize: bool = False, foreach: bool | None = None, seed: int | None = None) -> GradientTransformation: ...
+def sghmc(lr: ScalarOrSchedule, momentum: float = 0.9, *, num_data: int, temperature: ScalarOrSchedule = 1.0, weight_decay: float = 0.0, dampening: float = 0.0, nesterov: bool = False, maximize: bool = False, foreach: bool | None = None, fused: bool | None = None, seed: int | None = None) -> GradientTransformation: ...
 
 class SGNHTState(NamedTuple):
     momentum_buffer: tuple[Any, ...]
@@ -52,7 +52,7 @@ class SGNHTState(NamedTuple):
     seed: int
     count: int  # type: ignore[assignment]  # a field, as optax's states have
 
-def sgnht(lr: ScalarOrSchedule, momentum: float = 0.9, *, num_data: int, temperature: ScalarOrSchedule = 1.0, weight_decay: float = 0.0, dampening: float = 0.0, nesterov: bool = False, maximize: bool = False, foreach: bool | None = None, seed: int | None = None, kinetic_energy: str = 'symmetric') -> GradientTransformation: ...
+def sgnht(lr: ScalarOrSchedule, momentum: float = 0.9, *, num_data: int, temperature: ScalarOrSchedule = 1.0, weight_decay: float = 0.0, dampening: float = 0.0, nesterov: bool = False, maximize: bool = False, foreach: bool | None = None, fused: bool | None = None, seed: int | None = None, kinetic_energy: str = 'symmetric') -> GradientTransformation: ...
 
 class PSGLDState(NamedTuple):
     square_avg: tuple[Any, ...]
@@ -66,7 +66,7 @@ class PSGLDState(NamedTuple):
     seed: int
     count: int  # type: ignore[assignment]  # a field, as optax's states have
 
-def psgld(lr: ScalarOrSchedule, alpha: float = 0.99, eps: float = 1e-08, weight_decay: float = 0.0, momentum: float = 0.0, centered: bool = False, *, foreach: bool | None = None, maximize: bool = False, num_data: int, temperature: ScalarOrSchedule = 1.0, preconditioner: str = 'factored', preconditioner_warmup: int | None = 1000, correction: bool = False, seed: int | None = None) -> GradientTransformation: ...
+def psgld(lr: ScalarOrSchedule, alpha: float = 0.99, eps: float = 1e-08, weight_decay: float = 0.0, momentum: float = 0.0, centered: bool = False, *, foreach: bool | None = None, maximize: bool = False, num_data: int, temperature: ScalarOrSchedule = 1.0, preconditioner: str = 'factored', preconditioner_warmup: int | None = 1000, correction: bool = False, seed: int | None = None, fused: bool | None = None) -> GradientTransformation: ...
 
 class BAOAState(NamedTuple):
     momentum_buffer: tuple[Any, ...]
@@ -74,7 +74,7 @@ class BAOAState(NamedTuple):
     seed: int
     count: int  # type: ignore[assignment]  # a field, as optax's states have
 
-def baoa(lr: ScalarOrSchedule, momentum: float = 0.9, *, num_data: int, temperature: ScalarOrSchedule = 1.0, weight_decay: float = 0.0, dampening: float = 0.0, nesterov: bool = False, maximize: bool = False, foreach: bool | None = None, seed: int | None = None) -> GradientTransformation: ...
+def baoa(lr: ScalarOrSchedule, momentum: float = 0.9, *, num_data: int, temperature: ScalarOrSchedule = 1.0, weight_decay: float = 0.0, dampening: float = 0.0, nesterov: bool = False, maximize: bool = False, foreach: bool | None = None, fused: bool | None = None, seed: int | None = None) -> GradientTransformation: ...
 
 class AdamWSGHMCState(NamedTuple):
     step: tuple[Any, ...]
@@ -88,4 +88,4 @@ class AdamWSGHMCState(NamedTuple):
     seed: int
     count: int  # type: ignore[assignment]  # a field, as optax's states have
 
-def adamw_sghmc(lr: ScalarOrSchedule, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-08, weight_decay: float = 0.01, amsgrad: bool = False, *, maximize: bool = False, foreach: bool | None = None, num_data: int, temperature: ScalarOrSchedule = 1.0, preconditioner: str = 'factored', preconditioner_warmup: int | None = 1000, seed: int | None = None) -> GradientTransformation: ...
+def adamw_sghmc(lr: ScalarOrSchedule, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-08, weight_decay: float = 0.01, amsgrad: bool = False, *, maximize: bool = False, foreach: bool | None = None, fused: bool | None = None, num_data: int, temperature: ScalarOrSchedule = 1.0, preconditioner: str = 'factored', preconditioner_warmup: int | None = 1000, seed: int | None = None) -> GradientTransformation: ...

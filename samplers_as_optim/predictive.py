@@ -76,21 +76,28 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from .core.validation import check_choice, check_positive_int
+from .core.validation import check_choice, check_positive, check_positive_int
+from .regression import HeteroscedasticGaussian
 from .samples.ranks import average_ranks, sort_rows
 
 __all__ = [
     "ClassificationPrediction",
     "RegressionPrediction",
+    "RegressionScores",
     "accuracy",
     "agreement",
     "auroc",
     "brier",
     "classification",
     "ece",
+    "gaussian_regression",
+    "heteroscedastic_regression",
+    "laplace_bridge",
     "nll",
+    "probit",
     "regression",
     "regression_nll",
+    "regression_scores",
     "total_variation",
 ]
 
@@ -329,6 +336,145 @@ def _check_variances(variances: object, means: Tensor, *, positive: bool = False
         bound = "> 0" if positive else ">= 0"
         raise ValueError(f"Invalid variances: values not {bound} (expected variances {bound})")
     return variances
+
+
+# --------------------------------------------------------------------------- closed-form links
+
+
+def _check_gaussian_logits(mean: object, spread: object, name: str, extra: int) -> Tensor:
+    """``mean`` [B, ..., K] and a ``spread`` of its shape (+ K when ``extra`` is 1)."""
+    mean = _check_tensor("mean", mean, min_dim=1, layout="[B, ..., K] of logit means")
+    layout = "[B, ..., K, K] of the logits' covariances" if extra else "[B, ..., K] of variances"
+    spread = _check_tensor(name, spread, min_dim=1 + extra, layout=layout)
+    expected = (*mean.shape, mean.shape[-1]) if extra else tuple(mean.shape)
+    if tuple(spread.shape) != expected:
+        raise ValueError(
+            f"Invalid {name}: shape {tuple(spread.shape)} (expected {expected}, from the "
+            f"mean's {tuple(mean.shape)})"
+        )
+    diagonal = spread.diagonal(dim1=-2, dim2=-1) if extra else spread
+    if bool((diagonal < 0).any() | spread.isnan().any()):
+        raise ValueError(f"Invalid {name}: negative variances or NaN (expected variances >= 0)")
+    return spread
+
+
+def probit(mean: Tensor, variance: Tensor) -> Tensor:
+    r"""Probit-approximated softmax of Gaussian logits: the logits whose softmax it is.
+
+    For logits :math:`f \sim \mathcal N(\mu, \Sigma)`, :math:`\mathbb E[\mathrm{softmax}(f)]`
+    has no closed form; the probit approximation (MacKay 1992; Daxberger et al. 2021, §2,
+    laplace-torch's ``link_approx="probit"``) replaces it by
+
+    .. math::
+        \bar p = \mathrm{softmax}(\kappa\odot\mu), \qquad
+        \kappa_k = \big(1 + \tfrac{\pi}{8}\Sigma_{kk}\big)^{-1/2}.
+
+    For two classes whose second logit is fixed (:math:`\Sigma_{22} = 0`), it is the
+    classical :math:`\mathbb E[\sigma(f)] \approx \sigma(\mu/\sqrt{1 + \pi v/8})`, with
+    :math:`\sigma(x) \approx \Phi(x\sqrt{\pi/8})` (absolute error below 0.02 for every
+    :math:`\mu, v`). Only the marginal variances enter.
+
+    Args:
+        mean: ``[B, ..., K]`` the logits' mean (classes last).
+        variance: ``[B, ..., K]`` their marginal variances :math:`\Sigma_{kk}` (>= 0).
+
+    Returns:
+        ``[B, ..., K]`` the scaled logits :math:`\kappa\odot\mu`:
+        ``.softmax(-1)`` gives the predictive probabilities, ``.log_softmax(-1)`` their
+        logarithm (what :func:`nll` takes).
+
+    Raises:
+        TypeError: a non-floating tensor.
+        ValueError: shapes that differ, negative or NaN variances.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import predictive
+        >>> mean = torch.tensor([[2.0, 0.0]])
+        >>> predictive.probit(mean, torch.zeros(1, 2)).softmax(-1)   # no variance: softmax
+        tensor([[0.8808, 0.1192]])
+        >>> predictive.probit(mean, torch.tensor([[8.0, 0.0]])).softmax(-1)  # less confident
+        tensor([[0.7277, 0.2723]])
+    """
+    variance = _check_gaussian_logits(mean, variance, "variance", 0)
+    return mean * torch.rsqrt(1.0 + math.pi / 8.0 * variance)
+
+
+def laplace_bridge(mean: Tensor, covariance: Tensor, *, normalize: bool = False) -> Tensor:
+    r"""The Laplace bridge: the Dirichlet over class probabilities of Gaussian logits.
+
+    Hobbhahn, Kristiadi & Hennig (2022), eq. 6, after laplace-torch's ``"bridge"``: the
+    logits :math:`f\sim\mathcal N(\mu,\Sigma)` are first conditioned on
+    :math:`\mathbf 1^\top f = 0` (the softmax does not see the sum), with
+    :math:`s = \Sigma\mathbf 1` and :math:`t = \mathbf 1^\top\Sigma\mathbf 1`,
+
+    .. math::
+        \mu' = \mu - s\,\frac{\mathbf 1^\top\mu}{t}, \qquad
+        v_k = \Sigma_{kk} - \frac{s_k^2}{t}
+
+    (skipped where t = 0), then mapped to a Dirichlet :math:`\mathrm{Dir}(\alpha)` with
+
+    .. math::
+        \alpha_k = \frac{1}{v_k}\Big(1 - \frac 2K + \frac{e^{\mu'_k}}{K^2}
+        \sum_{l=1}^K e^{-\mu'_l}\Big),
+
+    whose mean :math:`\alpha/\sum_l\alpha_l` is the predictive. ``normalize=True`` is
+    laplace-torch's ``"bridge_norm"``: with :math:`\bar v = \mathrm{mean}_k(v_k)/
+    \sqrt{K/2}`, :math:`\mu'` is divided by :math:`\sqrt{\bar v}` and :math:`v` by
+    :math:`\bar v` first. Computed in log space: a class whose conditioned variance is 0
+    gets the dtype's smallest positive variance (the formula's limit: it takes all the
+    mass), so the result stays finite; the bracket is > 0 for K >= 2.
+
+    Args:
+        mean: ``[B, ..., K]`` the logits' mean, K >= 2.
+        covariance: ``[B, ..., K, K]`` their covariance (symmetric positive semi-definite).
+        normalize: rescale the variances first (default: False).
+
+    Returns:
+        ``[B, ..., K]`` :math:`\log\alpha`, the log-concentrations: ``.exp()`` gives
+        :math:`\alpha` (e.g. for ``torch.distributions.Dirichlet``), ``.softmax(-1)`` the
+        Dirichlet's mean, i.e. the predictive probabilities, and ``.log_softmax(-1)`` their
+        logarithm.
+
+    Raises:
+        TypeError: a non-floating tensor or a non-bool ``normalize``.
+        ValueError: fewer than 2 classes, shapes that do not match, negative variances or
+            NaN.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import predictive
+        >>> mean, covariance = torch.tensor([[1.0, 0.0, -1.0]]), torch.eye(3).unsqueeze(0)
+        >>> predictive.laplace_bridge(mean, covariance).softmax(-1)
+        tensor([[0.5490, 0.2758, 0.1752]])
+    """
+    covariance = _check_gaussian_logits(mean, covariance, "covariance", 1)
+    if not isinstance(normalize, bool):
+        raise TypeError(f"Invalid normalize: {normalize!r} (expected True or False)")
+    classes = mean.shape[-1]
+    if classes < 2:
+        raise ValueError(
+            f"Invalid mean: {classes} class(es) (expected K >= 2 logits for the Laplace bridge)"
+        )
+    sums = covariance.sum(-1)
+    total = sums.sum(-1, keepdim=True)
+    conditioned = total > 0
+    safe = torch.where(conditioned, total, 1.0)
+    shifted = torch.where(conditioned, mean - sums * mean.sum(-1, keepdim=True) / safe, mean)
+    diagonal = covariance.diagonal(dim1=-2, dim2=-1)
+    variance = torch.where(conditioned, diagonal - sums.square() / safe, diagonal)
+    variance = variance.clamp(min=0.0)
+    if normalize:
+        scale = variance.mean(-1, keepdim=True) / math.sqrt(classes / 2)
+        scale = torch.where(scale > 0, scale, 1.0)
+        shifted = shifted * scale.rsqrt()
+        variance = variance / scale
+    log_bracket = torch.logaddexp(
+        torch.tensor(math.log1p(-2 / classes) if classes > 2 else -math.inf).to(mean),
+        shifted + torch.logsumexp(-shifted, dim=-1, keepdim=True) - 2 * math.log(classes),
+    )
+    tiny = torch.finfo(variance.dtype).tiny
+    return log_bracket - variance.clamp(min=tiny).log()
 
 
 # --------------------------------------------------------------------------- metrics
@@ -642,3 +788,130 @@ def total_variation(probs: Tensor, other: Tensor, *, reduction: Reduction = "mea
     other = _check_probs("other", other)
     _check_same_shape(probs, other, ("probs", "other"))
     return _reduce(0.5 * (probs - other).abs().sum(dim=-1), reduction)
+
+
+class RegressionScores(NamedTuple):
+    """Test scores of a regression predictive, per target value, in the targets' units."""
+
+    #: root mean squared error of the predictive mean
+    rmse: Tensor
+    #: mean log density of the targets under the predictive (nats per target value)
+    log_likelihood: Tensor
+
+
+def gaussian_regression(means: Tensor, noise_std: Tensor | float) -> RegressionPrediction:
+    r"""The BMA of samples of (means, σ) with a homoscedastic σ per sample.
+
+    :func:`regression` with :math:`\sigma_s^2` as the variances: ``noise_std`` may be
+    one σ per sample, shape ``[S]`` (e.g. ``samples["log_noise_std"].exp()`` of a
+    :class:`~samplers_as_optim.GaussianLikelihood` sampled with the weights), which is
+    aligned with the means' sample dimension; a float or 0-d tensor (a fixed σ); or
+    anything that broadcasts to ``means``.
+
+    Args:
+        means: ``[S, B, ...]`` per-sample predicted means.
+        noise_std: σ, as above (> 0).
+
+    Returns:
+        :class:`RegressionPrediction` ``(mean, total, aleatoric, epistemic)``.
+
+    Raises:
+        TypeError: ``means`` is not a floating tensor, or ``noise_std`` not a number/tensor.
+        ValueError: ``noise_std`` not > 0, or of a shape that fits neither rule.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import predictive
+        >>> means = torch.tensor([[0.0], [2.0]])  # S = 2 samples, B = 1
+        >>> predictive.gaussian_regression(means, torch.tensor([1.0, 3.0])).aleatoric
+        tensor([5.])
+    """
+    means = _compute_dtype(
+        _check_tensor("means", means, min_dim=1, layout="[samples, B, ...] of means")
+    )
+    if isinstance(noise_std, bool) or not isinstance(noise_std, (Tensor, int, float)):
+        raise TypeError(
+            f"Invalid noise_std: {type(noise_std).__name__} (expected a tensor or a number)"
+        )
+    std = torch.as_tensor(noise_std, dtype=means.dtype, device=means.device)
+    if std.dim() == 1 and std.shape[0] == means.shape[0] and means.dim() > 1:
+        std = std.reshape(-1, *([1] * (means.dim() - 1)))
+    if bool((std.isnan() | (std <= 0)).any()):
+        raise ValueError("Invalid noise_std: values not > 0 (expected standard deviations > 0)")
+    return regression(means, std.square())
+
+
+def heteroscedastic_regression(
+    outputs: Tensor, head: HeteroscedasticGaussian
+) -> RegressionPrediction:
+    """The BMA of samples of a heteroscedastic head's outputs ``[S, B, 2D]``.
+
+    Each sample's outputs are split by ``head.mean_and_std`` (D means, D σ from the raw
+    scales) and the mixture is :func:`regression`'s.
+
+    Args:
+        outputs: ``[S, B, 2D]`` stacked outputs of a network trained with ``head``.
+        head: the :class:`~samplers_as_optim.HeteroscedasticGaussian` it was trained with.
+
+    Returns:
+        :class:`RegressionPrediction`, each field ``[B, D]``.
+
+    Raises:
+        TypeError: ``head`` is not a HeteroscedasticGaussian, or ``outputs`` not a tensor.
+        ValueError: ``outputs`` without a sample dimension or with an odd last dimension.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import HeteroscedasticGaussian, predictive
+        >>> outputs = torch.zeros(3, 5, 2)  # S = 3, B = 5, D = 1
+        >>> predictive.heteroscedastic_regression(outputs, HeteroscedasticGaussian()).mean.shape
+        torch.Size([5, 1])
+    """
+    if not isinstance(head, HeteroscedasticGaussian):
+        raise TypeError(f"Invalid head: {type(head).__name__} (expected a HeteroscedasticGaussian)")
+    outputs = _check_tensor("outputs", outputs, min_dim=3, layout="[samples, B, 2D] of outputs")
+    mean, std = head.mean_and_std(outputs)
+    return regression(mean, std.square())
+
+
+def regression_scores(
+    means: Tensor,
+    variances: Tensor | float,
+    targets: Tensor,
+    *,
+    target_std: float = 1.0,
+) -> RegressionScores:
+    r"""Test RMSE and log-likelihood per target value, in the targets' original units.
+
+    A model trained on standardised targets :math:`\tilde y = (y - m)/s` predicts in
+    those units; with ``target_std`` = s the scores are those of the original y:
+    :math:`\mathrm{RMSE}_y = s\,\mathrm{RMSE}_{\tilde y}` and, since
+    :math:`p(y) = p(\tilde y)/s`, the log-likelihood per value is the standardised one
+    minus :math:`\log s`. The log-likelihood is that of the exact mixture
+    (:func:`regression_nll`), the RMSE that of the mixture's mean.
+
+    Args:
+        means: ``[S, B, ...]`` per-sample predicted means (standardised units).
+        variances: per-sample noise variances, as for :func:`regression_nll` (> 0).
+        targets: ``[B, ...]`` (standardised units).
+        target_std: s (default: 1.0, the scores in the units given; > 0).
+
+    Returns:
+        :class:`RegressionScores` ``(rmse, log_likelihood)``, 0-d tensors.
+
+    Raises:
+        TypeError, ValueError: as :func:`regression_nll`, and a bad ``target_std``.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import predictive
+        >>> scores = predictive.regression_scores(
+        ...     torch.zeros(1, 2), 1.0, torch.tensor([1.0, -1.0]), target_std=2.0)
+        >>> scores.rmse, scores.log_likelihood  # 2 * 1; -(log(2π)/2 + 1/2) - log 2
+        (tensor(2.), tensor(-2.1121))
+    """
+    scale = check_positive("target_std", target_std)
+    nll_value = regression_nll(means, variances, targets)
+    mean = means.mean(dim=0).to(nll_value.dtype)
+    rmse = (mean - targets.to(nll_value.dtype)).square().mean().sqrt()
+    return RegressionScores(rmse * scale, -nll_value - math.log(scale))

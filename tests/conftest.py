@@ -17,6 +17,10 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# Scripts that made reference data with a peer library (which the suite does not
+# install): not test modules, and --doctest-modules must not import them.
+collect_ignore_glob = ["data/*"]
+
 # Under pytest-xdist (-n auto) every core runs a worker: one torch thread each, so the
 # workers do not oversubscribe the cores. Results do not depend on the thread count.
 if os.environ.get("PYTEST_XDIST_WORKER"):

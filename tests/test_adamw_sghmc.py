@@ -400,8 +400,9 @@ def test_same_validation_and_message_as_the_optimizer(kwargs, error, message):
          "sampler kernel)"),
         ({"differentiable": True}, "Invalid differentiable: True (expected False: "
          "differentiating through a sampler step is not supported)"),
-        ({"fused": True}, "Invalid fused: True (AdamWSGHMC has no fused kernel yet; use "
-         "fused=None to take the fused path only where it can run, or fused=False)"),
+        ({"fused": True}, "Invalid fused: True (param group 0, parameter 0 of shape (2,) is on "
+         "cpu: the fused kernels run on CUDA; use fused=None to take the fused path only where "
+         "it can run, or fused=False)"),
     ],
 )  # fmt: skip
 def test_optimizer_only_flags(kwargs, message):

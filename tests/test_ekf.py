@@ -179,7 +179,9 @@ def test_filter_state_not_the_model_drives_updates_and_sampling():
     draws = ekf.sample(3, generator=torch.Generator().manual_seed(0))
     assert draws["weight"].shape == (3, 1, 3)
     assert_close(ekf.covariance, 0.5 * torch.linalg.inv(ekf.precision))
-    out = ekf.predict(x[:4], num_samples=3, generator=torch.Generator().manual_seed(0))
+    out = ekf.predict(
+        x[:4], num_samples=3, linear=False, generator=torch.Generator().manual_seed(0)
+    )
     assert_close(out, call_stacked(model, draws, x[:4]))
     lin = ekf.predict(x[:4], num_samples=3, linear=True, generator=torch.Generator().manual_seed(0))
     assert_close(lin, out)  # linear model: linearised = sampled

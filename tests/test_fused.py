@@ -21,6 +21,7 @@ interpreter runs each program in Python.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import subprocess
@@ -295,11 +296,15 @@ def test_fused_none_takes_the_fused_path_only_where_it_can_run(monkeypatch):
     assert calls == ["SGHMC"]
     for kwargs in ({"fused": False}, {"foreach": False}, {"foreach": True}):
         run(SGHMC(params, lr=0.1, num_data=N, **kwargs), params, grads)
-    run(SGNHT(params, lr=0.1, num_data=N), params, grads)  # no fused kernel yet
-    assert calls == ["SGHMC"]
+    run(SGNHT(params, lr=0.1, num_data=N), params, grads)
+    assert calls == ["SGHMC", "SGNHT"]
+    without = dataclasses.replace(SGNHT.definition, fused_kernel=None)
+    monkeypatch.setattr(SGNHT, "definition", without)
+    run(SGNHT(params, lr=0.1, num_data=N), params, grads)  # a sampler without a kernel
+    assert calls == ["SGHMC", "SGNHT"]
     monkeypatch.setattr(fused, "triton_importable", lambda: False)
     run(SGHMC(params, lr=0.1, num_data=N), params, grads)
-    assert calls == ["SGHMC"]
+    assert calls == ["SGHMC", "SGNHT"]
 
 
 @pytest.mark.skipif(CUDA, reason="CPU parameters without the test hatch")
@@ -323,7 +328,9 @@ def fused_error(reason: str) -> str:
 
 
 @pytest.mark.parametrize("cls", [SGNHT, BAOA, AdamWSGHMC], ids=lambda c: c.__name__)
-def test_fused_true_without_a_kernel_is_refused(cls):
+def test_fused_true_without_a_kernel_is_refused(cls, monkeypatch):
+    # every sampler has a kernel now: the refusal, for a definition without one
+    monkeypatch.setattr(cls, "definition", dataclasses.replace(cls.definition, fused_kernel=None))
     with pytest.raises(ValueError) as error:
         cls([torch.nn.Parameter(torch.zeros(2, device=DEVICE))], lr=0.1, num_data=N, fused=True)
     assert str(error.value) == fused_error(f"{cls.__name__} has no fused kernel yet")

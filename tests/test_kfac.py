@@ -352,7 +352,7 @@ def test_temperature_scales_draws_and_predictives_run():
     for name in a:
         assert_close(b[name] - cold.mean[name], math.sqrt(2.0) * (a[name] - cold.mean[name]))
     gen = lambda: torch.Generator().manual_seed(2)  # noqa: E731
-    mc = cold.predict(x[:5], num_samples=6, generator=gen())
+    mc = cold.predict(x[:5], num_samples=6, linear=False, generator=gen())
     assert_close(mc, call_stacked(model, cold.sample(6, generator=gen()), x[:5]))
     linear = cold.predict(x[:5], num_samples=6, linear=True, generator=gen())
     assert linear.shape == (6, 5, 3)

@@ -428,12 +428,14 @@ def test_predict_mc_is_call_stacked_of_samples(device):
     x, y = x.to(device), y.to(device)
     la = Laplace(model, num_data=40, likelihood="classification").fit(loader(x, y))
     gen = lambda: torch.Generator(device=device).manual_seed(3)  # noqa: E731
-    out = la.predict(x[:5], num_samples=7, generator=gen())
+    out = la.predict(x[:5], num_samples=7, linear=False, generator=gen())
     expected = call_stacked(model, la.sample(7, generator=gen()), x[:5])
     assert out.shape == (7, 5, 3)
     assert_close(out, expected, rtol=1e-12)
     assert_close(
-        la.predict(x[:5], num_samples=7, generator=gen(), chunk_size=2), expected, rtol=1e-12
+        la.predict(x[:5], num_samples=7, linear=False, generator=gen(), chunk_size=2),
+        expected,
+        rtol=1e-12,
     )
 
 
@@ -458,7 +460,7 @@ def test_linearised_predict_is_first_order_taylor():
         loader(xr, yr)
     )
     lin = la.predict(xr[:4], num_samples=6, linear=True, generator=gen())
-    mc = la.predict(xr[:4], num_samples=6, generator=gen())
+    mc = la.predict(xr[:4], num_samples=6, linear=False, generator=gen())
     assert_close(lin, mc, rtol=1e-10, atol=1e-12)
 
 
@@ -522,14 +524,30 @@ CONSTRUCTION_ERRORS = [
         "Invalid structure: 'blocks' (expected one of 'diag', 'dense', 'kron')",
     ),
     (
-        {"structure": "kron", "prior_precision": {"0.weight": torch.ones(6, 4)}},
+        {
+            "structure": "kron",
+            "prior_precision": {
+                "0.weight": torch.ones(6, 4),
+                "0.bias": 2.0,
+                "2.weight": 1.0,
+                "2.bias": 1.0,
+            },
+        },
         ValueError,
-        "Invalid prior_precision: a dict (expected a finite number > 0 with structure='kron')",
+        "Invalid prior_precision: more than one value for '0.weight' and '0.bias' (expected "
+        "one number per layer with structure='kron': a layer's weight and bias share one "
+        "Kronecker factor pair, so one prior; a per-weight prior is refused)",
+    ),
+    (
+        {"structure": "kron", "prior_precision": torch.linspace(1, 2, 51)},
+        ValueError,
+        "Invalid prior_precision: more than one value for '0.weight' and '0.bias'",
     ),
     (
         {"structure": "kron", "prior_precision": torch.eye(51)},
         ValueError,
-        "Invalid prior_precision: a Tensor (expected a finite number > 0 with structure='kron')",
+        "Invalid prior_precision: tensor of shape (51, 51) (expected a number, one value per "
+        "treated tensor (4,), one per weight (51,), a dict of per-parameter precisions)",
     ),
     (
         {"subset": "first_layer"},
@@ -587,12 +605,13 @@ CONSTRUCTION_ERRORS = [
             }
         },
         ValueError,
-        "Invalid prior_precision: entry '0.bias' of shape (6,) (expected finite values > 0 of shape (6,))",
+        "Invalid prior_precision: entry '0.bias' of shape (6,) (expected finite values > 0 of shape (6,), or one number)",
     ),
     (
         {"prior_precision": torch.eye(51)},
         ValueError,
-        "Invalid prior_precision: tensor of shape (51, 51) (expected a number, a dict of per-parameter precisions, or with structure='dense' a (51, 51) positive-definite matrix)",
+        "Invalid prior_precision: tensor of shape (51, 51) (expected a number, one value per "
+        "treated tensor (4,), one per weight (51,), a dict of per-parameter precisions)",
     ),
     (
         {"prior_precision": -torch.eye(51), "structure": "dense"},
@@ -637,7 +656,7 @@ def test_dense_that_cannot_fit_is_refused_with_its_size(monkeypatch):
     monkeypatch.setattr(_memory, "available_bytes", lambda device: 2**10)
     message = (
         "Invalid structure: 'dense' (a 51 x 51 torch.float64 matrix over the 51 treated "
-        "parameters needs about 5.81e-05 GiB with its factorisation, but cpu has 9.54e-07 GiB "
+        "parameters needs about 7.75e-05 GiB with its factorisation, but cpu has 9.54e-07 GiB "
         "free; use structure='diag', or set requires_grad=False on the parameters the "
         "posterior should not treat)"
     )
@@ -646,6 +665,7 @@ def test_dense_that_cannot_fit_is_refused_with_its_size(monkeypatch):
     monkeypatch.setattr(_memory, "available_bytes", lambda device: 2**40)
     build(structure="dense")  # fits
     assert _memory.dense_bytes(51, torch.float64) == 3 * 51 * 51 * 8
+    assert _memory.dense_bytes(51, torch.float64, 4) == 4 * 51 * 51 * 8
 
 
 def test_use_errors():

@@ -99,12 +99,14 @@ def test_last_layer_regression_is_bayesian_linear_regression_on_features():
     gen_a = torch.Generator().manual_seed(2)
     gen_b = torch.Generator().manual_seed(2)
     lin = la.predict(x[:5], num_samples=4, linear=True, generator=gen_a).detach()
-    mc = la.predict(x[:5], num_samples=4, generator=gen_b).detach()
+    mc = la.predict(x[:5], num_samples=4, linear=False, generator=gen_b).detach()
     assert_close(lin, mc)
     draws = la.sample(3, generator=torch.Generator().manual_seed(3))
     stacked = torch.cat([draws["4.weight"].reshape(3, -1), draws["4.bias"]], 1)
     assert_close(
-        la.predict(x[:5], 3, generator=torch.Generator().manual_seed(3))[..., 0].detach(),
+        la.predict(x[:5], 3, linear=False, generator=torch.Generator().manual_seed(3))[
+            ..., 0
+        ].detach(),
         stacked @ phi[:5].T,
     )
     # the frozen body stays at the MAP in every draw

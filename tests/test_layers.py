@@ -23,7 +23,11 @@ PACKAGE = "samplers_as_optim"
 #: bottom first; a module belongs to the first entry whose name it is or starts
 #: (``samplers`` covers ``samplers.sghmc``); keep in step with docs/design.md
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("the chain core: validation, keyed noise, names, process groups", ("core", "names")),
+    (
+        "the chain core: validation, keyed noise, names, process groups; the model's "
+        "likelihoods and priors, which rest on validation only",
+        ("core", "names", "regression", "priors"),
+    ),
     ("the SG-MCMC family and the cyclical schedule", ("sgmcmc",)),
     ("Hamiltonian Monte Carlo", ("hmc",)),
     ("samples and what uses them", ("samples", "predictive", "diagnostics")),

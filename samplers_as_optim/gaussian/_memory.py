@@ -2,7 +2,7 @@
 
 A dense Gaussian over P parameters keeps a P x P precision (or scale) matrix and, while
 factorising or inverting it, about two more of the same size. :func:`check_dense_fits`
-compares ``3 * P**2 * itemsize`` with the memory the device has free (``MemAvailable``
+compares ``copies * P**2 * itemsize`` with the memory the device has free (``MemAvailable``
 on Linux CPUs, ``torch.cuda.mem_get_info`` on CUDA; no check elsewhere) and raises a
 ``ValueError`` that names both sizes.
 """
@@ -15,7 +15,8 @@ import torch
 
 __all__ = ["available_bytes", "check_dense_fits", "dense_bytes"]
 
-# The precision itself, its Cholesky factor and one transient of the same size.
+# The precision itself, its Cholesky factor and one transient of the same size; a
+# Laplace fit also keeps the curvature apart from the prior (for the evidence): one more.
 _DENSE_COPIES = 3
 
 
@@ -38,10 +39,10 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def dense_bytes(num_params: int, dtype: torch.dtype) -> int:
-    """Bytes needed for a dense structure over ``num_params`` parameters."""
+def dense_bytes(num_params: int, dtype: torch.dtype, copies: int = _DENSE_COPIES) -> int:
+    """Bytes needed for ``copies`` dense matrices over ``num_params`` parameters."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return _DENSE_COPIES * num_params * num_params * itemsize
+    return copies * num_params * num_params * itemsize
 
 
 def _gib(num_bytes: int) -> str:
@@ -55,13 +56,14 @@ def check_dense_fits(
     *,
     subject: str = "structure: 'dense'",
     alternative: str = "structure='diag'",
+    copies: int = _DENSE_COPIES,
 ) -> None:
     """ValueError naming the sizes if a dense ``num_params``-square structure cannot fit.
 
     The message reads ``Invalid <subject> (a P x P ... matrix ... needs about X GiB ...,
     but <device> has Y GiB free; use <alternative>, or set requires_grad=False ...)``.
     """
-    needed = dense_bytes(num_params, dtype)
+    needed = dense_bytes(num_params, dtype, copies)
     free = available_bytes(device)
     if free is not None and needed > free:
         raise ValueError(

@@ -5,7 +5,8 @@ Which weights are treated (:func:`select_subset`); one pass over a loader in eva
 (stacked weight draws, sampled or linearised at the mean: :func:`predict_samples`); and
 :class:`_Gaussian`, the :math:`\mathcal N(\mu, T\Lambda^{-1})` of Laplace and the extended
 Kalman filter: sampling, log-density and penalty for a diagonal, dense or
-Kronecker-factored precision.
+Kronecker-factored precision, and the GLM predictive in closed form
+(:meth:`_Gaussian.predictive`, :mod:`~samplers_as_optim.gaussian.glm_predictive`).
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vmap
 
+from .. import predictive as _predictive
 from ..core.validation import (
+    check_choice,
     check_chunk_size,
     check_positive,
     check_positive_int,
@@ -27,7 +30,10 @@ from ..core.validation import (
 )
 from ..samples.stacked import call_stacked
 from .flat import Treated
+from .function_space import FunctionSpaceGaussian, function_space_gaussian
+from .glm_predictive import LINK_APPROXIMATIONS, classification_predictive, regression_predictive
 from .kfac import KronPrecision
+from .likelihoods import Likelihood
 
 Precision = float | Mapping[str, Tensor] | Tensor
 Fitted = dict[str, Tensor] | Tensor | KronPrecision
@@ -130,9 +136,13 @@ class _WeightGaussian:
     """What every Gaussian over a model's treated weights offers: temperature, predictive.
 
     The predictive is sampled, or linearised at the Gaussian's mean; each Gaussian
-    defines how it samples and where its mean is.
+    defines how it samples and where its mean is, and which of the two :meth:`predict`
+    does by default (:attr:`default_linear`).
     """
 
+    #: What ``predict(x)`` does without ``linear=``: False, sample the weights (SWAG,
+    #: whose Gaussian describes the weights an optimizer visits, not a linearised model).
+    default_linear: ClassVar[bool] = False
     model: nn.Module
     _temperature: float
 
@@ -158,18 +168,29 @@ class _WeightGaussian:
         x: Tensor,
         num_samples: int = 100,
         *,
-        linear: bool = False,
+        linear: bool | None = None,
         generator: torch.Generator | None = None,
         chunk_size: int | None = None,
     ) -> Tensor:
         r"""Model outputs under ``num_samples`` posterior draws, stacked along dim 0.
 
-        ``linear=False``: :math:`f(x;\theta_s)` (Monte Carlo in weight space, by
-        :func:`~samplers_as_optim.samples.stacked.call_stacked`). ``linear=True``:
-        :math:`f(x;\mu) + J_{\mu}(x)(\theta_s-\mu)` (the linearised / GLM
-        predictive, by ``torch.func.jvp``), at the Gaussian's mean :math:`\mu`
-        (:math:`\theta_*` for Laplace and the EKF, the SWA mean for SWAG). The result has
-        the layout of a ``ParallelEnsemble``'s output, so the
+        ``linear=True``: :math:`f(x;\mu) + J_{\mu}(x)(\theta_s-\mu)`, the linearised
+        network (the GLM predictive of Immer, Korzepa & Bauer 2021, eq. 7; by
+        ``torch.func.jvp``, one per draw) at the Gaussian's mean :math:`\mu`
+        (:math:`\theta_*` for Laplace and the EKF, the SWA mean for SWAG).
+        ``linear=False``: :math:`f(x;\theta_s)`, Monte Carlo in weight space (by
+        :func:`~samplers_as_optim.samples.stacked.call_stacked`). Without ``linear``,
+        the class's :attr:`default_linear`: the linearised predictive for
+        :class:`~samplers_as_optim.Laplace` and the
+        :class:`~samplers_as_optim.ExtendedKalmanFilter` (their Gaussians are posteriors
+        of the linearised network: the GGN is its curvature, and the EKF linearises at
+        every update), weight sampling for :class:`~samplers_as_optim.SWAG`. Weight
+        sampling puts draws through the nonlinear network with a covariance fitted for
+        the linearised one, and underfits (Immer et al. 2021, §3; Daxberger et al.
+        2021, §2); the closed forms of the same linearised predictive are
+        :meth:`Laplace.predictive <samplers_as_optim.Laplace.predictive>` (and the EKF's).
+
+        The result has the layout of a ``ParallelEnsemble``'s output, so the
         :mod:`~samplers_as_optim.predictive` helpers apply:
         ``predictive.classification(la.predict(x))`` for a classifier's Bayesian model
         average and its uncertainty split, and ``predictive.regression(la.predict(x),
@@ -180,13 +201,17 @@ class _WeightGaussian:
         Args:
             x: a batch of inputs on the parameters' device.
             num_samples: S, the number of weight draws (default: 100; an integer >= 1).
-            linear: linearise the network around the mean (default: False).
+            linear: linearise the network around the mean (True) or sample the weights
+                (False); None (default) takes the class's :attr:`default_linear`: True
+                for Laplace and the EKF, False for SWAG.
             generator: ``torch.Generator`` for the draws (default: None, global RNG).
             chunk_size: evaluate at most this many samples at once (default: None, all).
 
         Returns:
             Outputs of shape ``(S, *model(x).shape)``.
         """
+        if linear is None:
+            linear = self.default_linear
         if not isinstance(linear, bool):
             raise TypeError(f"Invalid linear: {linear!r} (expected True or False)")
         num_samples = check_positive_int("num_samples", num_samples)
@@ -199,12 +224,18 @@ class _Gaussian(_WeightGaussian):
     r"""A Gaussian :math:`\mathcal N(\mu, T\Lambda^{-1})` over a model's treated parameters.
 
     The shared half of :class:`Laplace` and the extended Kalman filter: sampling,
-    log-density, penalty and the sampled and linearised predictive, for a diagonal
-    (dict), dense (P x P with its Cholesky factor) or Kronecker-factored
+    log-density, penalty, the sampled and linearised predictive (linearised by default:
+    both Gaussians are posteriors of the network linearised at their mean) and its
+    closed forms (:meth:`function_space`, :meth:`predictive`), for a diagonal (dict),
+    dense (P x P with its Cholesky factor) or Kronecker-factored
     (:class:`~samplers_as_optim.gaussian.kfac.KronPrecision`) precision.
     """
 
+    #: ``predict(x)`` linearises by default (the GLM predictive; Immer et al. 2021).
+    default_linear: ClassVar[bool] = True
     model: nn.Module
+    likelihood: Likelihood
+    noise_std: Any
     treated: Treated
     structure: str
     prior_precision: float | dict[str, Tensor] | Tensor
@@ -436,3 +467,151 @@ class _Gaussian(_WeightGaussian):
 
     def _linearisation_point(self) -> dict[str, Tensor]:
         return self._fitted()[0]
+
+    # ------------------------------------------------------------------ GLM predictive
+    def function_space(self, x: Tensor, *, chunk_size: int | None = None) -> FunctionSpaceGaussian:
+        r"""The linearised network's Gaussian over each input's outputs, exactly.
+
+        .. math::
+
+            f(x) \sim \mathcal N\big(f(x;\theta_*),\; T\,J(x)\,\Lambda^{-1}J(x)^\top\big),
+            \qquad J(x) = \partial f(x;\theta)/\partial\theta\,\big|_{\theta_*},
+
+        the distribution of :meth:`predict`'s ``linear=True`` draws, without sampling
+        (Immer, Korzepa & Bauer 2021, eq. 7). J covers the treated parameters only (a
+        last-layer Laplace differentiates the last layer only); :math:`\Lambda^{-1}` is
+        applied through the fitted structure (diagonal, Cholesky factor, or the KFAC
+        eigendecompositions), see :mod:`~samplers_as_optim.gaussian.function_space`.
+        The model runs in eval mode (its mode is restored), one input at a time inside
+        ``vmap``; parameters outside the Gaussian and buffers at their current values.
+
+        Cost, with O outputs per input and P treated scalars: O vectorised reverse
+        passes per input; memory :math:`3\cdot C\cdot O\cdot P` numbers for a chunk
+        of C inputs (C chosen to stay under 256 MiB unless ``chunk_size`` is given);
+        time :math:`O(B\cdot O^2 P)` for the products, plus :math:`O(B\cdot O P^2)`
+        for ``"dense"``. Refused when one input's Jacobian cannot fit in memory.
+
+        Args:
+            x: a batch of inputs on the parameters' device (the batch first).
+            chunk_size: inputs per Jacobian chunk (default: None, automatic; an integer
+                >= 1). The result does not depend on it.
+
+        Returns:
+            :class:`~samplers_as_optim.gaussian.function_space.FunctionSpaceGaussian`
+            ``(mean, covariance)``: ``mean`` ``(B, *out)`` the network at
+            :math:`\theta_*`, ``covariance`` ``(B, O, O)`` with O the outputs per input
+            (flattened, row-major); detached.
+
+        Raises:
+            RuntimeError: not fitted yet.
+            ValueError: a bad ``chunk_size``, outputs without the batch first, or one
+                input's Jacobian too large for the device's free memory.
+        """
+        chunk_size = check_chunk_size(chunk_size)
+        mean, precision = self._fitted()
+        with _evaluating(self.model):
+            return function_space_gaussian(
+                self.model,
+                self.treated,
+                mean,
+                precision,
+                self._cholesky,
+                self.temperature,
+                x,
+                chunk_size,
+            )
+
+    def predictive(
+        self,
+        x: Tensor,
+        *,
+        link_approx: str = "probit",
+        num_samples: int = 100,
+        generator: torch.Generator | None = None,
+        chunk_size: int | None = None,
+    ) -> _predictive.ClassificationPrediction | _predictive.RegressionPrediction:
+        r"""The GLM predictive distribution, in closed form where there is one.
+
+        The function-space Gaussian of :meth:`function_space`,
+        :math:`f \sim \mathcal N(\bar f, \Sigma_f)` with :math:`\bar f = f(x;\theta_*)`
+        and :math:`\Sigma_f = T J\Lambda^{-1}J^\top`, through the likelihood
+        (Immer, Korzepa & Bauer 2021; Daxberger et al. 2021, §2 and §4; see
+        :mod:`~samplers_as_optim.gaussian.glm_predictive`):
+
+        * ``likelihood="regression"``: exact,
+          :math:`\mathcal N(\bar f, \mathrm{diag}\,\Sigma_f + \sigma^2)`:
+          a :class:`~samplers_as_optim.predictive.RegressionPrediction` with ``mean``
+          :math:`\bar f`, ``epistemic`` :math:`\mathrm{diag}\,\Sigma_f` (per output),
+          ``aleatoric`` :math:`\sigma^2` (``noise_std**2``), ``total`` their sum;
+          ``link_approx``, ``num_samples`` and ``generator`` are not used.
+        * ``likelihood="classification"``: a
+          :class:`~samplers_as_optim.predictive.ClassificationPrediction` whose
+          ``probs``/``log_probs`` are ``link_approx``'s:
+          ``"probit"`` (default) :math:`\mathrm{softmax}(\bar f/\sqrt{1 +
+          \tfrac\pi8\mathrm{diag}\,\Sigma_f})` (MacKay 1992), ``"bridge"`` the
+          Laplace bridge's Dirichlet mean (Hobbhahn, Kristiadi & Hennig 2022),
+          ``"bridge_norm"`` its normalised variant (laplace-torch's), ``"mc"`` the
+          average softmax of ``num_samples`` draws of the logits; ``total`` is the
+          entropy of ``probs``; ``aleatoric`` (the mean entropy of the draws' softmax)
+          and ``epistemic`` (their mutual information) come from ``num_samples``
+          function-space draws, so ``total`` equals ``aleatoric + epistemic`` exactly
+          for ``"mc"`` only.
+        * a callable likelihood: refused (its predictive has no closed form here; take
+          :meth:`function_space` or ``predict(x)``'s draws through it).
+
+        Cost: that of :meth:`function_space`, plus one O x O eigendecomposition per
+        input for the draws.
+
+        Args:
+            x: a batch of inputs on the parameters' device.
+            link_approx: ``"probit"`` (default), ``"bridge"``, ``"bridge_norm"`` or
+                ``"mc"`` (classification only).
+            num_samples: S, function-space draws for the uncertainty split (and for
+                ``"mc"``) (default: 100; an integer >= 1).
+            generator: ``torch.Generator`` for the draws (default: None, global RNG).
+            chunk_size: inputs per Jacobian chunk (default: None, automatic).
+
+        Returns:
+            A ``ClassificationPrediction`` (``[B, K]`` probabilities, ``[B]``
+            entropies) or a ``RegressionPrediction`` (each ``(B, *out)``); detached.
+
+        Raises:
+            RuntimeError: not fitted yet.
+            ValueError: a callable likelihood, an unknown ``link_approx``, a bad
+                ``num_samples`` or ``chunk_size``, classification outputs that are not
+                ``(batch, classes)`` logits, or one input's Jacobian too large for
+                memory.
+
+        Example:
+            >>> import torch
+            >>> from torch.utils.data import DataLoader, TensorDataset
+            >>> from samplers_as_optim import Laplace
+            >>> _ = torch.manual_seed(0)
+            >>> model = torch.nn.Sequential(
+            ...     torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+            >>> x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+            >>> la = Laplace(model, num_data=64, likelihood="classification")
+            >>> la = la.fit(DataLoader(TensorDataset(x, y), batch_size=16))
+            >>> prediction = la.predictive(x[:5])             # probit, closed form
+            >>> prediction.probs.shape, prediction.epistemic.shape
+            (torch.Size([5, 3]), torch.Size([5]))
+        """
+        name = self.likelihood.name
+        if name == "callable":
+            raise ValueError(
+                "Invalid likelihood: a callable (expected 'classification' or 'regression' "
+                "for predictive(); for a callable likelihood use function_space(x), the "
+                "Gaussian over the outputs, or the draws of predict(x))"
+            )
+        link_approx = check_choice("link_approx", link_approx, LINK_APPROXIMATIONS)
+        num_samples = check_positive_int("num_samples", num_samples)
+        gaussian = self.function_space(x, chunk_size=chunk_size)
+        if name == "regression":
+            noise = torch.as_tensor(self.noise_std, device=gaussian.mean.device)
+            return regression_predictive(gaussian, noise.square())
+        if gaussian.mean.dim() != 2:
+            raise ValueError(
+                f"Invalid model output: shape {tuple(gaussian.mean.shape)} (expected "
+                "(batch, classes) logits for likelihood='classification')"
+            )
+        return classification_predictive(gaussian, link_approx, num_samples, generator)

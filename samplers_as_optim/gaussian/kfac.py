@@ -77,7 +77,7 @@ from ._per_example_curvature import (
 from .flat import Treated
 from .likelihoods import Likelihood
 
-__all__ = ["KronBlock", "KronPrecision", "kron_curvature"]
+__all__ = ["KronBlock", "KronCurvature", "KronPrecision", "decompose_curvature", "kron_curvature"]
 
 
 @dataclass
@@ -212,7 +212,7 @@ class KronBlock:
         in_features: columns of the weight part (0 without weight).
         g_eigenvalues, g_eigenvectors: eigendecomposition of :math:`sG`.
         a_eigenvalues, a_eigenvectors: eigendecomposition of A.
-        prior: δ, the prior precision.
+        prior: δ, the layer's prior precision (one number for its weight and bias).
     """
 
     weight: str | None
@@ -353,14 +353,87 @@ class KronPrecision:
         return matrix
 
 
-def build_precision(
+@dataclass
+class KronCurvature:
+    r"""A pass's KFAC curvature without the prior, kept so the prior can change later.
+
+    The blocks hold the factor eigendecompositions of :math:`sG` and :math:`A` with
+    ``prior`` 0.0; ``diagonal`` is the summed diagonal curvature (times s) of the treated
+    parameters outside the layers. :meth:`precision` adds a prior (one number per
+    block) and scales the curvature (the regression noise, see
+    :mod:`samplers_as_optim.gaussian._evidence`) without a new eigendecomposition.
+    """
+
+    treated: Treated
+    blocks: list[KronBlock]
+    diagonal: dict[str, Tensor]
+
+    def precision(
+        self,
+        block_priors: list[float],
+        diagonal_prior: Mapping[str, Tensor],
+        curvature_scale: float = 1.0,
+    ) -> KronPrecision:
+        r""":math:`\Lambda` with prior :math:`\delta_\ell` per block, curvature times c.
+
+        Block ℓ's eigenvalues become :math:`\delta_\ell + c\,\lambda_G\otimes\lambda_A`
+        (c scales :math:`\lambda_G`); a diagonal parameter's precision is
+        ``diagonal_prior[name] + c * diagonal[name]``.
+        """
+        blocks = [
+            KronBlock(
+                block.weight,
+                block.bias,
+                block.out_features,
+                block.in_features,
+                block.g_eigenvalues * curvature_scale,
+                block.g_eigenvectors,
+                block.a_eigenvalues,
+                block.a_eigenvectors,
+                float(prior),
+            )
+            for block, prior in zip(self.blocks, block_priors, strict=True)
+        ]
+        diagonal = {
+            name: diagonal_prior[name] + curvature_scale * value
+            for name, value in self.diagonal.items()
+        }
+        return KronPrecision(self.treated, blocks, diagonal)
+
+    def logdet(
+        self, block_priors: Tensor, diagonal_prior: Mapping[str, Tensor], curvature_scale: Tensor
+    ) -> Tensor:
+        r""":math:`\log\det\Lambda` of :meth:`precision`, differentiable in its arguments.
+
+        .. math::
+
+            \log\det\Lambda = \sum_\ell\sum_{ab}\log(\delta_\ell + c\,\lambda_{G,a}
+            \lambda_{A,b}) + \sum_j \log(\delta_j + c\,d_j),
+
+        exact for any positive per-block priors :math:`\delta_\ell` (a tensor, one per
+        block) and curvature scale c (a 0-d tensor).
+        """
+        parts = [
+            torch.log(
+                block_priors[index]
+                + curvature_scale * torch.outer(block.g_eigenvalues, block.a_eigenvalues)
+            ).sum()
+            for index, block in enumerate(self.blocks)
+        ]
+        parts += [
+            torch.log(diagonal_prior[name] + curvature_scale * value).sum()
+            for name, value in self.diagonal.items()
+        ]
+        return torch.stack(parts).sum()
+
+
+def decompose_curvature(
     treated: Treated,
     sums: list[KronSums],
     diag: dict[str, Tensor],
     scale: float,
-    prior: float,
     shapes: Mapping[str, torch.Size],
-) -> KronPrecision:
+) -> KronCurvature:
     """Eigendecompose the summed factors: G scaled by ``scale``, A the mean over rows.
 
     Raises:
@@ -372,7 +445,7 @@ def build_precision(
         (0.5 * (item.g + item.g.T) * scale, 0.5 * (item.a + item.a.T) / max(item.rows, 1))
         for item in sums
     ]
-    diagonal = {name: prior + scale * value for name, value in diag.items()}
+    diagonal = {name: scale * value for name, value in diag.items()}
     parts = [factor for pair in factors for factor in pair] + list(diagonal.values())
     if parts:
         check_finite_curvature(parts, parts[0].dtype)
@@ -394,7 +467,21 @@ def build_precision(
                 g_vectors,
                 a_values.clamp(min=0.0),
                 a_vectors,
-                prior,
+                0.0,
             )
         )
-    return KronPrecision(treated, blocks, diagonal)
+    return KronCurvature(treated, blocks, diagonal)
+
+
+def build_precision(
+    treated: Treated,
+    sums: list[KronSums],
+    diag: dict[str, Tensor],
+    scale: float,
+    prior: float,
+    shapes: Mapping[str, torch.Size],
+) -> KronPrecision:
+    """:func:`decompose_curvature`, then the precision for one prior on every weight."""
+    curvature = decompose_curvature(treated, sums, diag, scale, shapes)
+    priors = {name: torch.full_like(value, prior) for name, value in curvature.diagonal.items()}
+    return curvature.precision([prior] * len(curvature.blocks), priors)

@@ -55,8 +55,17 @@ Predictions (:meth:`Laplace.predict`) are Monte Carlo over weights,
 :math:`f_\text{lin}(x;\theta_s) = f(x;\theta_*) + J_{\theta_*}(x)(\theta_s - \theta_*)`, one
 forward-mode ``torch.func.jvp`` per sample, :math:`\theta_s \sim q`.
 
+The evidence (:meth:`Laplace.log_marginal_likelihood`, MacKay 1992; Immer et al. 2021,
+eq. 3-4) is computed from what :meth:`Laplace.fit` keeps (the curvature without the prior
+and the data term; :mod:`samplers_as_optim.gaussian._evidence`), so the prior precision
+and the regression noise are tuned without a new pass
+(:meth:`Laplace.optimize_prior_precision`; during training:
+:func:`samplers_as_optim.gaussian.marglik.marglik_training`).
+
 References:
     MacKay (1992), A practical Bayesian framework for backpropagation networks.
+    Immer, Bauer, Fortuin, Rätsch & Khan (2021), Scalable marginal likelihood estimation
+    for model selection in deep learning, eq. 3-4 and Algorithm 1.
     Daxberger et al. (2021), Laplace Redux — effortless Bayesian deep learning, §2.
     Kunstner, Hennig & Balles (2019), Limitations of the empirical Fisher approximation.
     Martens (2020), New insights and perspectives on the natural gradient method, §9.
@@ -72,18 +81,28 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..core.validation import check_choice, check_num_data
+from ..core.progress import progress_bar
+from ..core.validation import check_choice, check_num_data, check_positive
+from ._evidence import (
+    DataSums,
+    FitTerms,
+    curvature_scale,
+    data_term,
+    log_marginal_likelihood,
+)
 from ._memory import check_dense_fits
 from ._per_example_curvature import DenseSum, check_finite_curvature, diag_curvature
+from ._prior_forms import block_priors, prior_groups, read_prior
+from ._prior_search import gridsearch, marglik_search
 from ._weight_gaussian import Precision, _batches_on, _evaluating, _Gaussian, select_subset
-from .kfac import KronSums, build_precision, kron_curvature, kron_layers
-from .likelihoods import make_likelihood
+from .kfac import KronCurvature, KronSums, decompose_curvature, kron_curvature, kron_layers
+from .likelihoods import Regression, make_likelihood
 
 __all__ = ["Laplace"]
 
@@ -114,7 +133,9 @@ class Laplace(_Gaussian):
             log-likelihood per example, shape ``(batch,)`` (its output Hessian, for the
             GGN, is computed by autograd and its negative eigenvalues clipped).
         noise_std: the Gaussian noise scale σ for ``likelihood="regression"`` (default:
-            None, meaning 1.0; a finite number > 0). Must be None otherwise.
+            None, meaning 1.0; a finite number > 0). Must be None otherwise. Settable
+            after :meth:`fit` without a new pass; tuned by the evidence
+            (:meth:`optimize_prior_precision`).
         curvature: ``"ggn"`` (default; the Fisher for these likelihoods) or ``"ef"``
             (the empirical Fisher).
         structure: ``"diag"`` (default), ``"dense"`` (a P x P precision over the P
@@ -125,10 +146,18 @@ class Laplace(_Gaussian):
             :mod:`samplers_as_optim.gaussian.kfac`).
         prior_precision: :math:`\Lambda_0` (default: 1.0). A finite number > 0 for the
             prior :math:`\mathcal N(0, 1/\Lambda_0)` on every weight, i.e. ``num_data *
-            weight_decay``; or a dict name -> tensor of positive per-weight precisions;
-            or, with ``structure="dense"``, a P x P positive-definite matrix. The last
-            two are what :attr:`precision` returns, so a fitted posterior can be the next
-            task's prior. ``structure="kron"`` takes a number only.
+            weight_decay``; a 1-d tensor with one value per treated tensor (the order of
+            :attr:`subset`: one per layer); a dict name -> positive number (one per
+            tensor) or tensor of the parameter's shape (one per weight), or a 1-d tensor
+            of P values; or, with ``structure="dense"``, a P x P positive-definite
+            matrix. A diagonal or dense :attr:`precision` is such a prior, so a fitted
+            posterior can be the next task's prior. ``structure="kron"`` keeps one prior
+            precision per layer (:attr:`KronBlock.prior
+            <samplers_as_optim.gaussian.kfac.KronBlock.prior>`): a number, or one number
+            per treated tensor with the same value for a layer's weight and bias (they
+            share one Kronecker factor pair); a prior that varies within a tensor is
+            refused there. Settable after :meth:`fit` (the posterior is rebuilt from the
+            stored curvature); tuned by :meth:`optimize_prior_precision`.
         temperature: T, multiplies the covariance (default: 1.0; a finite number >= 0;
             0 gives the point mass at :math:`\theta_*`). The fit does not depend on it:
             set ``la.temperature = T`` after ``fit`` to sweep temperatures without
@@ -178,36 +207,97 @@ class Laplace(_Gaussian):
         self.model = model
         self.num_data = check_num_data(num_data)
         self.likelihood = make_likelihood(likelihood, noise_std)
-        #: The Gaussian noise scale of ``likelihood="regression"`` (None otherwise).
-        self.noise_std: float | None = getattr(self.likelihood, "noise_std", None)
         self.curvature = check_choice("curvature", curvature, ("ggn", "ef"))
         self.structure = check_choice("structure", structure, ("diag", "dense", "kron"))
         self.temperature = temperature
         reference = self._reference()
         if self.structure == "dense":
-            check_dense_fits(self.treated.numel, reference.dtype, reference.device)
-        if self.structure == "kron" and isinstance(prior_precision, (Mapping, Tensor)):
-            raise ValueError(
-                f"Invalid prior_precision: a {type(prior_precision).__name__} (expected a "
-                "finite number > 0 with structure='kron')"
-            )
-        self.prior_precision = self._check_prior(prior_precision)
-        #: The treated parameter names (the subset the Gaussian covers).
-        self.subset: tuple[str, ...] = self.treated.names
+            # the precision, its factor, a transient and the curvature kept for the evidence
+            check_dense_fits(self.treated.numel, reference.dtype, reference.device, copies=4)
+        self._groups = prior_groups(model, self.treated, self.structure)
+        self._terms: FitTerms | None = None
         self._mean = None
         self._precision = None
         self._cholesky = None
+        self._prior: float | dict[str, Tensor] | Tensor = self._check_prior(prior_precision)
+        #: The treated parameter names (the subset the Gaussian covers).
+        self.subset: tuple[str, ...] = self.treated.names
+
+    # ------------------------------------------------------------------ hyperparameters
+    def _check_prior(self, prior: Any) -> float | dict[str, Tensor] | Tensor:
+        flat, form = read_prior(
+            prior,
+            self.treated,
+            self._reference(),
+            structure=self.structure,
+            groups=self._groups,
+        )
+        flat = flat.detach().clone()
+        if form == "scalar":
+            return float(flat[0])
+        if form == "matrix":
+            return flat
+        return {name: value.clone() for name, value in self.treated.unflatten(flat).items()}
+
+    @property
+    def prior_precision(self) -> float | dict[str, Tensor] | Tensor:
+        r""":math:`\Lambda_0`: a float, a dict name -> per-weight tensor, or a (P, P) matrix.
+
+        Settable (any form the constructor takes); a fitted posterior is rebuilt from the
+        stored curvature, without a new pass over the data.
+        """
+        return self._prior
+
+    @prior_precision.setter
+    def prior_precision(self, value: Precision) -> None:
+        self._prior = self._check_prior(value)
+        if self._terms is not None:
+            self._assemble()
+
+    @property
+    def noise_std(self) -> float | None:
+        """σ of ``likelihood="regression"`` (None otherwise); settable, rebuilds a fit."""
+        return getattr(self.likelihood, "noise_std", None)
+
+    @noise_std.setter
+    def noise_std(self, value: float) -> None:
+        if not isinstance(self.likelihood, Regression):
+            raise ValueError(
+                f"Invalid noise_std: {value!r} (expected None: it applies only to "
+                "likelihood='regression')"
+            )
+        self.likelihood.noise_std = check_positive("noise_std", value)
+        if self._terms is not None:
+            self._assemble()
+
+    def _set_hyperparameters(self, prior: Precision, noise_std: float | None) -> None:
+        """Set the prior (and σ, if not None) together, checked first, rebuilt once."""
+        checked = self._check_prior(prior)
+        noise = None if noise_std is None else check_positive("noise_std", noise_std)
+        self._prior = checked
+        if noise is not None:
+            assert isinstance(self.likelihood, Regression)
+            self.likelihood.noise_std = noise
+        if self._terms is not None:
+            self._assemble()
 
     # ------------------------------------------------------------------ fitting
-    def fit(self, loader: Iterable[Any]) -> Laplace:
+    def fit(self, loader: Iterable[Any], *, progress: bool | None = None) -> Laplace:
         r"""Compute :math:`\Lambda` in one pass over ``loader`` at the current weights.
 
         Each batch is a pair ``(inputs, targets)``, moved to the parameters' device. The
         model runs in eval mode during the pass (examples must not interact) and its
         mode is restored afterwards. Calling :meth:`fit` again starts from scratch.
+        Besides :math:`\Lambda`, the fit keeps the curvature without the prior and the
+        log-likelihood of the data at :math:`\theta_*` (one more forward per batch), so
+        that :meth:`log_marginal_likelihood` and a new ``prior_precision`` or
+        ``noise_std`` need no new pass.
 
         Args:
             loader: an iterable of ``(inputs, targets)`` batches, e.g. a ``DataLoader``.
+            progress: a bar over the batches (default: None, shown where standard error
+                is a terminal and tqdm is installed; see
+                :mod:`samplers_as_optim.core.progress`).
 
         Returns:
             ``self``, so that ``Laplace(...).fit(loader)`` chains.
@@ -218,8 +308,9 @@ class Laplace(_Gaussian):
                 loader yielded nothing; a dense precision is not positive definite. A
                 refused fit leaves the previous fit (or none) in place.
         """
+        batches = progress_bar(loader, progress, "Laplace.fit")
         if self.structure == "kron":
-            return self._fit_kron(loader)
+            return self._fit_kron(batches)
         ref = self._reference()
         mean = self.treated.current(self.model)
         dense = self.structure == "dense"
@@ -228,9 +319,9 @@ class Laplace(_Gaussian):
             if dense
             else {name: torch.zeros_like(value) for name, value in mean.items()}
         )
-        seen = 0
+        data = DataSums()
         with _evaluating(self.model):
-            for inputs, targets in _batches_on(loader, ref.device):
+            for inputs, targets in _batches_on(batches, ref.device):
                 if dense:
                     total.add(inputs, targets)
                 else:
@@ -239,29 +330,16 @@ class Laplace(_Gaussian):
                     )
                     for name in self.treated.names:
                         total[name] += part[name]
-                seen += inputs.shape[0]
-        if seen == 0:
-            raise ValueError("Invalid loader: it yielded no examples (expected one pass over data)")
-        scale = self.num_data / seen
-        prior = self._prior_flat()
+                data.add(self.model, self.likelihood, inputs, targets)
+        scale = data.scale(self.num_data)
         if dense:
-            precision = prior + scale * total.result(ref)
-            precision = 0.5 * (precision + precision.T)
-            check_finite_curvature([precision], precision.dtype)
-            cholesky, info = torch.linalg.cholesky_ex(precision)
-            if info != 0:
-                raise ValueError(
-                    "Invalid precision: the fitted dense precision is not positive definite "
-                    f"in {precision.dtype} (expected prior_precision large enough to dominate "
-                    "round-off; increase it or use float64)"
-                )
-            self._precision, self._cholesky = precision, cholesky
+            curvature = scale * total.result(ref)
+            curvature = 0.5 * (curvature + curvature.T)
+            check_finite_curvature([curvature], curvature.dtype)
         else:
-            flat = prior + scale * self.treated.flatten(total)
-            check_finite_curvature([flat], flat.dtype)
-            self._precision = self.treated.unflatten(flat)
-            self._cholesky = None
-        self._mean = mean
+            curvature = {name: scale * value for name, value in total.items()}
+            check_finite_curvature(list(curvature.values()), ref.dtype)
+        self._install(mean, data.terms(curvature, scale, self.noise_std, self.curvature))
         return self
 
     def _fit_kron(self, loader: Iterable[Any]) -> Laplace:
@@ -270,7 +348,7 @@ class Laplace(_Gaussian):
         layers = kron_layers(self.model, self.treated)
         sums: list[KronSums] | None = None
         diag: dict[str, Tensor] = {}
-        seen = 0
+        data = DataSums()
         with _evaluating(self.model):
             for inputs, targets in _batches_on(loader, ref.device):
                 part, part_diag = kron_curvature(
@@ -291,15 +369,240 @@ class Laplace(_Gaussian):
                         total.rows += item.rows
                 for name, value in part_diag.items():
                     diag[name] = diag[name] + value if name in diag else value
-                seen += inputs.shape[0]
-        if seen == 0 or sums is None:
-            raise ValueError("Invalid loader: it yielded no examples (expected one pass over data)")
-        prior = self.prior_precision
-        assert isinstance(prior, float)
+                data.add(self.model, self.likelihood, inputs, targets)
+        scale = data.scale(self.num_data)
+        assert sums is not None
         shapes = dict(zip(self.treated.names, self.treated.shapes, strict=True))
-        self._precision = build_precision(
-            self.treated, sums, diag, self.num_data / seen, prior, shapes
-        )
-        self._cholesky = None
-        self._mean = mean
+        curvature = decompose_curvature(self.treated, sums, diag, scale, shapes)
+        self._install(mean, data.terms(curvature, scale, self.noise_std, self.curvature))
         return self
+
+    def _install(self, mean: dict[str, Tensor], terms: FitTerms) -> None:
+        """Build the posterior from ``terms``; keep the previous fit if that is refused."""
+        previous = (self._mean, self._terms, self._precision, self._cholesky)
+        self._mean, self._terms = mean, terms
+        try:
+            self._assemble()
+        except ValueError:
+            self._mean, self._terms, self._precision, self._cholesky = previous
+            raise
+
+    def _assemble(self) -> None:
+        r""":math:`\Lambda = \Lambda_0 + c\,C` from the stored curvature, prior and noise."""
+        terms = self._terms
+        assert terms is not None
+        ref = self._reference()
+        prior, _ = read_prior(
+            self._prior, self.treated, ref, structure=self.structure, groups=self._groups
+        )
+        scale = float(curvature_scale(terms, self.noise_std))
+        curvature = terms.curvature
+        if isinstance(curvature, KronCurvature):
+            blocks = block_priors(prior, self.treated, self._groups)
+            diagonal = self.treated.unflatten(prior)
+            count = len(curvature.blocks)
+            self._precision = curvature.precision(
+                [float(value) for value in blocks[:count]], diagonal, scale
+            )
+            self._cholesky = None
+        elif isinstance(curvature, dict):
+            flat = prior + scale * self.treated.flatten(curvature)
+            self._precision = self.treated.unflatten(flat)
+            self._cholesky = None
+        else:
+            matrix = prior if prior.dim() == 2 else torch.diag(prior)
+            precision = matrix + scale * curvature
+            cholesky, info = torch.linalg.cholesky_ex(precision)
+            if info != 0:
+                raise ValueError(
+                    "Invalid precision: the fitted dense precision is not positive definite "
+                    f"in {precision.dtype} (expected prior_precision large enough to dominate "
+                    "round-off; increase it or use float64)"
+                )
+            self._precision, self._cholesky = precision, cholesky
+
+    # ------------------------------------------------------------------ evidence
+    @property
+    def log_likelihood(self) -> Tensor:
+        r""":math:`\log p(D\mid\theta_*)` of the fit, scaled to N examples, at ``noise_std``.
+
+        :math:`\frac Nn\sum_{i=1}^n\log p(y_i\mid x_i,\theta_*)` over the n examples of
+        :meth:`fit`; for regression evaluated at the current ``noise_std`` (see
+        :meth:`log_marginal_likelihood`).
+        """
+        return data_term(self._fitted_terms(), self.noise_std)
+
+    def _fitted_terms(self) -> FitTerms:
+        if self._terms is None:
+            raise RuntimeError(self._not_fitted)
+        return self._terms
+
+    def log_marginal_likelihood(
+        self,
+        prior_precision: Precision | None = None,
+        noise_std: float | Tensor | None = None,
+    ) -> Tensor:
+        r"""The Laplace approximation of the evidence :math:`\log p(D)` at the fitted weights.
+
+        .. math::
+
+            \log p(D) \approx \log p(D\mid\theta_*)
+            - \tfrac12\theta_*^\top\Lambda_0\theta_*
+            - \tfrac12\log\det\Lambda + \tfrac12\log\det\Lambda_0,
+            \qquad \Lambda = \Lambda_0 + \frac Nn\sum_{i=1}^n C_i(\theta_*),
+
+        (MacKay 1992; Immer et al. 2021, eq. 3-4; Daxberger et al. 2021, §2), with the
+        prior :math:`\mathcal N(0,\Lambda_0^{-1})` on the treated weights (the others are
+        held at :math:`\theta_*` and do not enter), :math:`\log p(D\mid\theta_*)` the
+        fitted pass's log-likelihood scaled to N (:attr:`log_likelihood`) and Λ the
+        precision of this structure (diagonal, KFAC, dense). It is the evidence of the
+        temperature-1 posterior whatever ``temperature`` is. For regression,
+        :math:`\log p(D\mid\theta_*) = -\frac{NO}{2}\log(2\pi\sigma^2) -
+        \mathrm{SSE}/(2\sigma^2)` and the GGN is :math:`C/\sigma^2` (the empirical
+        Fisher :math:`C/\sigma^4`), both from the stored pass. The value is
+        differentiable (torch autograd) in ``prior_precision`` and ``noise_std`` when
+        they are tensors that require grad, so any torch optimiser can maximise it;
+        :meth:`optimize_prior_precision` does.
+
+        Args:
+            prior_precision: :math:`\Lambda_0` (default: None, the current
+                ``prior_precision``): a number or one-element tensor (one prior on every
+                weight); a 1-d tensor with one value per treated tensor (the order of
+                :attr:`subset`: "layerwise"); a 1-d tensor of P values or a dict name ->
+                tensor of the parameter's shape (one per weight; refused with
+                ``structure="kron"``, which takes one number per layer); with
+                ``structure="dense"`` also a (P, P) matrix.
+            noise_std: σ for ``likelihood="regression"`` (default: None, the current
+                ``noise_std``; a number or 0-d tensor > 0); must be None otherwise.
+
+        Returns:
+            A 0-d tensor in the parameters' dtype.
+
+        Raises:
+            RuntimeError: the approximation is not fitted.
+            ValueError: an argument outside the forms above.
+        """
+        terms = self._fitted_terms()
+        ref = self._reference()
+        prior, form = read_prior(
+            self._prior if prior_precision is None else prior_precision,
+            self.treated,
+            ref,
+            structure=self.structure,
+            groups=self._groups,
+        )
+        noise = self._check_noise(noise_std)
+        blocks = None
+        if isinstance(terms.curvature, KronCurvature):
+            blocks = block_priors(prior, self.treated, self._groups)[: len(terms.curvature.blocks)]
+        mean = self.treated.flatten(self._fitted()[0])
+        scalar = form == "scalar"
+        return log_marginal_likelihood(terms, self.treated, mean, prior, blocks, noise, scalar)
+
+    def _check_noise(self, noise_std: float | Tensor | None) -> Tensor | float | None:
+        if noise_std is None:
+            return self.noise_std
+        if not isinstance(self.likelihood, Regression):
+            raise ValueError(
+                f"Invalid noise_std: {noise_std!r} (expected None: it applies only to "
+                "likelihood='regression')"
+            )
+        if isinstance(noise_std, Tensor):
+            if noise_std.numel() != 1 or not _positive_finite(noise_std):
+                raise ValueError(
+                    f"Invalid noise_std: a tensor of shape {tuple(noise_std.shape)} (expected "
+                    "one finite value > 0)"
+                )
+            return noise_std.reshape(())
+        return check_positive("noise_std", noise_std)
+
+    def optimize_prior_precision(
+        self,
+        method: str = "marglik",
+        *,
+        prior_structure: str = "scalar",
+        tune_noise: bool | None = None,
+        num_steps: int = 100,
+        lr: float = 0.1,
+        init_prior_precision: float | None = None,
+        val_loader: Iterable[Any] | None = None,
+        grid: Sequence[float] | None = None,
+        num_samples: int = 100,
+        progress: bool | None = None,
+    ) -> Laplace:
+        r"""Tune ``prior_precision`` (and ``noise_std``) by the evidence or on validation data.
+
+        ``method="marglik"``: Adam on :math:`\log\Lambda_0` (and :math:`\log\sigma` when
+        ``tune_noise``), ``num_steps`` steps of ``lr``, maximising
+        :meth:`log_marginal_likelihood` (Immer et al. 2021; no new pass over the data:
+        the curvature is stored). ``method="gridsearch"``: every value of ``grid`` as a
+        scalar prior precision, scored by the negative log-likelihood of the linearised
+        predictive (``num_samples`` draws, the same draws for every value) on
+        ``val_loader`` at the current ``temperature``; the lowest wins. Afterwards
+        ``prior_precision`` (and ``noise_std``) hold the result and the posterior is
+        rebuilt from it, so sampling and predictions use it.
+
+        laplace-torch 0.3's ``optimize_prior_precision(method, n_steps, lr,
+        init_prior_prec, prior_structure, val_loader, log_prior_prec_min,
+        log_prior_prec_max, grid_size)`` maps to ``method``, ``num_steps``, ``lr``,
+        ``init_prior_precision``, ``prior_structure``, ``val_loader`` and ``grid`` (e.g.
+        ``torch.logspace(-4, 4, 100).tolist()``); it never tunes the noise, here
+        ``tune_noise`` does (``la.noise_std`` is its ``sigma_noise``).
+
+        Args:
+            method: ``"marglik"`` (default) or ``"gridsearch"``.
+            prior_structure: ``"scalar"`` (default: one precision for every weight),
+                ``"layerwise"`` (one per treated tensor; with ``structure="kron"`` one per
+                layer, weight and bias sharing it) or ``"diag"`` (one per weight; not with
+                ``"kron"``). ``"gridsearch"`` takes ``"scalar"`` only.
+            tune_noise: tune σ too (default: None, True for ``likelihood="regression"``;
+                True is refused for the other likelihoods). ``"marglik"`` only.
+            num_steps: Adam steps (default: 100; an integer >= 1).
+            lr: Adam's learning rate on the logarithms (default: 0.1; a finite number > 0).
+            init_prior_precision: the starting value of every precision for
+                ``"marglik"`` (default: None, the current ``prior_precision`` in the chosen
+                structure; a finite number > 0).
+            val_loader: ``(inputs, targets)`` batches for ``"gridsearch"`` (required there).
+            grid: the prior precisions tried by ``"gridsearch"`` (default: None, 21
+                values from 1e-4 to 1e4, log-spaced; finite numbers > 0).
+            num_samples: draws of the linearised predictive for ``"gridsearch"`` (default:
+                100; an integer >= 1).
+            progress: a bar over the steps or grid values (default: None, where standard
+                error is a terminal and tqdm is installed).
+
+        Returns:
+            ``self``.
+
+        Raises:
+            RuntimeError: the approximation is not fitted.
+            ValueError, TypeError: an argument outside what is listed above; nothing
+                changes then.
+        """
+        self._fitted_terms()
+        method = check_choice("method", method, ("marglik", "gridsearch"))
+        if method == "marglik":
+            marglik_search(
+                self,
+                prior_structure=prior_structure,
+                tune_noise=tune_noise,
+                num_steps=num_steps,
+                lr=lr,
+                init_prior_precision=init_prior_precision,
+                progress=progress,
+            )
+        else:
+            gridsearch(
+                self,
+                prior_structure=prior_structure,
+                tune_noise=tune_noise,
+                val_loader=val_loader,
+                grid=grid,
+                num_samples=num_samples,
+                progress=progress,
+            )
+        return self
+
+
+def _positive_finite(value: Tensor) -> bool:
+    detached = value.detach()
+    return bool(torch.all(detached > 0) & detached.isfinite().all())

@@ -467,7 +467,13 @@ class ParallelEnsemble(nn.Module):
         See :func:`ensemble_loss`; this method also checks that ``outputs`` has K members.
 
         Args:
-            loss_fn: ``loss_fn(outputs_k, targets_k)`` -> member k's scalar mean loss.
+            loss_fn: ``loss_fn(outputs_k, targets_k)`` -> member k's scalar mean loss; or
+                a loss module with parameters of its own, stacked per member: a
+                ``ParallelEnsemble`` of it. For regression with a sampled noise scale,
+                ``noise = ParallelEnsemble(GaussianLikelihood(num_data=N), K)``, an
+                optimizer over ``[*ensemble.parameters(), *noise.parameters()]`` and
+                ``ensemble.loss(noise, ensemble(x), y)``: member k's loss uses member
+                k's σ, and its gradients are a single model's.
             outputs: this ensemble's outputs, leading dimension K.
             targets: shared by all members, or one set per member (leading dimension K)
                 with ``per_member_targets=True``.
@@ -475,6 +481,10 @@ class ParallelEnsemble(nn.Module):
 
         Returns:
             A scalar tensor.
+
+        Raises:
+            ValueError: ``outputs`` without K members, or a loss module whose tensors are
+                not stacked over K members.
         """
         size = _leading_size("outputs", outputs)
         if size != self.num_members:

@@ -10,14 +10,20 @@ from typing import Any
 
 from torch import Tensor
 
-from ._fused_launch import constexpr, launch_elementwise, optional_module
+from ._fused_launch import KernelArg, constexpr, launch_elementwise, optional_module
 
 __all__ = ["draw_"]
 
 tl: Any = optional_module("triton.language")
 
 
-def _draw(out: Any, numel: Any, offset: Any, seed: Any, BLOCK: constexpr) -> None:  # noqa: N803
+def _draw(
+    out: KernelArg,
+    numel: KernelArg,
+    offset: KernelArg,
+    seed: KernelArg,
+    BLOCK: constexpr,  # noqa: N803
+) -> None:
     index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = index < numel
     tl.store(out + index, tl.randn(seed, offset + index), mask=mask)

@@ -16,8 +16,9 @@ stored in its dtype and :math:`\theta` rounded once. At :math:`T = 0` no noise i
 and the step is torch's fused SGD step, dampening and Nesterov included. It reads
 :math:`\theta`, :math:`g` and :math:`b` once and writes :math:`\theta` and :math:`b`
 once; nothing is written when the step's flag (the largest absolute gradient) is not
-finite. With ``momentum=0`` it is SGLD's kernel, as the reference update is SGLD's. One
-launch per tensor.
+finite. With ``momentum=0`` it is SGLD's kernel, as the reference update is SGLD's. Small
+tensors share launches (``_fused_launch.launch_tensors``), each with its own noise key:
+the numbers of one launch per tensor.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor
 
 from . import _sgld_fused
-from ._fused_launch import FusedInput, as_float64_bits, constexpr, launch_elementwise
+from ._fused_launch import FusedInput, KernelArg, as_float64_bits, constexpr, launch_tensors
 from ._fused_launch import optional_module as _optional_module
 from .sghmc import sghmc_noise_scale
 
@@ -38,30 +39,58 @@ __all__ = ["launch", "unsupported"]
 tl: Any = _optional_module("triton.language")
 
 #: arguments whose values change between steps: not specialised on (one compiled kernel)
-_VARYING = ("offset", "seed", "lr_bits", "momentum_bits", "gain_bits", "decay_bits", "scale_bits")
+_VARYING = (
+    "count",
+    "programs",
+    "offset",
+    "seed",
+    "lr_bits",
+    "momentum_bits",
+    "gain_bits",
+    "decay_bits",
+    "scale_bits",
+)
 
 
 def _sghmc(
-    param: Any,
-    grad: Any,
-    buffer: Any,
-    largest: Any,
-    numel: Any,
-    offset: Any,
-    seed: Any,
-    lr_bits: Any,
-    momentum_bits: Any,
-    gain_bits: Any,
-    decay_bits: Any,
-    scale_bits: Any,
+    table: KernelArg,
+    count: KernelArg,
+    programs: KernelArg,
+    numel: KernelArg,
+    offset: KernelArg,
+    seed: KernelArg,
+    param: KernelArg,
+    grad: KernelArg,
+    buffer: KernelArg,
+    largest: KernelArg,
+    lr_bits: KernelArg,
+    momentum_bits: KernelArg,
+    gain_bits: KernelArg,
+    decay_bits: KernelArg,
+    scale_bits: KernelArg,
     BLOCK: constexpr,  # noqa: N803
+    MULTI: constexpr,  # noqa: N803
     MAXIMIZE: constexpr,  # noqa: N803
     DECAY: constexpr,  # noqa: N803
     FIRST: constexpr,  # noqa: N803
     NESTEROV: constexpr,  # noqa: N803
     NOISE: constexpr,  # noqa: N803
 ) -> None:
-    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if MULTI:  # this program's tensor and block, from the table (_fused_launch.launch_tensors)
+        code = tl.load(table + tl.program_id(0))
+        t = code >> 32
+        block = code & 0xFFFFFFFF
+        rows = table + programs
+        numel = tl.load(rows + t)
+        offset = tl.load(rows + count + t)
+        seed = tl.load(rows + 2 * count + t)
+        param = tl.load(rows + 3 * count + t).to(param.dtype, bitcast=True)
+        grad = tl.load(rows + 4 * count + t).to(grad.dtype, bitcast=True)
+        buffer = tl.load(rows + 5 * count + t).to(buffer.dtype, bitcast=True)
+        largest = tl.load(rows + 6 * count + t).to(largest.dtype, bitcast=True)
+    else:
+        block = tl.program_id(0).to(tl.int64)
+    index = block * BLOCK + tl.arange(0, BLOCK)
     # nothing is read or written unless every gradient is finite: the largest absolute
     # gradient is at most the largest float64 (false for NaN and infinity)
     worst = tl.load(largest)
@@ -97,7 +126,7 @@ def unsupported(group: Mapping[str, Any], temperature: float) -> str | None:
 
 
 def launch(group: Mapping[str, Any], inputs: FusedInput) -> Mapping[str, list[Tensor]]:
-    """Take SGHMC's step on every tensor of ``inputs`` in place (one launch per tensor).
+    """Take SGHMC's step on every tensor of ``inputs`` in place (small ones share launches).
 
     A buffer the step creates (the first step, as SGD's) starts as zeros, which a step
     skipped for a non-finite gradient leaves, as the unfused step does.
@@ -109,28 +138,27 @@ def launch(group: Mapping[str, Any], inputs: FusedInput) -> Mapping[str, list[Te
     weight_decay = float(group["weight_decay"])
     scale = sghmc_noise_scale(lr, momentum, temperature, group["num_data"])
     buffers: list[Tensor] = []
-    for i, (param, grad, seed, offset, largest) in enumerate(
-        zip(inputs.params, inputs.grads, inputs.seeds, inputs.offsets, inputs.largest, strict=True)
-    ):
-        buffer = inputs.buffers["momentum_buffer"][i]
-        first = buffer is None
+    created: list[bool] = []
+    for param, buffer in zip(inputs.params, inputs.buffers["momentum_buffer"], strict=True):
+        created.append(buffer is None)
         if buffer is None:
             buffer = torch.zeros_like(param, memory_format=torch.contiguous_format)
         buffers.append(buffer)
-        launch_elementwise(
+    for first in (True, False):  # FIRST is a compile-time argument: one call for each
+        chosen = [i for i, c in enumerate(created) if c is first]
+        if not chosen:
+            continue
+        launch_tensors(
             _sghmc,
-            param,
-            grad,
-            buffer,
-            largest,
-            param.numel(),
-            offset,
-            seed,
+            [[column[i] for i in chosen] for column in (inputs.params, inputs.grads, buffers)]
+            + [[inputs.largest[i] for i in chosen]],
             as_float64_bits(lr),
             as_float64_bits(momentum),
             as_float64_bits(1.0 - float(group["dampening"])),
             as_float64_bits(weight_decay),
             as_float64_bits(scale),
+            offsets=[inputs.offsets[i] for i in chosen],
+            seeds=[inputs.seeds[i] for i in chosen],
             do_not_specialize=_VARYING,
             MAXIMIZE=bool(group["maximize"]),
             DECAY=weight_decay != 0,

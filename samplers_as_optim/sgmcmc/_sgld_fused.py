@@ -11,8 +11,9 @@ as ``torch.optim.SGD(fused=True)`` rounds it) and :math:`c = \sqrt{2T/(N\,lr)}`,
 in float64 and rounded once (torch's fused SGD computes :math:`\theta - lr\,g'` so); at
 :math:`T = 0` no noise is drawn and the step is torch's fused SGD step. It reads
 :math:`\theta` and :math:`g` once and writes :math:`\theta` once; nothing is written
-when the step's flag (the largest absolute gradient) is not finite. One launch per
-tensor.
+when the step's flag (the largest absolute gradient) is not finite. Small tensors share
+launches (``_fused_launch.launch_tensors``), each with its own noise key: the numbers of
+one launch per tensor.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ._fused_launch import FusedInput, as_float64_bits, constexpr, launch_elementwise
+from ._fused_launch import FusedInput, KernelArg, as_float64_bits, constexpr, launch_tensors
 from ._fused_launch import optional_module as _optional_module
 
 __all__ = ["launch", "unsupported"]
@@ -31,25 +32,42 @@ __all__ = ["launch", "unsupported"]
 tl: Any = _optional_module("triton.language")
 
 #: arguments whose values change between steps: not specialised on (one compiled kernel)
-_VARYING = ("offset", "seed", "lr_bits", "decay_bits", "scale_bits")
+_VARYING = ("count", "programs", "offset", "seed", "lr_bits", "decay_bits", "scale_bits")
 
 
 def _sgld(
-    param: Any,
-    grad: Any,
-    largest: Any,
-    numel: Any,
-    offset: Any,
-    seed: Any,
-    lr_bits: Any,
-    decay_bits: Any,
-    scale_bits: Any,
+    table: KernelArg,
+    count: KernelArg,
+    programs: KernelArg,
+    numel: KernelArg,
+    offset: KernelArg,
+    seed: KernelArg,
+    param: KernelArg,
+    grad: KernelArg,
+    largest: KernelArg,
+    lr_bits: KernelArg,
+    decay_bits: KernelArg,
+    scale_bits: KernelArg,
     BLOCK: constexpr,  # noqa: N803
+    MULTI: constexpr,  # noqa: N803
     MAXIMIZE: constexpr,  # noqa: N803
     DECAY: constexpr,  # noqa: N803
     NOISE: constexpr,  # noqa: N803
 ) -> None:
-    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if MULTI:  # this program's tensor and block, from the table (_fused_launch.launch_tensors)
+        code = tl.load(table + tl.program_id(0))
+        t = code >> 32
+        block = code & 0xFFFFFFFF
+        rows = table + programs
+        numel = tl.load(rows + t)
+        offset = tl.load(rows + count + t)
+        seed = tl.load(rows + 2 * count + t)
+        param = tl.load(rows + 3 * count + t).to(param.dtype, bitcast=True)
+        grad = tl.load(rows + 4 * count + t).to(grad.dtype, bitcast=True)
+        largest = tl.load(rows + 5 * count + t).to(largest.dtype, bitcast=True)
+    else:
+        block = tl.program_id(0).to(tl.int64)
+    index = block * BLOCK + tl.arange(0, BLOCK)
     # nothing is read or written unless every gradient is finite: the largest absolute
     # gradient is at most the largest float64 (false for NaN and infinity)
     worst = tl.load(largest)
@@ -77,27 +95,21 @@ def unsupported(group: Mapping[str, Any], temperature: float) -> str | None:
 
 
 def launch(group: Mapping[str, Any], inputs: FusedInput) -> Mapping[str, list[Tensor]]:
-    """Take SGLD's step on every tensor of ``inputs`` in place (one launch per tensor)."""
+    """Take SGLD's step on every tensor of ``inputs`` in place (small ones share launches)."""
     lr, temperature = float(group["lr"]), float(group["temperature"])
     weight_decay = float(group["weight_decay"])
     scale = math.sqrt(2.0 * temperature / (group["num_data"] * lr)) if temperature > 0 else 0.0
-    for param, grad, seed, offset, largest in zip(
-        inputs.params, inputs.grads, inputs.seeds, inputs.offsets, inputs.largest, strict=True
-    ):
-        launch_elementwise(
-            _sgld,
-            param,
-            grad,
-            largest,
-            param.numel(),
-            offset,
-            seed,
-            as_float64_bits(lr),
-            as_float64_bits(weight_decay),
-            as_float64_bits(scale),
-            do_not_specialize=_VARYING,
-            MAXIMIZE=bool(group["maximize"]),
-            DECAY=weight_decay != 0,
-            NOISE=temperature > 0,
-        )
+    launch_tensors(
+        _sgld,
+        [inputs.params, inputs.grads, inputs.largest],
+        as_float64_bits(lr),
+        as_float64_bits(weight_decay),
+        as_float64_bits(scale),
+        offsets=inputs.offsets,
+        seeds=inputs.seeds,
+        do_not_specialize=_VARYING,
+        MAXIMIZE=bool(group["maximize"]),
+        DECAY=weight_decay != 0,
+        NOISE=temperature > 0,
+    )
     return {}

@@ -104,6 +104,7 @@ from ..names import member_dims
 from .arguments import (
     DIFFERENTIABLE,
     FOREACH,
+    FUSED,
     LR,
     MAXIMIZE,
     NONFINITE,
@@ -457,9 +458,17 @@ DEFINITION = SamplerDefinition(
             "fused",
             default=None,
             annotation="bool | None",
-            doc=r"""fused: as ``torch.optim.AdamW``'s; this sampler has no fused kernel
-            yet, so ``fused=True`` is refused, saying so (default: None).""",
-            transform=False,
+            doc=r"""fused: as ``torch.optim.AdamW``'s (default: None, unfused until the
+            kernels have run on a GPU; True: fused, or a ``ValueError`` saying why not;
+            False: never). At temperature > 0 the step is one Triton kernel per tensor
+            (``_adamw_sghmc_fused``; the preconditioner's pooling, a reduction, runs
+            before it on the device while it is not frozen), drawing its noise from
+            another stream than the unfused step (Triton's Philox); at temperature 0 it is
+            ``torch.optim.AdamW(fused=True)``'s step, by torch's functional Adam. The
+            gradients are checked on the device: with ``nonfinite="raise"`` a non-finite
+            gradient is reported at the next ``step()`` or ``state_dict()`` call, the
+            refused step having changed nothing.""",
+            transform_doc=FUSED.transform_doc,
         ),
         NUM_DATA,
         TEMPERATURE,
@@ -488,6 +497,7 @@ DEFINITION = SamplerDefinition(
         FROZEN_AT,
     ),
     update=_update,
+    temperature_rule="adamw_sghmc",
     example="lr=1e-3",
     check=_check,
     momentum_in_lr_units=True,
@@ -498,6 +508,7 @@ DEFINITION = SamplerDefinition(
     transform_fixed={"capturable": False},
     check_parameters=_check_parameters,
     zero_temperature_step=_adamw_step,
+    fused_kernel="_adamw_sghmc_fused",
     optimizer_doc=r"""SGHMC preconditioned by Adam's second moment, a drop-in for AdamW.
 
     Each step is one transition of the Markov chain

@@ -161,7 +161,16 @@ FUSED = Hyperparameter(
             ``nonfinite="raise"`` a non-finite gradient is reported at the next
             ``step()`` or ``state_dict()`` call, the refused step having changed
             nothing. At temperature 0 it is ``torch.optim.SGD(fused=True)``'s step.""",
-    transform=False,
+    transform_doc=r"""fused: compute each update with the sampler's fused Triton kernel,
+            one launch per tensor, as the Optimizer's ``fused`` (default: None, unfused
+            until the kernels have run on a GPU, then fused where it can run: every update
+            on CUDA, Triton installed, a sampler with a fused kernel, outside
+            ``torch.func`` transforms and without a graph through the updates; True:
+            fused, or a ``ValueError`` saying why not; False: never). Fused, the noise is
+            the fused stream, the very numbers a fused Optimizer of the same seed draws,
+            and the updates agree with the unfused ones up to rounding (the kernel rounds
+            :math:`-lr\,d` once); non-finite updates are still refused before anything
+            changes (a host synchronisation, as unfused).""",
 )
 
 SEED = Hyperparameter(

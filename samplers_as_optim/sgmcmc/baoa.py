@@ -230,6 +230,8 @@ DEFINITION = SamplerDefinition(
         ),
     ),
     update=_update,
+    fused_kernel="_baoa_fused",
+    temperature_rule="baoa",
     example="lr=1e-3, momentum=0.9",
     check=_check,
     momentum_in_lr_units=True,

@@ -235,6 +235,12 @@ class SamplerDefinition:
             pass per tensor where it can run (``sgmcmc/fused``); imported on first use, so
             that importing the package never imports Triton. None: no fused kernel yet
             (``fused=True`` is refused).
+        temperature_rule: how ``sgmcmc/chain_temperature`` reads the chain's kinetic
+            temperature from a group's state (which buffer, its mass and discrete
+            factor) and the prior in its configurational temperature: ``"sghmc"``,
+            ``"sgnht"``, ``"baoa"``, ``"adamw_sghmc"`` (decoupled decay, mass
+            :math:`a`) or ``"langevin"`` (no momentum; coupled decay). None: no
+            temperature diagnostics (refused by ``temperature_estimates``).
     """
 
     name: str
@@ -258,6 +264,7 @@ class SamplerDefinition:
     check_parameters: Callable[[Mapping[str, Any], list[Tensor], str], None] | None = None
     zero_temperature_step: Callable[..., bool] | None = None
     fused_kernel: str | None = None
+    temperature_rule: str | None = None
 
     def __post_init__(self) -> None:
         names = [h.name for h in self.hyperparameters]

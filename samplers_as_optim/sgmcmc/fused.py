@@ -1,17 +1,20 @@
-r"""The fused path of the SG-MCMC samplers: one Triton kernel launch per tensor and step.
+r"""The fused path of the SG-MCMC samplers: the step in Triton kernels, one pass per tensor.
 
 A sampler whose definition names a fused kernel (``SamplerDefinition.fused_kernel``: the
 module beside its reference update that holds the Triton kernel, imported on first use,
 so that importing the package never imports Triton) takes its step, with ``fused=True``
 or by default (``fused=None``) where every parameter is on CUDA, in one kernel per
 tensor that reads the parameter, its gradient and its buffers once, draws the noise in
-registers and writes the parameter and its buffers once (one launch per tensor, for
-now). This module holds what the Optimizer asks of the fused path: whether it can run
-(:func:`fused_refusal`, whose reasons ``fused=True`` raises), the keys of its noise
-(:func:`fused_noise_seed`), a sampler's kernel module (:func:`fused_kernel`), and the
-numbers of its noise stream drawn alone (:func:`fused_normal`); ``_fused_launch`` holds
-what the kernel modules share (the launch, float64 scalars), ``_fused_nonfinite`` the
-device flag every kernel reads (no host synchronisation in a fused step).
+registers and writes the parameter and its buffers once (a tensor of more than
+``_fused_launch.MULTI_TENSOR_BLOCKS`` blocks gets a launch of its own; smaller ones
+share one launch per device and dtypes, through a table of their pointers, sizes,
+offsets and noise keys). This module holds what the Optimizer asks of the fused path:
+whether it can run (:func:`fused_refusal`, whose reasons ``fused=True`` raises), the
+keys of its noise (:func:`fused_noise_seed`), a sampler's kernel module
+(:func:`fused_kernel`), and the numbers of its noise stream drawn alone
+(:func:`fused_normal`); ``_fused_launch`` holds what the kernel modules share (the
+launch, float64 scalars), ``_fused_nonfinite`` the device flag every kernel reads (no
+host synchronisation in a fused step).
 
 The fused noise stream. Element :math:`i` (its index in the whole flattened tensor) of a
 parameter's noise at step :math:`s` is ``tl.randn(seed', i)``: Triton's Philox 4x32-10
@@ -176,7 +179,10 @@ def _parameter_refusal(
             why = f"is on {grad.device}, unlike its parameter"
         if why is not None:
             return "the gradient of ", why
+    host = {field.name for field in definition.state if field.host}
     for name in definition.state_fields(group) if state else ():
+        if name in host:  # a count kept on the CPU and read in Python (StateField.host)
+            continue
         buffer = state.get(name) if state else None
         if isinstance(buffer, Tensor):
             why = _tensor_refusal(buffer, param.dtype)

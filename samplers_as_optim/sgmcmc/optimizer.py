@@ -48,6 +48,7 @@ from ..core.validation import (
     check_learning_rate,
     check_nonnegative,
     check_num_data,
+    check_open_unit_interval,
     check_seed,
     check_temperature,
 )
@@ -72,6 +73,7 @@ from ._group_noise import GroupNoise, large
 from ._nonfinite import describe_parameter, finite_flags, kept, refuse_non_finite_gradients
 from ._prefetch import NoisePrefetcher, NoiseRequest
 from .arguments import PARAMS_DOC
+from .chain_temperature import ChainTemperatureReport, temperature_reports
 from .definition import (
     REQUIRED,
     SamplerDefinition,
@@ -376,6 +378,36 @@ class SamplerOptimizer(ChainOptimizer):
             prefetcher.submit(self._next_noise_requests())
         return loss
 
+    def temperature_estimates(self, *, level: float = 0.999) -> list[ChainTemperatureReport]:
+        r"""The chain's kinetic and configurational temperatures, now, with their bands.
+
+        One :class:`~.chain_temperature.ChainTemperatureReport` per param group (per
+        member of a ``ParallelEnsemble``'s stacked group), from this one state:
+        :math:`T_{\text{kin}}` from the momentum buffers and :math:`T_{\text{conf}} =
+        \tfrac1d\sum_i \theta_i\,\partial_i U` from the parameters and their ``.grad``
+        as they are now, so call it after ``backward()`` and before ``step()`` (the
+        gradient must be the one at these parameters). Each estimate carries its band
+        under the target at ``level`` and ``hot``/``cold`` flags; formulas, units and
+        bands in ``sgmcmc/chain_temperature``. It reads to the host (once per group); to
+        follow a chain every step without synchronising, use
+        :class:`samplers_as_optim.diagnostics.TemperatureMonitor`.
+
+        Args:
+            level: the bands' two-sided probability under the target (default 0.999).
+
+        Raises:
+            ValueError: ``level`` is not in (0, 1), the sampler declares no
+                ``temperature_rule``, or a param group mixes stacked members.
+        """
+        check_open_unit_interval("level", level)
+        rule = self.definition.temperature_rule
+        if rule is None:
+            raise ValueError(
+                f"Invalid optimizer: {type(self).__name__} (expected a sampler whose "
+                "definition declares a temperature_rule)"
+            )
+        return temperature_reports(rule, self.param_groups, self.state, level)
+
     def _next_noise_requests(self) -> list[NoiseRequest]:
         """The next step's draws to prefetch: large CPU and CUDA parameters of groups at T > 0.
 
@@ -475,14 +507,24 @@ class SamplerOptimizer(ChainOptimizer):
     def _host_record(self, gathered: list[Any]) -> Any:
         """A function that puts back the step counters and per-parameter state entries.
 
-        As they are now: entries added later are removed (tensors written in place are
-        not its business: a refused fused step writes none).
+        As they are now: entries added later are removed, and the host numbers
+        (``StateField.host``: the step counts the kernel modules advance in Python) take
+        back their values; tensors written in place on the device are not its business
+        (a refused fused step writes none).
         """
         steps = [(group, group["step"]) for group in self.param_groups]
         entries = [
             (param, set(self.state[param]) if param in self.state else None)
             for _, _, params, _ in gathered
             for param in params
+        ]
+        numbers = [
+            (self.state[param], name, value.clone() if isinstance(value, Tensor) else value)
+            for _, _, params, _ in gathered
+            for param in params
+            if param in self.state
+            for name, value in self.state[param].items()
+            if name in self.host_state
         ]
 
         def rollback() -> None:
@@ -495,6 +537,8 @@ class SamplerOptimizer(ChainOptimizer):
                 state = self.state[param]
                 for name in [name for name in state if name not in keys]:
                     del state[name]
+            for state, name, value in numbers:
+                state[name] = value
 
         return rollback
 
@@ -569,7 +613,10 @@ class SamplerOptimizer(ChainOptimizer):
         )
         for name in fields:
             for state, value in zip(states, new[name], strict=True):
-                state[name] = value
+                if value is None:  # not created yet (a frozen preconditioner)
+                    state.pop(name, None)
+                else:
+                    state[name] = value
 
     # ------------------------------------------------------------------ the update
     def _update_group(

@@ -116,6 +116,7 @@ from ._psgld_dtypes import check_dtypes, lift, psgld_noise_scale
 from .arguments import (
     DIFFERENTIABLE,
     FOREACH,
+    FUSED,
     LR,
     MAXIMIZE,
     NONFINITE,
@@ -622,6 +623,19 @@ DEFINITION = SamplerDefinition(
         SEED,
         OVERLAP_NOISE,
         NONFINITE,
+        FUSED.replace(
+            doc=r"""fused: take each step in one Triton kernel per tensor
+            (``_psgld_fused``; default: None, unfused until the kernels have run on a GPU;
+            True: fused, or a ``ValueError`` saying why not; False: never). The
+            preconditioner's pooling, a reduction, runs before the kernel on the device
+            while it is not frozen. The fused step draws its noise from another stream
+            than the unfused one (Triton's Philox) and checks the gradients on the
+            device: with ``nonfinite="raise"`` a non-finite gradient is reported at the
+            next ``step()`` or ``state_dict()`` call, the refused step having changed
+            nothing. At temperature 0 it is ``torch.optim.RMSprop``'s step up to
+            rounding (computed in float64, rounded once). ``torch.optim.RMSprop`` has no
+            such argument."""
+        ),
     ),
     state=(
         StateField(
@@ -659,11 +673,13 @@ DEFINITION = SamplerDefinition(
         dataclasses.replace(FROZEN_AT, legacy=lambda old: _per_leaf(old, lambda _: 0.0)),
     ),
     update=_update,
+    temperature_rule="langevin",
     example="lr=1e-3",
     check=_check,
     transform_fixed={"capturable": False},
     check_parameters=_check_parameters,
     zero_temperature_step=_rmsprop_step,
+    fused_kernel="_psgld_fused",
     chunked_kernel=False,
     supports_dtensor=False,
     dtensor_unsupported_reason="its pooled preconditioner takes means over whole tensors",

@@ -317,6 +317,7 @@ DEFINITION = SamplerDefinition(
         ),
     ),
     update=_update,
+    temperature_rule="sghmc",
     example="lr=1e-3, momentum=0.9",
     check=_check,
     momentum_in_lr_units=True,

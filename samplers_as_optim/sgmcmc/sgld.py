@@ -173,6 +173,7 @@ DEFINITION = SamplerDefinition(
     ),
     state=(),
     update=_update,
+    temperature_rule="langevin",
     example="lr=1e-3",
     check=_check,
     fused_kernel="_sgld_fused",

@@ -400,6 +400,8 @@ DEFINITION = SamplerDefinition(
         ),
     ),
     update=_update,
+    fused_kernel="_sgnht_fused",
+    temperature_rule="sgnht",
     example="lr=1e-3",
     check=_check,
     momentum_in_lr_units=True,  # the buffer; the thermostat's equilibrium is lr-free

@@ -37,9 +37,12 @@ from torchopt.base import GradientTransformation
 
 from ..core.streams import NoiseStream, parameter_key, seed_from_global_rng
 from ..core.validation import check_seed
+from . import fused as fused_module
 from ._common import buckets, default_foreach, may_be_non_finite
+from ._transform_fused import fused_update, fused_update_refusal
 from .arguments import RETURNS_DOC
 from .definition import SamplerDefinition, UpdateInput, arguments_doc, generated_function
+from .fused import check_fused, fused_message
 from .momentum_units import MOMENTUM_RATE, rescale_momentum
 from .optimizer import SamplerOptimizer
 
@@ -83,8 +86,14 @@ class KernelInput(NamedTuple):
     grads: list[Tensor]
     #: one list per buffer field of the state (an empty list for an empty field)
     buffers: tuple[list[Any], ...]
-    #: standard-normal noise, one tensor per gradient; None at temperature 0
+    #: standard-normal noise, one tensor per gradient; None at temperature 0 and when fused
     noise: list[Tensor] | None
+    #: when the update is fused: each leaf's noise key (the kernel draws the fused
+    #: stream of ``seed``, ``sgmcmc/_transform_fused``) and the kernel's results are the
+    #: updates themselves, :math:`-lr\,d`; None: unfused
+    keys: list[int] | None = None
+    #: the chain's seed (read when fused)
+    seed: int = 0
 
 
 #: The result of a kernel adapter: the directions ``d`` and the new buffer fields.
@@ -94,6 +103,11 @@ KernelOutput = tuple[list[Tensor], tuple[list[Any], ...]]
 #: hyperparameters, ``lr`` and ``temperature`` resolved to floats at this step, and
 #: ``count``, ``inplace`` and ``foreach`` (resolved to a bool).
 Kernel = Callable[[dict[str, Any], KernelInput], KernelOutput]
+
+#: ``refusal(group, leaves, functorch) -> reason or None``: why an update cannot be fused
+#: (``_transform_fused.fused_update_refusal``); ``leaves`` holds ``(where, update, param)``
+#: per leaf with an update, ``functorch`` whether they are inside a ``torch.func`` transform.
+FusedRefusal = Callable[[Mapping[str, Any], list[tuple[str, Tensor, Tensor]], bool], "str | None"]
 
 #: The hyperparameters a composable part leaves at their neutral value.
 _NEUTRAL = {"weight_decay": 0.0, "dampening": 0.0, "nesterov": False, "maximize": False}
@@ -188,6 +202,8 @@ def sampler_transformation(
     init_buffers: Callable[[list[Tensor | None]], tuple[tuple[Any, ...], ...]],
     kernel: Kernel,
     scale_by_lr: bool = True,
+    fused: bool | None = False,
+    refusal: FusedRefusal | None = None,
 ) -> GradientTransformation:
     """Build a sampler's ``GradientTransformation`` around its pure kernel.
 
@@ -205,6 +221,12 @@ def sampler_transformation(
         kernel: calls the sampler's kernel (see :data:`Kernel`).
         scale_by_lr: return ``-lr * d`` (a sampler) or ``d`` itself (a part to chain
             before a torchopt optimizer, such as the Langevin noise).
+        fused: as the Optimizers' ``fused``: None takes the fused path where
+            ``refusal`` finds no reason against it (and ``fused.DEFAULT_ON_CUDA``), True
+            takes it or raises ``ValueError`` saying why not, False never; fused, the
+            kernel adapter is given the leaves' noise keys (``KernelInput.keys``) and
+            returns the updates themselves.
+        refusal: why an update cannot be fused (:data:`FusedRefusal`); None: never fused.
     """
     group = {**_NEUTRAL, **arguments}
     seed = group.pop("seed")
@@ -214,6 +236,34 @@ def sampler_transformation(
     seed = check_seed(seed)
     seed = seed_from_global_rng() if seed is None else seed
     static = {key: float(group[key]) for key in ("lr", "temperature") if key not in scheduled}
+    fused = check_fused(fused)
+    if fused and refusal is None:
+        raise ValueError(fused_message(f"{name} has no fused update"))
+    if fused and refusal is not None:
+        at_start = {**group, **{key: _resolve(group[key], 0) for key in scheduled}}
+        reason = refusal(at_start, [], False)
+        if reason is not None:
+            raise ValueError(fused_message(reason))
+
+    def fused_here(updates: Any, leaves: list[Any], params: list[Any], values: Any) -> bool:
+        """Whether this update is fused; with ``fused=True``, raise if it cannot be."""
+        if (
+            fused is False
+            or refusal is None
+            or (fused is None and not fused_module.DEFAULT_ON_CUDA)
+        ):
+            return False
+        paths, _, _ = pytree.tree_flatten_with_path(updates, none_is_leaf=True)
+        given = [
+            (f"updates{_path_name(path)}", leaf, param)
+            for path, leaf, param in zip(paths, leaves, params, strict=True)
+            if leaf is not None
+        ]
+        present = [leaf for _, leaf, _ in given]
+        reason = refusal(values, given, _in_functorch(present))
+        if reason is not None and fused:
+            raise ValueError(fused_message(reason))
+        return reason is None
 
     def hyperparameters_at(count: int) -> dict[str, Any]:
         if not scheduled:
@@ -258,8 +308,9 @@ def sampler_transformation(
         if foreach is None:  # torch.optim's choice, but vmap has no rule for foreach ops
             foreach = default_foreach(grads) and not _in_functorch(grads)
         noise = None
-        if temperature > 0:
-            keys = leaf_noise_keys(treespec)
+        keys = leaf_noise_keys(treespec)
+        fusing = fused_here(updates, leaves, param_leaves, values)
+        if temperature > 0 and not fusing:
             noise = NoiseStream(state.seed).standard_normal(
                 grads, [keys[i] for i in active], step=count
             )
@@ -271,9 +322,13 @@ def sampler_transformation(
                 grads,
                 tuple([field[i] for i in active] if field else [] for field in fields),
                 noise,
+                [keys[i] for i in active] if fusing else None,
+                state.seed,
             ),
         )
-        if scale_by_lr:
+        if fusing:  # the kernel's results are the updates (written into grads if inplace)
+            pass
+        elif scale_by_lr:
             directions = _scale_by_neg_lr(directions, grads, lr, inplace=inplace, foreach=foreach)
         elif inplace:
             for direction, grad in zip(directions, grads, strict=True):
@@ -290,6 +345,16 @@ def sampler_transformation(
         )
 
     return GradientTransformation(init_fn, update_fn)
+
+
+def _refusal(
+    definition: SamplerDefinition,
+    name: str,
+    group: Mapping[str, Any],
+    leaves: list[tuple[str, Tensor, Tensor]],
+    functorch: bool,
+) -> str | None:
+    return fused_update_refusal(definition, name, group, leaves, functorch=functorch)
 
 
 def _param_leaves(params: Any, leaves: list[Any], weight_decay: float) -> list[Any]:
@@ -413,6 +478,22 @@ def transformation_of(
                 rates,
                 **pick(group, "lr", "temperature", "foreach", "inplace"),
             )
+        if inputs.keys is not None:  # fused: the kernel gives the updates themselves
+            updates, fresh = fused_update(
+                definition,
+                group,
+                inputs.grads,
+                inputs.params,
+                {name: given[name] for name in used},
+                seed=inputs.seed,
+                count=group["count"],
+                keys=inputs.keys,
+                inplace=group["inplace"],
+            )
+            kept = [
+                list(fresh[state.name]) if state.name in used else [] for state in definition.state
+            ]
+            return updates, (*kept, *([rates] if rated else []))
         directions, new = definition.update(
             {**group, "initial_state": group["count"] == 0},
             UpdateInput(
@@ -428,13 +509,17 @@ def transformation_of(
 
     def build(arguments: dict[str, Any]) -> GradientTransformation:
         arguments = {**arguments, **definition.transform_fixed}
+        fused = arguments.pop("fused")
+        name = f"transforms.{definition.transform_name}"
         return sampler_transformation(
             arguments,
-            name=f"transforms.{definition.transform_name}",
+            name=name,
             state_type=state_type,
             optimizer_class=optimizer_class,
             init_buffers=functools.partial(init_buffers, arguments),
             kernel=kernel,
+            fused=fused,
+            refusal=functools.partial(_refusal, definition, name),
         )
 
     parameters = [

@@ -1,0 +1,134 @@
+r"""The linearised network's Gaussian over outputs: :math:`\mathcal N(f(x;\mu), TJ\Sigma J^\top)`.
+
+Linearising the network at the mean, :math:`f_\text{lin}(x;\theta) = f(x;\mu) +
+J_\mu(x)(\theta-\mu)`, turns the weight Gaussian :math:`\mathcal N(\mu, T\Lambda^{-1})`
+into a Gaussian over each input's O outputs (Immer, Korzepa & Bauer 2021, eq. 7;
+Daxberger et al. 2021, §2 "the GLM predictive"):
+
+.. math::
+
+    f(x) \sim \mathcal N\big(f(x;\mu),\; T\,J_\mu(x)\,\Lambda^{-1}J_\mu(x)^\top\big),
+
+exactly, without sampling. The O x O covariance is :math:`T\,MM^\top` with
+:math:`M = J S` for a square root :math:`\Lambda^{-1} = SS^\top` of the fitted structure:
+
+* ``"diag"``: :math:`S = \mathrm{diag}(\Lambda)^{-1/2}`, so :math:`M = J \odot
+  \Lambda_{jj}^{-1/2}` column by column;
+* ``"dense"``: :math:`\Lambda = LL^\top` (Cholesky), :math:`S = L^{-\top}`, so
+  :math:`M^\top = L^{-1}J^\top` (one triangular solve);
+* ``"kron"``: per Kronecker block :math:`\Lambda = (Q_G\otimes Q_A)\,\mathrm{diag}(D)\,
+  (Q_G\otimes Q_A)^\top` (see :mod:`~samplers_as_optim.gaussian.kfac`),
+  :math:`S = (Q_G\otimes Q_A)\,\mathrm{diag}(D)^{-1/2}`, so the block's columns of M are
+  :math:`(Q_G^\top J_o Q_A)\oslash\sqrt D` for each output's Jacobian :math:`J_o` as an
+  out x (in+1) matrix; the diagonal part as for ``"diag"``.
+
+Cost per input: O reverse passes for J (vectorised, see
+:mod:`~samplers_as_optim.gaussian._output_jacobians`), :math:`O\cdot P` numbers for J and
+M, :math:`O^2 P` for :math:`MM^\top`, and for ``"dense"`` a triangular solve,
+:math:`O\cdot P^2`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, cast
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from ._output_jacobians import input_chunks, output_jacobians
+from .flat import Treated
+from .kfac import KronPrecision
+
+__all__ = ["FunctionSpaceGaussian", "covariance_factor", "function_space_gaussian"]
+
+
+class FunctionSpaceGaussian(NamedTuple):
+    r"""The Gaussian of each input's outputs under the linearised network.
+
+    Attributes:
+        mean: ``(B, *out)`` :math:`f(x;\mu)`, the network at the mean.
+        covariance: ``(B, O, O)`` :math:`T J\Lambda^{-1}J^\top` with O the number of
+            outputs per input (``out`` flattened, row-major).
+    """
+
+    mean: Tensor
+    covariance: Tensor
+
+
+def _block_eigenvalues(block: Any) -> Tensor:
+    """D of a :class:`~samplers_as_optim.gaussian.kfac.KronBlock` (a property or a method)."""
+    values = block.eigenvalues
+    return cast(Tensor, values() if callable(values) else values)
+
+
+def covariance_factor(
+    jacobians: dict[str, Tensor],
+    treated: Treated,
+    precision: dict[str, Tensor] | Tensor | KronPrecision,
+    cholesky: Tensor | None,
+) -> Tensor:
+    r"""M with :math:`MM^\top = J\Lambda^{-1}J^\top`: ``(C, O, P)`` from ``(C, O, *shape)``.
+
+    ``precision`` is the fitted structure at temperature 1 (a dict of diagonals, the
+    dense matrix with its Cholesky factor ``cholesky``, or a ``KronPrecision``).
+    """
+    first = jacobians[treated.names[0]]
+    lead = first.shape[:2]
+    if isinstance(precision, KronPrecision):
+        parts = []
+        for block in precision.blocks:
+            matrix = block.matrix(jacobians, 2)
+            rotated = block.g_eigenvectors.T @ matrix @ block.a_eigenvectors
+            parts.append((rotated * _block_eigenvalues(block).rsqrt()).reshape(*lead, -1))
+        for name, diagonal in precision.diagonal.items():
+            parts.append((jacobians[name] * diagonal.rsqrt()).reshape(*lead, -1))
+        return torch.cat(parts, dim=-1)
+    flat = treated.flatten(jacobians, batch_dims=2)
+    if isinstance(precision, dict):
+        return flat * treated.flatten(precision).rsqrt()
+    assert cholesky is not None
+    # One solve with C*O right-hand sides (a batched solve would copy L per input).
+    rows = flat.reshape(-1, flat.shape[-1])
+    solved: Tensor = torch.linalg.solve_triangular(cholesky, rows.T, upper=False)
+    return solved.T.reshape(flat.shape)
+
+
+def function_space_gaussian(
+    model: nn.Module,
+    treated: Treated,
+    mean: dict[str, Tensor],
+    precision: dict[str, Tensor] | Tensor | KronPrecision,
+    cholesky: Tensor | None,
+    temperature: float,
+    x: Tensor,
+    chunk_size: int | None,
+) -> FunctionSpaceGaussian:
+    r""":math:`\big(f(x;\mu),\; T J\Lambda^{-1}J^\top\big)` for a batch, chunk by chunk.
+
+    The model runs as it is (call it in eval mode: one input at a time must give the
+    same outputs as the batch); the result is detached.
+
+    Raises:
+        ValueError: an input without a batch dimension, or one input's Jacobian cannot
+            fit in memory.
+    """
+    with torch.no_grad():
+        center = cast(Tensor, functional_call(model, mean, (x,)))
+        if center.dim() < 1 or center.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"Invalid x: shape {tuple(x.shape)} gives outputs of shape "
+                f"{tuple(center.shape)} (expected a batch of inputs, the batch first in "
+                "both)"
+            )
+        batch, outputs = center.shape[0], center[0].numel()
+        covariance = center.new_empty(batch, outputs, outputs)
+        chunks = input_chunks(
+            batch, outputs, treated.numel, center.dtype, center.device, chunk_size
+        )
+        for part in chunks:
+            jacobians = output_jacobians(model, mean, x[part])
+            factor = covariance_factor(jacobians, treated, precision, cholesky)
+            del jacobians
+            covariance[part] = temperature * (factor @ factor.mT)
+    return FunctionSpaceGaussian(center, covariance)

@@ -1,0 +1,277 @@
+r"""Gaussian priors that scale with the layer: N(0, σ²/fan_in) per weight, biases apart.
+
+A prior :math:`\mathcal N(0, v)` on a parameter is, in the package's mean-loss convention
+(``docs/design.md``), the weight decay :math:`\lambda = 1/(N v)` (its gradient in the mean
+loss is :math:`\theta/(N v)`), and the Laplace prior precision :math:`1/v`. The rule, per
+parameter of ``model`` (each module's own parameters, ``recurse=False``):
+
+* the ``weight`` of an ``nn.Linear`` or a convolution (``nn.Conv1d/2d/3d`` and the
+  transposed ones): :math:`v = \text{std}^2/\text{fan\_in}` with ``scale="fan_in"``
+  (the variance that keeps a layer's pre-activations of order one, as He et al. 2015
+  initialise and as Neal 1996, §2.2, scales priors so that wide networks have a limit;
+  fan_in as ``torch.nn.init`` computes it: ``weight.shape[1]`` times the kernel size,
+  i.e. ``in_features``, or ``in_channels / groups`` times the kernel's elements, read
+  from the layer's attributes so that a ``ParallelEnsemble``'s stacked weights get each
+  member's), or
+  :math:`v = \text{std}^2` with ``scale="none"``;
+* the ``bias`` of those layers: :math:`v = \text{bias\_std}^2`;
+* the parameters of a module that declares its prior in its own loss (a class attribute
+  ``prior_in_loss = True``, as :class:`~samplers_as_optim.regression.GaussianLikelihood`):
+  no weight decay (:math:`\lambda = 0`), and no entry in the Laplace dict;
+* every other parameter (normalisation layers, embeddings, a user's module):
+  :math:`v = \text{other\_std}^2`, no fan-in scaling.
+
+Only parameters with ``requires_grad=True`` are included. Parameters with one variance
+share a param group, in the order of ``model.named_parameters()``; every group holds
+``(name, parameter)`` pairs, so a sampler keys its noise by the parameters' names.
+
+References:
+    Neal (1996), Bayesian Learning for Neural Networks, §2.2.
+    He, Zhang, Ren & Sun (2015), Delving deep into rectifiers, §2.2.
+    Fortuin et al. (2022), Bayesian neural network priors revisited, §2.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .core.validation import check_choice, check_num_data, check_positive
+
+__all__ = ["prior_loss", "prior_param_groups", "prior_precision", "prior_variances"]
+
+#: how a weight's variance scales: by 1/fan_in, or not at all
+SCALES = ("fan_in", "none")
+
+_LAYERS = (nn.Linear, nn.modules.conv._ConvNd)
+
+
+def _fan_in(module: nn.Module) -> int:
+    """``torch.nn.init``'s fan-in of a layer's weight, from the layer's own attributes.
+
+    ``weight.shape[1]`` times the kernel's elements, as ``torch.nn.init`` computes it,
+    but read from the module (``in_features``; ``in_channels / groups``, or for a
+    transposed convolution ``out_channels / groups``, times the kernel size), so that a
+    stacked weight (a ``ParallelEnsemble``'s ``[K, out, in]``) gets each member's fan-in.
+    """
+    if isinstance(module, nn.Linear):
+        return int(module.in_features)
+    assert isinstance(module, nn.modules.conv._ConvNd)
+    channels = module.out_channels if module.transposed else module.in_channels
+    return channels // module.groups * math.prod(module.kernel_size)
+
+
+def prior_variances(
+    model: nn.Module,
+    *,
+    std: float = 1.0,
+    bias_std: float = 1.0,
+    other_std: float = 1.0,
+    scale: str = "fan_in",
+) -> dict[str, float | None]:
+    """The prior variance of every trainable parameter, by name (None: its prior is in a loss).
+
+    The rule of the module docstring. Shared parameters appear once, under their first
+    name (as in ``model.named_parameters()``).
+
+    Args:
+        model: the model (any ``nn.Module``).
+        std: the weights' σ (default: 1.0; > 0), divided by √fan_in with
+            ``scale="fan_in"``.
+        bias_std: the biases' σ (default: 1.0; > 0).
+        other_std: σ of every other parameter (default: 1.0; > 0).
+        scale: ``"fan_in"`` (default) or ``"none"``.
+
+    Returns:
+        name -> variance v (a float), or None for a parameter whose module declares its
+        prior in its own loss.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: a bad ``std``, ``bias_std``, ``other_std`` or ``scale``, or a model
+            with no trainable parameter.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Invalid model: {type(model).__name__} (expected an nn.Module)")
+    std = check_positive("std", std)
+    bias_std = check_positive("bias_std", bias_std)
+    other_std = check_positive("other_std", other_std)
+    check_choice("scale", scale, SCALES)
+    variances: dict[str, float | None] = {}
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        for local, parameter in module.named_parameters(recurse=False):
+            if id(parameter) in seen or not parameter.requires_grad:
+                continue
+            seen.add(id(parameter))
+            name = f"{prefix}.{local}" if prefix else local
+            variance: float | None
+            if getattr(module, "prior_in_loss", False) is True:
+                variance = None
+            elif isinstance(module, _LAYERS) and local == "weight":
+                fan_in = _fan_in(module) if scale == "fan_in" else 1
+                variance = std**2 / fan_in
+            elif isinstance(module, _LAYERS) and local == "bias":
+                variance = bias_std**2
+            else:
+                variance = other_std**2
+            variances[name] = variance
+    if not variances:
+        raise ValueError(
+            f"Invalid model: {type(model).__name__} without trainable parameters "
+            "(expected a model with parameters that require grad)"
+        )
+    # named_modules() visits in named_parameters() order for the first occurrence
+    order = [name for name, _ in model.named_parameters() if name in variances]
+    return {name: variances[name] for name in order}
+
+
+def prior_param_groups(
+    model: nn.Module,
+    *,
+    num_data: int,
+    std: float = 1.0,
+    bias_std: float = 1.0,
+    other_std: float = 1.0,
+    scale: str = "fan_in",
+) -> list[dict[str, Any]]:
+    r"""Param groups whose ``weight_decay`` is each parameter's prior: :math:`1/(N v)`.
+
+    ``SGHMC(prior_param_groups(model, num_data=N), lr=lr, num_data=N)`` samples the
+    posterior under the prior of the module docstring (N(0, std²/fan_in) on every weight,
+    N(0, bias_std²) on every bias); any ``torch.optim`` optimizer takes the same groups
+    (its MAP) with L2 weight decay (SGD, Adam, RMSprop). A group's own ``weight_decay``
+    overrides the optimizer's argument. Where ``weight_decay`` is decoupled from the
+    gradient (``torch.optim.AdamW``, :class:`~samplers_as_optim.AdamWSGHMC`, IVON) it is
+    not this prior: give those the model's parameters with ``weight_decay=0`` and add
+    :func:`prior_loss` to the loss instead.
+
+    Args:
+        model: the model.
+        num_data: N, the training-set size (keyword-only, required).
+        std: as in :func:`prior_variances`.
+        bias_std: as in :func:`prior_variances`.
+        other_std: as in :func:`prior_variances`.
+        scale: as in :func:`prior_variances`.
+
+    Returns:
+        A list of param groups ``{"params": [(name, parameter), ...], "weight_decay":
+        λ}``, one per distinct variance, in the order of the parameters; λ = 0 for the
+        parameters whose prior is in a loss.
+
+    Raises:
+        ValueError, TypeError: as :func:`prior_variances`, and a bad ``num_data``.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import SGHMC, prior_param_groups
+        >>> model = torch.nn.Sequential(
+        ...     torch.nn.Linear(4, 50), torch.nn.ReLU(), torch.nn.Linear(50, 1))
+        >>> groups = prior_param_groups(model, num_data=100)
+        >>> [(len(g["params"]), g["weight_decay"]) for g in groups]  # 1/(N v)
+        [(1, 0.04), (2, 0.01), (1, 0.5)]
+        >>> optimizer = SGHMC(groups, lr=1e-3, num_data=100)
+    """
+    num_data = check_num_data(num_data)
+    variances = prior_variances(model, std=std, bias_std=bias_std, other_std=other_std, scale=scale)
+    parameters = dict(model.named_parameters())
+    groups: dict[float, list[tuple[str, nn.Parameter]]] = {}
+    for name, variance in variances.items():
+        decay = 0.0 if variance is None else 1.0 / (num_data * variance)
+        groups.setdefault(decay, []).append((name, parameters[name]))
+    return [{"params": params, "weight_decay": decay} for decay, params in groups.items()]
+
+
+def prior_precision(
+    model: nn.Module,
+    *,
+    std: float = 1.0,
+    bias_std: float = 1.0,
+    other_std: float = 1.0,
+    scale: str = "fan_in",
+) -> dict[str, Tensor]:
+    r"""The same prior as Laplace's per-parameter precision: name -> a tensor of :math:`1/v`.
+
+    ``Laplace(model, ..., prior_precision=prior_precision(model))`` uses the prior that
+    :func:`prior_param_groups` gives a sampler (:math:`1/v = N\lambda`). Parameters whose
+    prior is in a loss have no entry (keep them out of the Laplace approximation, e.g.
+    with ``subset``).
+
+    Args:
+        model: the model.
+        std: as in :func:`prior_variances`.
+        bias_std: as in :func:`prior_variances`.
+        other_std: as in :func:`prior_variances`.
+        scale: as in :func:`prior_variances`.
+
+    Returns:
+        name -> a tensor of the parameter's shape, dtype and device, filled with 1/v.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import prior_precision
+        >>> precision = prior_precision(torch.nn.Linear(4, 2))
+        >>> precision["weight"][0, 0].item(), precision["bias"][0].item()
+        (4.0, 1.0)
+    """
+    variances = prior_variances(model, std=std, bias_std=bias_std, other_std=other_std, scale=scale)
+    parameters = dict(model.named_parameters())
+    return {
+        name: torch.full_like(parameters[name], 1.0 / variance).detach()
+        for name, variance in variances.items()
+        if variance is not None
+    }
+
+
+def prior_loss(
+    model: nn.Module,
+    *,
+    num_data: int,
+    std: float = 1.0,
+    bias_std: float = 1.0,
+    other_std: float = 1.0,
+    scale: str = "fan_in",
+) -> Tensor:
+    r"""The same prior as a term of the mean loss: :math:`\sum_j \theta_j^2 / (2 N v_j)`.
+
+    :math:`-\log p(\theta)/N` up to a constant, for optimizers whose ``weight_decay`` is
+    decoupled (AdamW, :class:`~samplers_as_optim.AdamWSGHMC`): ``loss = nll +
+    prior_loss(model, num_data=N)`` with ``weight_decay=0``. Its gradient is what
+    :func:`prior_param_groups`' weight decay adds, :math:`\theta_j/(N v_j)`.
+
+    Args:
+        model: the model.
+        num_data: N, the training-set size (keyword-only, required).
+        std: as in :func:`prior_variances`.
+        bias_std: as in :func:`prior_variances`.
+        other_std: as in :func:`prior_variances`.
+        scale: as in :func:`prior_variances`.
+
+    Returns:
+        A scalar tensor, differentiable in the parameters.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import prior_loss
+        >>> model = torch.nn.Linear(4, 1)
+        >>> with torch.no_grad():
+        ...     _ = model.weight.fill_(1.0), model.bias.fill_(2.0)
+        >>> prior_loss(model, num_data=10)  # (4 * 1 / (2 * 10 / 4)) + 4 / (2 * 10)
+        tensor(1., grad_fn=<AddBackward0>)
+    """
+    num_data = check_num_data(num_data)
+    variances = prior_variances(model, std=std, bias_std=bias_std, other_std=other_std, scale=scale)
+    parameters = dict(model.named_parameters())
+    total: Tensor | None = None
+    for name, variance in variances.items():
+        if variance is None:
+            continue
+        term = parameters[name].square().sum() / (2 * num_data * variance)
+        total = term if total is None else total + term
+    if total is None:
+        reference = next(iter(parameters.values()))
+        return torch.zeros((), dtype=reference.dtype, device=reference.device)
+    return total

@@ -1,0 +1,316 @@
+r"""AdamWSGHMC's fused Triton kernel at temperature > 0; torch's fused AdamW at 0.
+
+At temperature > 0, per element, with :math:`g' = \pm g`, :math:`t` the parameter's
+step count after this step, :math:`\sigma = \sqrt{2T/(N\,lr)}` and :math:`\xi =
+\texttt{tl.randn}(seed, \text{global index})`, in float64 and rounded where the state
+is stored (``adamw_sghmc.adamw_sghmc_direction``; Chen et al. 2014, Eq. 9, in AdamW's
+units as that module derives):
+
+.. math::
+
+    V &\leftarrow \beta_2 V + (1-\beta_2)\, g'^2, \qquad
+    m \leftarrow m + (1-\beta_1)\big(g' + \sigma\, r\, \xi - m\big), \\
+    \theta &\leftarrow \theta - lr\,\big(m / a + \lambda\theta\big),
+
+with :math:`a` the sampling preconditioner of :mod:`.sampling_preconditioner` and
+:math:`r = \sqrt{a}`, 0 where :math:`a = \epsilon` (no scale: no noise). Frozen,
+:math:`a` is read as kept, in its compact pooled shape (``_pooled_fused``); before its
+freeze, ``"factored"`` pools :math:`\sqrt{\bar V'/(1-\beta_2^t)} + \epsilon` of this
+step's second moment before the kernel, by torch operations on the device (a
+reduction), and ``"elementwise"`` computes :math:`\sqrt{V'/(1-\beta_2^t)} + \epsilon`
+in registers. The kernel reads :math:`\theta`, :math:`g`, :math:`m`, :math:`V` once and
+writes :math:`\theta`, :math:`m`, :math:`V` once; nothing is written when the step's
+flag (the largest absolute gradient) is not finite. One launch per tensor.
+
+At temperature 0 the step is ``torch.optim.AdamW(fused=True)``'s: torch's own
+functional Adam with ``fused=True`` (``amsgrad`` included), told of a non-finite
+gradient by ``found_inf`` (torch's fused optimizers then write nothing), its step
+counts passed as device tensors filled from the host counts (no host synchronisation).
+
+``launch`` with ``updates`` (the transforms' fused path) writes the update
+:math:`-lr\,(m/a + \lambda\theta)` there and leaves the parameter unchanged; at
+temperature 0 the kernel then computes AdamW's update itself (:math:`a = \sqrt{V}/
+\sqrt{1-\beta_2^t} + \epsilon`, the maximum of :math:`V` with ``amsgrad``, :math:`m`
+divided by :math:`1-\beta_1^t`), in float64 and rounded once.
+Checked through Triton's interpreter on the CPU only (``tests/test_fused_adaptive.py``):
+compiled for an sm_90 GPU by Triton's compiler
+(``tests/test_fused_transforms.py``), no GPU has run it yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._fused_launch import (
+    FusedInput,
+    KernelArg,
+    as_float64_bits,
+    constexpr,
+    launch_elementwise,
+)
+from ._fused_launch import optional_module as _optional_module
+from ._pooled_fused import (
+    Layout,
+    compact_layout,
+    preconditioner_before_kernel,
+    refused_step_fallback,
+)
+from .adamw_sghmc import _torch_adam, adamw_sghmc_noise_scale
+from .sampling_preconditioner import advanced, freeze_mark, freezes_now, released
+
+__all__ = ["launch", "unsupported"]
+
+tl: Any = _optional_module("triton.language")
+
+#: arguments whose values change between steps: not specialised on (one compiled kernel)
+_VARYING = (
+    "numel",
+    "offset",
+    "seed",
+    "lr_bits",
+    "beta1_bits",
+    "beta2_bits",
+    "eps_bits",
+    "correction_bits",
+    "first_correction_bits",
+    "decay_bits",
+    "scale_bits",
+    "inner",
+    "row_stride",
+    "rows",
+    "column_stride",
+    "columns",
+)
+
+
+def _adamw_sghmc(
+    param: KernelArg,
+    grad: KernelArg,
+    exp_avg: KernelArg,
+    exp_avg_sq: KernelArg,
+    max_exp_avg_sq: KernelArg,
+    pre: KernelArg,
+    out: KernelArg,
+    largest: KernelArg,
+    numel: KernelArg,
+    offset: KernelArg,
+    seed: KernelArg,
+    lr_bits: KernelArg,
+    beta1_bits: KernelArg,
+    beta2_bits: KernelArg,
+    eps_bits: KernelArg,
+    correction_bits: KernelArg,
+    first_correction_bits: KernelArg,
+    decay_bits: KernelArg,
+    scale_bits: KernelArg,
+    inner: KernelArg,
+    row_stride: KernelArg,
+    rows: KernelArg,
+    column_stride: KernelArg,
+    columns: KernelArg,
+    BLOCK: constexpr,  # noqa: N803
+    MAXIMIZE: constexpr,  # noqa: N803
+    DECAY: constexpr,  # noqa: N803
+    POOLED: constexpr,  # noqa: N803
+    NOISE: constexpr,  # noqa: N803
+    AMSGRAD: constexpr,  # noqa: N803
+    UPDATE: constexpr,  # noqa: N803
+) -> None:
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # nothing is read or written unless every gradient is finite: the largest absolute
+    # gradient is at most the largest float64 (false for NaN and infinity)
+    worst = tl.load(largest)
+    mask = index < tl.where(worst <= 1.7976931348623157e308, numel, 0)
+    lr = lr_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    beta1 = beta1_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    beta2 = beta2_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    eps = eps_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    p = tl.load(param + index, mask=mask)
+    g = tl.load(grad + index, mask=mask)
+    if MAXIMIZE:
+        g = -g
+    g64 = g.to(tl.float64)
+    v = tl.load(exp_avg_sq + index, mask=mask).to(tl.float64)
+    v = (beta2 * v + (1.0 - beta2) * g64 * g64).to(p.dtype)
+    tl.store(exp_avg_sq + index, v, mask=mask)
+    correction = correction_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    if POOLED:
+        member = index // inner
+        entry = member * (rows * columns) + ((index // row_stride) % rows) * columns
+        entry = entry + (index // column_stride) % columns
+        a = tl.load(pre + entry, mask=mask, other=1.0)
+    elif NOISE:
+        a = (tl.sqrt(v.to(tl.float64) / correction) + eps).to(p.dtype)
+    else:  # AdamW's own denominator (temperature 0)
+        second = v
+        if AMSGRAD:
+            second = tl.maximum(tl.load(max_exp_avg_sq + index, mask=mask), v)
+            tl.store(max_exp_avg_sq + index, second, mask=mask)
+        a = (tl.sqrt(second.to(tl.float64)) / tl.sqrt(correction) + eps).to(p.dtype)
+    a64 = a.to(tl.float64)
+    kick = g64
+    if NOISE:
+        root = tl.where(a == eps.to(p.dtype), 0.0, tl.sqrt(a64).to(p.dtype))
+        xi = tl.randn(seed, offset + index).to(tl.float64)
+        kick = g64 + scale * xi * root.to(tl.float64)
+    m = tl.load(exp_avg + index, mask=mask).to(tl.float64)
+    m = (m + (1.0 - beta1) * (kick - m)).to(p.dtype)
+    tl.store(exp_avg + index, m, mask=mask)
+    d = m.to(tl.float64) / a64
+    if not NOISE:  # AdamW's bias correction of the momentum (temperature 0 only)
+        d = d / first_correction_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    if DECAY:
+        decay = decay_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        d = d + decay * p.to(tl.float64)
+    if UPDATE:
+        tl.store(out + index, (-lr * d).to(p.dtype), mask=mask)
+    else:
+        tl.store(param + index, (p.to(tl.float64) - lr * d).to(p.dtype), mask=mask)
+
+
+def unsupported(group: Mapping[str, Any], temperature: float) -> str | None:
+    """Every AdamWSGHMC option is supported (``amsgrad`` only at temperature 0, as unfused)."""
+    return None
+
+
+def _root(scale: Tensor, eps: float) -> Tensor:
+    r"""The kept :math:`\sqrt{a}`, 0 where :math:`a` has no scale (as the reference keeps it)."""
+    return scale.sqrt().masked_fill(scale == eps, 0.0)
+
+
+def _adamw(group: Mapping[str, Any], inputs: FusedInput, buffers: dict[str, list[Any]]) -> None:
+    """Temperature 0: ``torch.optim.AdamW(fused=True)``'s step, per device, ``found_inf`` set."""
+    beta1, beta2 = group["betas"]
+    devices: dict[torch.device, list[int]] = {}
+    for i, param in enumerate(inputs.params):
+        devices.setdefault(param.device, []).append(i)
+    for device, index in devices.items():
+        # torch's fused Adam counts on the device: fill tensors there from the host counts
+        steps = [
+            torch.full((), float(buffers["step"][i]), dtype=torch.float32, device=device)
+            for i in index
+        ]
+        for i in index:
+            buffers["step"][i] = advanced(buffers["step"][i], True)
+            buffers["preconditioner_step"][i] = released(buffers["preconditioner_step"][i], True)
+        found_inf = inputs.largest[index[0]].isfinite().logical_not().to(torch.float32)
+        maxima = buffers.get("max_exp_avg_sq") or []
+        _torch_adam()(
+            [inputs.params[i] for i in index],
+            [inputs.grads[i] for i in index],
+            [buffers["exp_avg"][i] for i in index],
+            [buffers["exp_avg_sq"][i] for i in index],
+            [maxima[i] for i in index] if maxima else [],
+            steps,
+            foreach=None,
+            capturable=False,
+            differentiable=False,
+            fused=True,
+            grad_scale=None,
+            found_inf=found_inf.reshape(()),
+            has_complex=False,
+            amsgrad=bool(group["amsgrad"]),
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=bool(group["maximize"]),
+        )
+
+
+def launch(
+    group: Mapping[str, Any], inputs: FusedInput, updates: list[Tensor] | None = None
+) -> Mapping[str, list[Any]]:
+    r"""Take AdamWSGHMC's step on every tensor of ``inputs`` in place (one launch per tensor).
+
+    Returns every state field of ``inputs.buffers`` (the step counts advanced, a
+    preconditioner frozen or released). With ``updates`` (temperature > 0; one
+    contiguous tensor per parameter), write :math:`-lr\,d` there and leave the
+    parameters unchanged.
+    """
+    buffers: dict[str, list[Any]] = {name: list(v) for name, v in inputs.buffers.items()}
+    lr, temperature = float(group["lr"]), float(group["temperature"])
+    if temperature == 0 and updates is None:
+        _adamw(group, inputs, buffers)
+        return buffers
+    amsgrad = bool(group["amsgrad"]) and temperature == 0
+    beta1, beta2 = (float(beta) for beta in group["betas"])
+    eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
+    maximize = bool(group["maximize"])
+    how, warmup = group["preconditioner"], group["preconditioner_warmup"]
+    scale = adamw_sghmc_noise_scale(lr, temperature, group["num_data"])
+    for i, (param, grad, seed, offset, largest) in enumerate(
+        zip(inputs.params, inputs.grads, inputs.seeds, inputs.offsets, inputs.largest, strict=True)
+    ):
+        square = buffers["exp_avg_sq"][i]
+        buffers["step"][i] = advanced(buffers["step"][i], True)
+        step = float(buffers["step"][i])
+        correction = 1 - beta2**step
+        flag, frozen = buffers["preconditioner_step"][i], buffers["preconditioner"][i]
+        kept = frozen is not None and buffers["preconditioner_root"][i] is not None
+        pre = None
+        if temperature == 0:
+            buffers["preconditioner_step"][i] = released(flag, True)
+        elif float(flag) > 0 and kept:
+            pre = frozen
+        else:
+            freeze = freezes_now(float(flag), step, warmup)
+            if how != "elementwise" or freeze:
+                pre = preconditioner_before_kernel(
+                    square,
+                    grad,
+                    param,
+                    beta=beta2,
+                    correction=correction,
+                    eps=eps,
+                    how=how,
+                    weight_decay=0.0,
+                    maximize=maximize,
+                )
+            if freeze:
+                assert pre is not None
+                before = 1 - beta2 ** (step - 1) or 1.0  # (V is still 0 at step 1)
+                fallback = refused_step_fallback(
+                    pre, square, param, largest, correction=before, eps=eps, how=how
+                )
+                buffers["preconditioner"][i] = fallback
+                buffers["preconditioner_root"][i] = _root(fallback, eps)
+                buffers["preconditioner_step"][i] = freeze_mark(flag, step)
+        where = Layout(1, 1, 1, 1, 1) if pre is None else compact_layout(param, pre)
+        launch_elementwise(
+            _adamw_sghmc,
+            param,
+            grad,
+            buffers["exp_avg"][i],
+            square,
+            buffers["max_exp_avg_sq"][i] if amsgrad else param,  # (param: never read)
+            param if pre is None else pre,
+            param if updates is None else updates[i],
+            largest,
+            param.numel(),
+            offset,
+            seed,
+            as_float64_bits(lr),
+            as_float64_bits(beta1),
+            as_float64_bits(beta2),
+            as_float64_bits(eps),
+            as_float64_bits(correction),
+            as_float64_bits(1 - beta1**step),
+            as_float64_bits(weight_decay),
+            as_float64_bits(scale),
+            *where,
+            do_not_specialize=_VARYING,
+            MAXIMIZE=maximize,
+            DECAY=weight_decay != 0,
+            POOLED=pre is not None,
+            NOISE=temperature > 0,
+            AMSGRAD=amsgrad,
+            UPDATE=updates is not None,
+        )
+    return buffers

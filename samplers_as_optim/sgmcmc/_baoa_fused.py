@@ -1,0 +1,137 @@
+r"""BAOA's fused Triton kernel: ``baoa.baoa_direction`` and the step in one pass.
+
+Per element, with :math:`g' = \pm g + \lambda\theta` rounded to the parameter's dtype,
+:math:`\sigma = \sqrt{(1-\mu^2)T/(N\,lr)}` (``baoa.baoa_noise_scale``) and :math:`\xi =
+\texttt{tl.randn}(seed, \text{global index})`, in float64 (Leimkuhler & Matthews' BAOAB
+with the half kicks merged, in SGD units: the derivation is in :mod:`.baoa`):
+
+.. math::
+
+    v = b + g', \qquad b \leftarrow \mu\, v + \sigma\,\xi, \qquad
+    \theta \leftarrow \theta - lr\, d, \quad d = (v + b)/2,
+
+the buffer stored in its dtype, :math:`d` rounded to the parameter's dtype (as the
+reference's direction is) and :math:`\theta` rounded once. At :math:`T = 0` no noise is
+drawn: the step is ``torch.optim.SGD(lr * (1 + momentum) / 2, momentum)``'s up to
+rounding, as the reference's is. It reads :math:`\theta`, :math:`g` and :math:`b` once
+and writes :math:`\theta` and :math:`b` once; nothing is written when the step's flag (the
+largest absolute gradient) is not finite. Small tensors share launches
+(``_fused_launch.launch_tensors``), each with its own noise key. The reference rounds each
+operation in the parameter's dtype; the kernel agrees with it up to that rounding
+(``tests/test_fused_sgnht_baoa.py``, through Triton's interpreter on the CPU only: no GPU
+has run this kernel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, cast
+
+from torch import Tensor
+
+from ._fused_launch import FusedInput, KernelArg, as_float64_bits, constexpr, launch_tensors
+from ._fused_launch import optional_module as _optional_module
+from .baoa import baoa_noise_scale
+
+__all__ = ["launch", "unsupported"]
+
+tl: Any = _optional_module("triton.language")
+
+#: arguments whose values change between steps: not specialised on (one compiled kernel)
+_VARYING = (
+    "count",
+    "programs",
+    "offset",
+    "seed",
+    "lr_bits",
+    "momentum_bits",
+    "decay_bits",
+    "scale_bits",
+)
+
+
+def _baoa(
+    table: KernelArg,
+    count: KernelArg,
+    programs: KernelArg,
+    numel: KernelArg,
+    offset: KernelArg,
+    seed: KernelArg,
+    param: KernelArg,
+    grad: KernelArg,
+    buffer: KernelArg,
+    largest: KernelArg,
+    lr_bits: KernelArg,
+    momentum_bits: KernelArg,
+    decay_bits: KernelArg,
+    scale_bits: KernelArg,
+    BLOCK: constexpr,  # noqa: N803
+    MULTI: constexpr,  # noqa: N803
+    MAXIMIZE: constexpr,  # noqa: N803
+    DECAY: constexpr,  # noqa: N803
+    NOISE: constexpr,  # noqa: N803
+) -> None:
+    if MULTI:  # this program's tensor and block, from the table (_fused_launch.launch_tensors)
+        code = tl.load(table + tl.program_id(0))
+        t = code >> 32
+        block = code & 0xFFFFFFFF
+        rows = table + programs
+        numel = tl.load(rows + t)
+        offset = tl.load(rows + count + t)
+        seed = tl.load(rows + 2 * count + t)
+        param = tl.load(rows + 3 * count + t).to(param.dtype, bitcast=True)
+        grad = tl.load(rows + 4 * count + t).to(grad.dtype, bitcast=True)
+        buffer = tl.load(rows + 5 * count + t).to(buffer.dtype, bitcast=True)
+        largest = tl.load(rows + 6 * count + t).to(largest.dtype, bitcast=True)
+    else:
+        block = tl.program_id(0).to(tl.int64)
+    index = block * BLOCK + tl.arange(0, BLOCK)
+    # nothing is read or written unless every gradient is finite: the largest absolute
+    # gradient is at most the largest float64 (false for NaN and infinity)
+    worst = tl.load(largest)
+    mask = index < tl.where(worst <= 1.7976931348623157e308, numel, 0)
+    lr = lr_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    momentum = momentum_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    p = tl.load(param + index, mask=mask)
+    g = tl.load(grad + index, mask=mask)
+    if MAXIMIZE:
+        g = -g
+    if DECAY:
+        decay = decay_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        g = (g.to(tl.float64) + decay * p.to(tl.float64)).to(p.dtype)
+    v = tl.load(buffer + index, mask=mask).to(tl.float64) + g.to(tl.float64)  # B: the kick
+    b = momentum * v  # O
+    if NOISE:
+        scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        b = b + scale * tl.randn(seed, offset + index).to(tl.float64)
+    tl.store(buffer + index, b.to(buffer.dtype.element_ty), mask=mask)
+    d = ((v + b) * 0.5).to(p.dtype)  # the two half drifts (A)
+    p = (p.to(tl.float64) - lr * d.to(tl.float64)).to(p.dtype)
+    tl.store(param + index, p, mask=mask)
+
+
+def unsupported(group: Mapping[str, Any], temperature: float) -> str | None:
+    """Every BAOA option is supported (``dampening`` and ``nesterov`` are refused by BAOA)."""
+    return None
+
+
+def launch(group: Mapping[str, Any], inputs: FusedInput) -> Mapping[str, list[Tensor]]:
+    """Take BAOA's step on every tensor of ``inputs`` in place (small ones share launches)."""
+    lr, temperature = float(group["lr"]), float(group["temperature"])
+    momentum, weight_decay = float(group["momentum"]), float(group["weight_decay"])
+    buffers = cast(list[Tensor], inputs.buffers["momentum_buffer"])  # set by the state's init
+    launch_tensors(
+        _baoa,
+        [inputs.params, inputs.grads, buffers, inputs.largest],
+        as_float64_bits(lr),
+        as_float64_bits(momentum),
+        as_float64_bits(weight_decay),
+        as_float64_bits(baoa_noise_scale(lr, momentum, temperature, group["num_data"])),
+        offsets=inputs.offsets,
+        seeds=inputs.seeds,
+        do_not_specialize=_VARYING,
+        MAXIMIZE=bool(group["maximize"]),
+        DECAY=weight_decay != 0,
+        NOISE=temperature > 0,
+    )
+    return {"momentum_buffer": buffers}

@@ -1,0 +1,286 @@
+r"""PSGLD's fused Triton kernel: ``psgld.psgld_direction`` and the step in one pass.
+
+Per element, with :math:`g' = \pm g + \lambda\theta` (rounded to the parameter's dtype,
+as ``torch.optim.RMSprop`` rounds it), in float64 and rounded where the state is stored:
+
+.. math::
+
+    V \leftarrow \alpha V + (1-\alpha)\, g'^2, \qquad
+    d = g'/a + \sigma\,\xi/\sqrt{a} \;\big[{} - (T/N)\,\Gamma\big], \qquad
+    \theta \leftarrow \theta - lr\, d,
+
+with :math:`\sigma = \sqrt{2T/(N\,lr)}`, :math:`\xi = \texttt{tl.randn}(seed,
+\text{global index})`, no noise where :math:`a = \epsilon` (a preconditioner without
+scale, :func:`~.sampling_preconditioner.sampling_preconditioner`), and :math:`a` the
+sampling preconditioner of :mod:`.sampling_preconditioner` (Li et al. 2016, Algorithm
+1, with the pooled and frozen :math:`a` of this package's default):
+
+* frozen: the kept compact :math:`a`, read broadcast (``_pooled_fused``);
+* ``"factored"`` before its freeze: :math:`a = \sqrt{\bar V'} + \epsilon` of this step's
+  :math:`V'` pooled, computed before the kernel by torch operations on the device (a
+  reduction over the tensor: no elementwise kernel can do it), as the reference
+  computes it; frozen at the step the warm-up ends;
+* ``"elementwise"`` (Li et al.'s own): :math:`a = \sqrt{V'} + \epsilon` in registers;
+  with ``correction=True`` Li et al.'s :math:`\Gamma` from the secant of the last step
+  (``_li_correction``), reading and writing the previous parameter and gradient.
+
+At temperature 0 it is RMSprop's step, ``momentum`` (:math:`b \leftarrow \mu b + g'/a`,
+:math:`\theta \leftarrow \theta - lr\,b`) and ``centered`` (:math:`a = \sqrt{V - \bar
+g^2} + \epsilon`, :math:`\bar g \leftarrow \bar g + (1-\alpha)(g' - \bar g)`) included,
+computed in float64 and rounded once, so equal to ``torch.optim.RMSprop`` up to its
+roundings (which round each operation in the parameter's dtype). It reads
+:math:`\theta`, :math:`g`, :math:`V` (and the buffers an option keeps) once and writes
+:math:`\theta`, :math:`V` (and them) once; nothing is written when the step's flag (the
+largest absolute gradient) is not finite. One launch per tensor. The step counts and the
+freeze marks are host numbers, advanced in Python as the reference advances them.
+
+``launch`` takes the Optimizer's step (the parameter written in place); ``launch`` with
+``updates`` (the transforms' fused path) writes the update :math:`-lr\,d` there instead
+and leaves the parameter unchanged. Checked through Triton's interpreter on the CPU only
+(``tests/test_fused_adaptive.py``): compiled for an sm_90 GPU by Triton's compiler
+(``tests/test_fused_transforms.py``), no GPU has run it yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from ._fused_launch import (
+    FusedInput,
+    KernelArg,
+    as_float64_bits,
+    constexpr,
+    launch_elementwise,
+)
+from ._fused_launch import optional_module as _optional_module
+from ._pooled_fused import (
+    Layout,
+    compact_layout,
+    preconditioner_before_kernel,
+    refused_step_fallback,
+)
+from ._psgld_dtypes import psgld_noise_scale
+from .sampling_preconditioner import advanced, freeze_mark, freezes_now, released
+
+__all__ = ["launch", "unsupported"]
+
+tl: Any = _optional_module("triton.language")
+
+#: arguments whose values change between steps: not specialised on (one compiled kernel)
+_VARYING = (
+    "numel",
+    "offset",
+    "seed",
+    "lr_bits",
+    "alpha_bits",
+    "eps_bits",
+    "decay_bits",
+    "scale_bits",
+    "momentum_bits",
+    "gamma_bits",
+    "inner",
+    "row_stride",
+    "rows",
+    "column_stride",
+    "columns",
+)
+
+
+def _psgld(
+    param: KernelArg,
+    grad: KernelArg,
+    square: KernelArg,
+    pre: KernelArg,
+    momentum_buffer: KernelArg,
+    grad_avg: KernelArg,
+    previous_param: KernelArg,
+    previous_grad: KernelArg,
+    out: KernelArg,
+    largest: KernelArg,
+    numel: KernelArg,
+    offset: KernelArg,
+    seed: KernelArg,
+    lr_bits: KernelArg,
+    alpha_bits: KernelArg,
+    eps_bits: KernelArg,
+    decay_bits: KernelArg,
+    scale_bits: KernelArg,
+    momentum_bits: KernelArg,
+    gamma_bits: KernelArg,
+    inner: KernelArg,
+    row_stride: KernelArg,
+    rows: KernelArg,
+    column_stride: KernelArg,
+    columns: KernelArg,
+    BLOCK: constexpr,  # noqa: N803
+    MAXIMIZE: constexpr,  # noqa: N803
+    DECAY: constexpr,  # noqa: N803
+    NOISE: constexpr,  # noqa: N803
+    POOLED: constexpr,  # noqa: N803
+    MOMENTUM: constexpr,  # noqa: N803
+    CENTERED: constexpr,  # noqa: N803
+    CORRECTION: constexpr,  # noqa: N803
+    UPDATE: constexpr,  # noqa: N803
+) -> None:
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # nothing is read or written unless every gradient is finite: the largest absolute
+    # gradient is at most the largest float64 (false for NaN and infinity)
+    worst = tl.load(largest)
+    mask = index < tl.where(worst <= 1.7976931348623157e308, numel, 0)
+    lr = lr_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    alpha = alpha_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    eps = eps_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    p = tl.load(param + index, mask=mask)
+    g = tl.load(grad + index, mask=mask)
+    if MAXIMIZE:
+        g = -g
+    if DECAY:
+        decay = decay_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        g = (g.to(tl.float64) + decay * p.to(tl.float64)).to(p.dtype)
+    g64 = g.to(tl.float64)
+    v = tl.load(square + index, mask=mask).to(tl.float64)
+    v = (alpha * v + (1.0 - alpha) * g64 * g64).to(p.dtype)
+    tl.store(square + index, v, mask=mask)
+    v64 = v.to(tl.float64)
+    eps_here = eps.to(p.dtype).to(tl.float64)
+    if POOLED:
+        member = index // inner
+        entry = member * (rows * columns) + ((index // row_stride) % rows) * columns
+        entry = entry + (index // column_stride) % columns
+        a = tl.load(pre + entry, mask=mask, other=1.0).to(tl.float64)
+    elif CENTERED:
+        mean = tl.load(grad_avg + index, mask=mask).to(tl.float64)
+        mean = (mean + (1.0 - alpha) * (g64 - mean)).to(p.dtype)
+        tl.store(grad_avg + index, mean, mask=mask)
+        mean64 = mean.to(tl.float64)
+        a = (tl.sqrt(v64 - mean64 * mean64) + eps).to(p.dtype).to(tl.float64)
+    else:
+        a = (tl.sqrt(v64) + eps).to(p.dtype).to(tl.float64)
+    d = g64 / a
+    if MOMENTUM:
+        momentum = momentum_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        b = momentum * tl.load(momentum_buffer + index, mask=mask).to(tl.float64) + d
+        b = b.to(p.dtype)
+        tl.store(momentum_buffer + index, b, mask=mask)
+        d = b.to(tl.float64)
+    if NOISE:
+        scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        xi = tl.randn(seed, offset + index).to(tl.float64)
+        d = d + tl.where(a == eps_here, 0.0, scale * xi / tl.sqrt(a))
+    if CORRECTION:
+        gamma_scale = gamma_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        before = tl.load(previous_param + index, mask=mask).to(tl.float64)
+        moved = p.to(tl.float64) - before
+        last = tl.load(previous_grad + index, mask=mask).to(tl.float64)
+        curvature = tl.where(moved != 0.0, (g64 - last) / tl.where(moved != 0.0, moved, 1.0), 0.0)
+        root = tl.sqrt(v64)
+        safe = tl.where(root > 0.0, root, 1.0)
+        gamma = tl.where(root > 0.0, -(1.0 - alpha) * g64 * curvature / (a * a * safe), 0.0)
+        d = d - gamma_scale * gamma
+        tl.store(previous_param + index, p, mask=mask)
+        tl.store(previous_grad + index, g, mask=mask)
+    if UPDATE:
+        tl.store(out + index, (-lr * d).to(p.dtype), mask=mask)
+    else:
+        tl.store(param + index, (p.to(tl.float64) - lr * d).to(p.dtype), mask=mask)
+
+
+def unsupported(group: Mapping[str, Any], temperature: float) -> str | None:
+    """Every PSGLD option is supported (``capturable`` is refused by the sampler itself)."""
+    return None
+
+
+def launch(
+    group: Mapping[str, Any], inputs: FusedInput, updates: list[Tensor] | None = None
+) -> Mapping[str, list[Any]]:
+    r"""Take PSGLD's step on every tensor of ``inputs`` in place (one launch per tensor).
+
+    Returns every state field of ``inputs.buffers`` (the step counts advanced, a
+    preconditioner frozen or released). With ``updates`` (one contiguous tensor per
+    parameter), write :math:`-lr\,d` there and leave the parameters unchanged.
+    """
+    lr, temperature = float(group["lr"]), float(group["temperature"])
+    alpha, eps = float(group["alpha"]), float(group["eps"])
+    weight_decay, maximize = float(group["weight_decay"]), bool(group["maximize"])
+    momentum, centered = float(group["momentum"]), bool(group["centered"])
+    how, warmup = group["preconditioner"], group["preconditioner_warmup"]
+    correction = bool(group["correction"]) and temperature > 0
+    scale = psgld_noise_scale(lr, temperature, group["num_data"])
+    buffers: dict[str, list[Any]] = {name: list(v) for name, v in inputs.buffers.items()}
+    for i, (param, grad, seed, offset, largest) in enumerate(
+        zip(inputs.params, inputs.grads, inputs.seeds, inputs.offsets, inputs.largest, strict=True)
+    ):
+        square = buffers["square_avg"][i]
+        buffers["step"][i] = advanced(buffers["step"][i], True)
+        step = float(buffers["step"][i])
+        pre = None
+        if temperature == 0:
+            buffers["preconditioner_step"][i] = released(buffers["preconditioner_step"][i], True)
+        else:
+            flag, frozen = buffers["preconditioner_step"][i], buffers["preconditioner"][i]
+            if float(flag) > 0 and frozen is not None:
+                pre = frozen
+            else:
+                freeze = freezes_now(float(flag), step, warmup)
+                if how != "elementwise" or freeze:
+                    pre = preconditioner_before_kernel(
+                        square,
+                        grad,
+                        param,
+                        beta=alpha,
+                        correction=1.0,
+                        eps=eps,
+                        how=how,
+                        weight_decay=weight_decay,
+                        maximize=maximize,
+                    )
+                if freeze:
+                    assert pre is not None
+                    buffers["preconditioner"][i] = refused_step_fallback(
+                        pre, square, param, largest, correction=1.0, eps=eps, how=how
+                    )
+                    buffers["preconditioner_step"][i] = freeze_mark(flag, step)
+        where = Layout(1, 1, 1, 1, 1) if pre is None else compact_layout(param, pre)
+        fallback = param  # (a pointer for the buffers an option does not keep: never read)
+        momentum_buffer = buffers["momentum_buffer"][i] if temperature == 0 and momentum else None
+        grad_avg = buffers["grad_avg"][i] if temperature == 0 and centered else None
+        previous = (
+            (buffers["previous_param"][i], buffers["previous_grad"][i]) if correction else None
+        )
+        launch_elementwise(
+            _psgld,
+            param,
+            grad,
+            square,
+            fallback if pre is None else pre,
+            fallback if momentum_buffer is None else momentum_buffer,
+            fallback if grad_avg is None else grad_avg,
+            fallback if previous is None else previous[0],
+            fallback if previous is None else previous[1],
+            fallback if updates is None else updates[i],
+            largest,
+            param.numel(),
+            offset,
+            seed,
+            as_float64_bits(lr),
+            as_float64_bits(alpha),
+            as_float64_bits(eps),
+            as_float64_bits(weight_decay),
+            as_float64_bits(scale),
+            as_float64_bits(momentum),
+            as_float64_bits(temperature / group["num_data"]),
+            *where,
+            do_not_specialize=_VARYING,
+            MAXIMIZE=maximize,
+            DECAY=weight_decay != 0,
+            NOISE=temperature > 0,
+            POOLED=pre is not None,
+            MOMENTUM=momentum_buffer is not None,
+            CENTERED=grad_avg is not None,
+            CORRECTION=previous is not None,
+            UPDATE=updates is not None,
+        )
+    return buffers
