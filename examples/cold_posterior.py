@@ -200,13 +200,16 @@ IVON_SETTINGS = dict(lr=0.2, hess_init=0.5, beta2=0.999)  # ivon-opt's other def
 
 #: The methods whose target depends on the temperature, in the table's order.
 METHODS = (
+    "Laplace EF (sampled)",
     "Laplace EF",
-    "Laplace EF (linear)",
+    "Laplace GGN (sampled)",
     "Laplace GGN",
-    "Laplace GGN (linear)",
+    "Laplace GGN (probit)",
+    "Laplace KFAC (sampled)",
     "Laplace KFAC",
-    "Laplace KFAC (linear)",
+    "Laplace KFAC (probit)",
     "Last-layer Laplace",
+    "Last-layer (probit)",
     "VI",
     "Serial SGHMC",
     "Parallel SGHMC",
@@ -401,14 +404,25 @@ def _run(settings: Settings, seed: int) -> dict[str, Any]:
         for label, laplace in laplaces.items():
             laplace.temperature = temperature
             started = time.perf_counter()
-            for linear in (False, True) if label != "Last-layer Laplace" else (True,):
+            # the default predictive, the GLM's (linearised draws); weight draws
+            # ("(sampled)", linear=False); the closed-form probit GLM predictive
+            with torch.no_grad():
+                logits = laplace.predict(x_test, settings.draws, generator=generator())
+            record(label, logits, started)
+            if label != "Last-layer Laplace":
+                started = time.perf_counter()
                 with torch.no_grad():
                     logits = laplace.predict(
-                        x_test, settings.draws, linear=linear, generator=generator()
+                        x_test, settings.draws, linear=False, generator=generator()
                     )
-                name = label + (" (linear)" if linear and label != "Last-layer Laplace" else "")
-                record(name, logits, started)
+                record(f"{label} (sampled)", logits, started)
+            if label != "Laplace EF":
                 started = time.perf_counter()
+                probit = laplace.predictive(x_test, link_approx="probit")
+                name = "Last-layer (probit)" if label == "Last-layer Laplace" else label
+                record(name if name.endswith("(probit)") else f"{name} (probit)",
+                       probit.log_probs.unsqueeze(0), started)  # fmt: skip
+            started = time.perf_counter()
 
         # Mean-field VI, started at the MAP.
         started = time.perf_counter()
@@ -599,16 +613,20 @@ def plot(results: dict[str, Any], path: Path) -> None:
     temperatures = results["temperatures"]
     figure = Figure(figsize=(14, 4.5), layout="constrained")
     axes = figure.subplots(1, 2)
-    # one colour per method family; within a Laplace family the sampled predictive is
-    # dotted with crosses, the linearised one solid with circles (visible in the legend)
+    # one colour per method family; within a Laplace family the weight-sampled predictive
+    # is dotted with crosses, the GLM one (the default) solid with circles, its closed-form
+    # probit dashed with pluses (visible in the legend)
     styles = {
-        "Laplace EF": ("C1", ":", "x"),
-        "Laplace EF (linear)": ("C1", "-", "o"),
-        "Laplace GGN": ("C2", ":", "x"),
-        "Laplace GGN (linear)": ("C2", "-", "o"),
-        "Laplace KFAC": ("C5", ":", "x"),
-        "Laplace KFAC (linear)": ("C5", "-", "o"),
+        "Laplace EF (sampled)": ("C1", ":", "x"),
+        "Laplace EF": ("C1", "-", "o"),
+        "Laplace GGN (sampled)": ("C2", ":", "x"),
+        "Laplace GGN": ("C2", "-", "o"),
+        "Laplace GGN (probit)": ("C2", "--", "+"),
+        "Laplace KFAC (sampled)": ("C5", ":", "x"),
+        "Laplace KFAC": ("C5", "-", "o"),
+        "Laplace KFAC (probit)": ("C5", "--", "+"),
         "Last-layer Laplace": ("C6", "-", "o"),
+        "Last-layer (probit)": ("C6", "--", "+"),
         "VI": ("C4", "-", "o"),
         "Serial SGHMC": ("C9", "--", "s"),
         "Parallel SGHMC": ("C0", "-", "D"),
