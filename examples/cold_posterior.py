@@ -429,9 +429,8 @@ def _run(settings: Settings, seed: int) -> dict[str, Any]:
             if label != "Laplace EF":
                 started = time.perf_counter()
                 probit = laplace.predictive(x_test, link_approx="probit")
-                name = "Last-layer (probit)" if label == "Last-layer Laplace" else label
-                record(name if name.endswith("(probit)") else f"{name} (probit)",
-                       probit.log_probs.unsqueeze(0), started)  # fmt: skip
+                name = "Last-layer" if label == "Last-layer Laplace" else label
+                record(f"{name} (probit)", probit.log_probs.unsqueeze(0), started)
             started = time.perf_counter()
 
         # Mean-field VI, started at the MAP.
