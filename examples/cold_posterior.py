@@ -108,54 +108,63 @@ collapses (EF 0.247 ± 0.045, GGN 0.412 ± 0.049), the GLM predictive keeps 0.91
 and 0.960 (GGN), its probit 0.972 (GGN), VI 0.968, serial and parallel SGHMC 0.969 and
 0.980; at T <= 0.01 every method is within 0.004 of the MAP.
 
-What reproduces (the takeaways of Section 5.1; written from the earlier run, whose
-figures the re-run above matches within 0.02 except the rows its note names; the
-per-seed comparisons below were not re-checked):
+What reproduces (the takeaways of Section 5.1; every comparison below checked per seed
+against the full-mode run above, seeds 0-2):
 
 * A strong cold posterior effect for the Gaussian approximations: every Laplace variant
-  is best at the coldest temperature and 9.5-27 times worse at T = 1; VI is best at
-  T <= 0.01 and 1.4-1.7 times worse at T = 1.
-* Only a mild one for SGHMC: its best temperature lies between 0.01 and 0.3, and T = 1
-  costs 0.001-0.025 nats over it.
-* Linearisation rescues Laplace, and the GGN beats the empirical Fisher (Kunstner et
-  al. 2019), at every temperature and seed.
+  is best at the coldest temperature in every seed; at T = 1 the whole-network ones are
+  3.9-27 times worse (KFAC's GLM predictive 3.9-5.1 times, the diagonal GGN's 7.9-12.6,
+  weight sampling 19-27) and the last-layer ones 1.6-2.4 times; VI is best at
+  T <= 0.01 and 1.4-1.6 times worse at T = 1.
+* Only a mild one for SGHMC: its best temperature lies between 0.01 and 0.32 (serial)
+  and between 0.03 and 0.32 (parallel), and T = 1 costs 0.011-0.044 nats over it
+  (serial) and 0.007-0.023 (parallel).
+* Linearisation rescues Laplace (the GLM predictive beats weight sampling at every
+  temperature and seed, for the EF, the diagonal GGN and KFAC), and the GGN beats the
+  empirical Fisher (Kunstner et al. 2019), at every temperature and seed, sampled or
+  linearised.
 * Structure matters as much (not in the paper): keeping each layer's correlations, KFAC
-  (linearised) loses 2.5 times less than the diagonal GGN at T = 1 (0.39 against 0.96
-  nats, every seed), and the last-layer Laplace, a dense Gaussian over the output layer
-  alone, loses least of the Laplace variants (0.14 at T = 1, accuracy 0.973), close to
-  SGHMC; both are still best at the coldest temperature.
-* T -> 0 recovers optimisation: every Laplace variant tends to the MAP and parallel
-  SGHMC to the deep ensemble (within 0.001 nats at T = 1e-3); cooling parallel SGHMC
-  below its best temperature makes it worse, towards the deep ensemble, which it beats
-  at its best temperature in every seed (by 0.003-0.006 nats).
+  (linearised) has a 2.4-2.5 times lower NLL than the diagonal GGN at T = 1 (0.39
+  against 0.96 nats on average, every seed), and the last-layer Laplace, a dense
+  Gaussian over the output layer alone, loses least of the Laplace variants in every
+  seed (0.13-0.15 at T = 1 against serial SGHMC's 0.10-0.13; accuracy 0.973); both are
+  still best at the coldest temperature.
+* T -> 0 recovers optimisation: the linearised GGN, KFAC and last-layer Laplace tend to
+  the MAP (within 0.001 nats at T = 1e-3; the empirical Fisher's and the sampled
+  diagonal's within 0.003) and parallel SGHMC to the deep ensemble (within 0.0005);
+  cooling parallel SGHMC below its best temperature makes it worse, towards the deep
+  ensemble, which it beats at its best temperature in every seed (by 0.003-0.007
+  nats).
 
 What does not, or only weakly, at this scale:
 
 * "Parallel SGHMC slightly outperforms serial SGHMC": on average over the temperatures
-  it does in full mode (by 0.0007-0.007 nats), but not at every temperature (serial is
-  better at T = 1 in 2 of 3 seeds) and not on average in 2 of 5 quick-mode seeds.
+  it does in 2 of 3 seeds (by 0.007-0.015 nats), not in seed 2 (serial better by 0.005,
+  at 5 of the 7 temperatures); at T = 1 serial is better in 1 of 3 seeds.
 * "VI and SGHMC significantly outperform the MAP": at its best temperature parallel
-  SGHMC beats the MAP by 0.001-0.011 nats and serial SGHMC by -0.001-0.009, small
+  SGHMC beats the MAP by -0.001-0.012 nats and serial SGHMC by 0.004-0.006, small
   against the spread. VI at cold temperatures has the lowest
   NLL of all, but that is optimisation, not Bayes: continuing the MAP's training with
   VI's Adam schedule alone, no noise, gives the same (0.0665 against VI's 0.0668 at
-  seed 0, quick mode).
+  seed 0, quick mode, an earlier run).
 * That linearisation hurts VI is not tested (``MeanFieldVI.predict`` samples weights).
 * The cold posterior effect of SGHMC depends on the prior: in exploratory runs (one
-  seed, lr 0.05) σ = 1 and σ = 3 showed the mild effect, but with σ = 0.3 the MAP
-  underfits (NLL 0.21) and SGHMC was best at T = 1.
+  seed, lr 0.05, an earlier version) σ = 1 and σ = 3 showed the mild effect, but with
+  σ = 0.3 the MAP underfits (NLL 0.21) and SGHMC was best at T = 1.
 
 AdamW's twin and IVON (full mode, seeds 0-2):
 
 * The twin behaves as serial SGHMC, whose chain it shares: the MAP's NLL at T = 1e-3
-  (0.090), best at T = 0.003-0.01, and T = 1 costs it 0.030-0.038 nats over its best
-  (serial SGHMC 0.011-0.044, VI 0.035-0.041); accuracy 0.968 ± 0.007 at T = 1. A mild
-  cold posterior effect, as SGHMC's, not the Gaussian approximations' strong one.
-* IVON is worse than the MAP at every temperature (0.101 at T = 1e-3; seed 1 worst at
-  0.109-0.144): in 100 epochs with these settings its mean does not fit as well as SGD.
-  Its cold posterior effect is mild (T = 1 costs 0.011-0.035 nats over its best, at
-  T <= 0.003), and at T = 1 it is level with VI (0.118 against 0.120), from scratch in
-  under a third of VI's time; accuracy 0.965 ± 0.005 at T = 1.
+  (0.090 on average; -0.006 to +0.006 from the MAP per seed), best at T = 0.003-0.01,
+  and T = 1 costs it 0.039-0.066 nats over its best (serial SGHMC 0.011-0.044, VI
+  0.035-0.041); accuracy 0.958 ± 0.010 at T = 1. A mild cold posterior effect, as
+  SGHMC's, not the Gaussian approximations' strong one.
+* IVON is worse than the MAP at every temperature in every seed (0.101 at T = 1e-3;
+  seed 1 worst at 0.109-0.148): in 100 epochs with these settings its mean does not fit
+  as well as SGD. Its cold posterior effect is mild (T = 1 costs 0.011-0.035 nats over
+  its best, at T <= 0.003), and at T = 1 it is level with VI on average (0.118 against
+  0.120; better in 2 seeds of 3), from scratch in under a third of VI's time; accuracy
+  0.965 ± 0.005 at T = 1.
 
 In quick mode VI is not converged at T = 1 (NLL about 0.25 instead of 0.12), which
 exaggerates its cold posterior effect; SGHMC's best temperature and the serial/parallel
