@@ -1,27 +1,34 @@
-"""The sampler's cost on a CUDA device: the README's GPU figures.
+"""The samplers' cost on a CUDA device, beside torch's fused optimizers: the GPU figures.
 
-Three comparisons, each side by side in one run (interleaved rounds, medians of
+Every comparison is side by side in one process (interleaved rounds, medians of the
 per-round ratios; every timed batch of ``--repeat`` calls ends with
-``torch.cuda.synchronize()``):
+``torch.cuda.synchronize()``), each contender with its default arguments apart from the
+step size (and ``fused``, named where it is compared):
 
-(a) step only, the 1.86M-parameter MLP of ``bench_samplers.py`` with fixed gradients:
-    ``SGHMC.step`` / (``SGD.step`` + ``torch.randn`` of every parameter), the noise drawn
-    in the step (``overlap_noise=False``); both optimizers on their CUDA default, foreach.
-(b) a full training iteration (zero_grad, forward, backward, step) at batch 128 and at
-    batch 4096, and for a 37M-parameter MLP 784-4096-4096-4096-10 at batch 512: SGHMC
-    (noise drawn ahead on a side stream, the default; drawn in the step; and with
-    ``nonfinite="skip"``) / ``SGD(momentum=0.9)``; with torch >= 2.13 also both steps
-    compiled.
-(c) ``ParallelEnsemble`` of K MLPs with one SGHMC / a Python loop over K models each with
-    its own SGHMC (K = 16, MLP 784-256-256-10, batch 128): time per step.
+(a) a full training iteration (``zero_grad``, forward, backward, step) of the MLP
+    784-1024-1024-10 (1.86M parameters) at batch 128 and of the MLP 784-4096-4096-4096-10
+    (36.8M) at batch 512: ``SGHMC(fused=True)``, the unfused SGHMC, SGD's foreach path and
+    posteriors' ``sgmcmc.sghmc`` (its ``torch.func`` update, which takes the gradient
+    itself) against ``SGD(momentum=0.9, fused=True)``; ``AdamWSGHMC(fused=True)`` and the
+    foreach AdamW against ``AdamW(fused=True)``.
+(b) the step alone with fixed gradients at both sizes: ``SGHMC(fused=True).step`` against
+    ``SGD(fused=True).step``, ``AdamWSGHMC(fused=True).step`` against
+    ``AdamW(fused=True).step``.
+(c) ``ParallelEnsemble`` of 16 MLPs 784-256-256-10 with one fused SGHMC against a Python
+    loop over 16 models, each with its own fused SGHMC, batch 128: time per step.
 
-Run: ``python benchmarks/bench_gpu.py [--rounds 7] [--repeat 50]`` on a machine with CUDA.
+Targets on an H100 (issue 24): (a) <= 1.05x for both sizes, (b) <= 1.5x at 36.8M, for
+SGHMC against SGD and for the AdamW twin against AdamW.
+
+Run: ``python benchmarks/bench_gpu.py [--rounds 9] [--repeat 30]`` on a machine with CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,27 +36,37 @@ from bench_samplers import NUM_DATA, mlp
 from timing import batched_seconds, interleaved, median_ratio
 from torch import nn
 
-from samplers_as_optim import SGHMC
-from samplers_as_optim.core.noise_op import COMPILED_DRAW
+from samplers_as_optim import SGHMC, AdamWSGHMC
 from samplers_as_optim.samples.ensemble import ParallelEnsemble
 
 DEVICE = torch.device("cuda")
+SGD_LR = 1e-4
+ADAM_LR = 1e-4
 
 
-def timed(contenders, rounds: int, repeat: int):
+def timed(contenders: dict[str, Callable[[], object]], rounds: int, repeat: int):
     """Per-round times of each contender (``timing.interleaved``, a sync per batch)."""
-    _, per_round = interleaved(
-        contenders,
-        rounds=rounds,
-        repeat=repeat,
-        timer=lambda fn, repeat: batched_seconds(fn, repeat, DEVICE),
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for fn in contenders.values():  # warm-up: kernels compiled, state allocated
+            for _ in range(3):
+                fn()
+        torch.cuda.synchronize()
+        _, per_round = interleaved(
+            contenders,
+            rounds=rounds,
+            repeat=repeat,
+            timer=lambda fn, repeat: batched_seconds(fn, repeat, DEVICE),
+        )
     return per_round
 
 
-def show(per_round) -> None:
+def show(per_round, ratios: list[tuple[str, str]]) -> None:
     for name, values in per_round.items():
-        print(f"    {name:<28} {sorted(values)[len(values) // 2] * 1e3:8.3f} ms")
+        print(f"    {name:<34} {sorted(values)[len(values) // 2] * 1e3:8.3f} ms")
+    for numerator, denominator in ratios:
+        ratio = median_ratio(per_round, numerator, denominator)
+        print(f"    {numerator} / {denominator} = {ratio:.3f}")
 
 
 def data(batch: int):
@@ -59,41 +76,8 @@ def data(batch: int):
     return x, y
 
 
-def step_only(rounds: int, repeat: int) -> None:
-    model = mlp().to(DEVICE)
-    x, y = data(128)
-    F.cross_entropy(model(x), y).backward()
-    params = list(model.parameters())
-    sgd = torch.optim.SGD(params, lr=1e-4, momentum=0.9)
-    sampler = {"lr": 1e-4, "momentum": 0.9, "num_data": NUM_DATA, "seed": 0}
-    sghmc = SGHMC(params, **sampler, overlap_noise=False)
-    skipping = SGHMC(params, **sampler, overlap_noise=False, nonfinite="skip")
-    generator = torch.Generator(device=DEVICE).manual_seed(0)
-
-    def draw():
-        return [torch.randn(p.shape, generator=generator, device=DEVICE) for p in params]
-
-    per_round = timed(
-        {
-            "SGD.step": sgd.step,
-            "randn": draw,
-            "SGHMC.step": sghmc.step,
-            "SGHMC.step (skip)": skipping.step,
-        },
-        rounds,
-        repeat,
-    )
-    print("(a) step only, 1.86M parameters, fixed gradients")
-    show(per_round)
-    ratio = median_ratio(per_round, "SGHMC.step", "SGD.step", "randn")
-    print(f"    SGHMC.step / (SGD.step + randn) = {ratio:.3f}")
-    print(f"    SGHMC.step / SGD.step = {median_ratio(per_round, 'SGHMC.step', 'SGD.step'):.3f}")
-    ratio = median_ratio(per_round, "SGHMC.step (skip)", "SGD.step", "randn")
-    print(f"    SGHMC.step (nonfinite='skip': no sync) / (SGD.step + randn) = {ratio:.3f}")
-
-
 def wide_mlp() -> nn.Module:
-    """MLP 784-4096-4096-4096-10: 37.0M parameters."""
+    """MLP 784-4096-4096-4096-10: 36.8M parameters."""
     torch.manual_seed(0)
     return nn.Sequential(
         nn.Linear(784, 4096),
@@ -106,54 +90,101 @@ def wide_mlp() -> nn.Module:
     )
 
 
-def full_iteration(batch: int, rounds: int, repeat: int, make_model=mlp) -> None:
+def optimizers() -> dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]]:
+    sampler = {"num_data": NUM_DATA, "seed": 0}
+    return {
+        "SGD(fused)": lambda p: torch.optim.SGD(p, lr=SGD_LR, momentum=0.9, fused=True),
+        "SGD(foreach)": lambda p: torch.optim.SGD(p, lr=SGD_LR, momentum=0.9, foreach=True),
+        "SGHMC(fused)": lambda p: SGHMC(p, lr=SGD_LR, **sampler, fused=True),
+        "SGHMC(unfused)": lambda p: SGHMC(p, lr=SGD_LR, **sampler, fused=False),
+        "AdamW(fused)": lambda p: torch.optim.AdamW(p, lr=ADAM_LR, fused=True),
+        "AdamW(foreach)": lambda p: torch.optim.AdamW(p, lr=ADAM_LR, foreach=True),
+        "AdamWSGHMC(fused)": lambda p: AdamWSGHMC(p, lr=ADAM_LR, **sampler, fused=True),
+    }
+
+
+def posteriors_iteration(make_model, x, y) -> Callable[[], object] | None:
+    """posteriors' ``sgmcmc.sghmc`` on the same model: its update takes the gradient."""
+    try:
+        import posteriors
+    except ImportError:
+        print("    (posteriors is not installed: its row is left out)")
+        return None
+    model = make_model().to(DEVICE)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    def log_posterior(params, batch):
+        inputs, targets = batch
+        logits = torch.func.functional_call(model, params, (inputs,))
+        log_lik = -F.cross_entropy(logits, targets)
+        return log_lik, logits
+
+    # its step size is sqrt(lr) in SGD units (bench_family.py); its other defaults stay
+    transform = posteriors.sgmcmc.sghmc.build(
+        log_posterior, lr=math.sqrt(SGD_LR), temperature=1 / NUM_DATA
+    )
+    state = transform.init(params)
+
+    def run():
+        nonlocal state
+        state, _ = transform.update(state, (x, y), inplace=True)
+
+    return run
+
+
+def full_iteration(make_model, batch: int, rounds: int, repeat: int) -> None:
     x, y = data(batch)
 
-    def iteration(opt_factory, *, compiled=False):
+    def iteration(factory):
         model = make_model().to(DEVICE)
-        opt = opt_factory(model.parameters())
-        step = torch.compile(opt.step) if compiled else opt.step
+        opt = factory(list(model.parameters()))
 
         def run():
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
-            step()
+            opt.step()
 
         return run
 
-    common = {"lr": 1e-4, "momentum": 0.9}
-    sampler = {"num_data": NUM_DATA, "seed": 0}
-    contenders = {
-        "SGD": iteration(lambda p: torch.optim.SGD(p, **common)),
-        "SGHMC (noise ahead)": iteration(lambda p: SGHMC(p, **common, **sampler)),
-        "SGHMC (noise in step)": iteration(
-            lambda p: SGHMC(p, **common, **sampler, overlap_noise=False)
-        ),
-        "SGHMC (skip, noise ahead)": iteration(
-            lambda p: SGHMC(p, **common, **sampler, nonfinite="skip")
-        ),
-    }
-    if COMPILED_DRAW:  # torch >= 2.13: the step compiles to one graph
-        contenders["SGD, compiled step"] = iteration(
-            lambda p: torch.optim.SGD(p, **common), compiled=True
-        )
-        contenders["SGHMC, compiled step"] = iteration(
-            lambda p: SGHMC(p, **common, **sampler, nonfinite="skip"), compiled=True
-        )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for fn in contenders.values():
-            for _ in range(3):
-                fn()
+    contenders = {name: iteration(factory) for name, factory in optimizers().items()}
+    peer = posteriors_iteration(make_model, x, y)
+    if peer is not None:
+        contenders["posteriors sghmc"] = peer
     per_round = timed(contenders, rounds, repeat)
     size = sum(p.numel() for p in make_model().parameters()) / 1e6
-    print(f"(b) full iteration, {size:.2f}M parameters, batch {batch}")
-    show(per_round)
-    for name in ("SGHMC (noise ahead)", "SGHMC (noise in step)", "SGHMC (skip, noise ahead)"):
-        print(f"    {name} / SGD = {median_ratio(per_round, name, 'SGD'):.3f}")
-    if COMPILED_DRAW:
-        ratio = median_ratio(per_round, "SGHMC, compiled step", "SGD, compiled step")
-        print(f"    SGHMC / SGD, both steps compiled = {ratio:.3f}")
+    print(f"(a) full iteration, {size:.2f}M parameters, batch {batch}")
+    ratios = [
+        ("SGHMC(fused)", "SGD(fused)"),
+        ("SGHMC(unfused)", "SGD(fused)"),
+        ("SGD(foreach)", "SGD(fused)"),
+        ("AdamWSGHMC(fused)", "AdamW(fused)"),
+        ("AdamW(foreach)", "AdamW(fused)"),
+    ]
+    if peer is not None:
+        ratios.append(("posteriors sghmc", "SGD(fused)"))
+    show(per_round, ratios)
+
+
+def step_only(make_model, rounds: int, repeat: int) -> None:
+    x, y = data(128)
+    contenders = {}
+    for name, factory in optimizers().items():
+        model = make_model().to(DEVICE)
+        F.cross_entropy(model(x), y).backward()
+        contenders[name] = factory(list(model.parameters())).step
+    per_round = timed(contenders, rounds, repeat)
+    size = sum(p.numel() for p in make_model().parameters()) / 1e6
+    print(f"(b) step only, {size:.2f}M parameters, fixed gradients")
+    show(
+        per_round,
+        [
+            ("SGHMC(fused)", "SGD(fused)"),
+            ("SGHMC(fused)", "SGD(foreach)"),
+            ("SGHMC(unfused)", "SGD(fused)"),
+            ("AdamWSGHMC(fused)", "AdamW(fused)"),
+            ("AdamWSGHMC(fused)", "AdamW(foreach)"),
+        ],
+    )
 
 
 def ensemble_vs_loop(rounds: int, repeat: int, members: int = 16) -> None:
@@ -166,7 +197,7 @@ def ensemble_vs_loop(rounds: int, repeat: int, members: int = 16) -> None:
 
     torch.manual_seed(0)
     models = [small() for _ in range(members)]
-    sampler = {"lr": 1e-3, "momentum": 0.9, "num_data": NUM_DATA, "seed": 0}
+    sampler = {"lr": 1e-3, "num_data": NUM_DATA, "seed": 0, "fused": True}
     optimizers = [SGHMC(m.parameters(), **sampler) for m in models]
 
     def loop():
@@ -184,25 +215,23 @@ def ensemble_vs_loop(rounds: int, repeat: int, members: int = 16) -> None:
         ensemble_opt.step()
 
     per_round = timed({"loop": loop, "ParallelEnsemble": parallel}, rounds, repeat)
-    print(f"(c) {members} x MLP 784-256-256-10, SGHMC, batch 128, one step of all members")
-    show(per_round)
-    speedup = median_ratio(per_round, "loop", "ParallelEnsemble")
-    print(f"    loop / ParallelEnsemble = {speedup:.2f}x")
+    print(f"(c) {members} x MLP 784-256-256-10, fused SGHMC, batch 128, one step of all")
+    show(per_round, [("loop", "ParallelEnsemble")])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--repeat", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--repeat", type=int, default=30)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu.py needs a CUDA device")
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    step_only(args.rounds, args.repeat)
-    for batch in (128, 4096):
-        full_iteration(batch, args.rounds, args.repeat)
-    full_iteration(512, args.rounds, max(args.repeat // 5, 5), make_model=wide_mlp)
-    ensemble_vs_loop(args.rounds, args.repeat)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    full_iteration(mlp, 128, args.rounds, args.repeat)
+    full_iteration(wide_mlp, 512, args.rounds, max(args.repeat // 3, 5))
+    step_only(mlp, args.rounds, args.repeat)
+    step_only(wide_mlp, args.rounds, max(args.repeat // 3, 5))
+    ensemble_vs_loop(args.rounds, max(args.repeat // 3, 5))
 
 
 if __name__ == "__main__":

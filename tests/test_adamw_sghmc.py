@@ -410,17 +410,29 @@ def test_optimizer_only_flags(kwargs, message):
         AdamWSGHMC([torch.nn.Parameter(torch.zeros(2))], lr=0.1, num_data=10, **kwargs)
 
 
-def test_float16_at_positive_temperature_is_refused_before_anything_changes():
-    param = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
-    opt = AdamWSGHMC([param], num_data=10, seed=0)
-    param.grad = torch.ones(3, dtype=torch.float16)
-    message = "Invalid parameters in param group 0: float16 at temperature 1.0 (expected"
-    with pytest.raises(ValueError, match="^" + re.escape(message)):
-        opt.step()
-    assert torch.equal(param.detach(), torch.ones(3, dtype=torch.float16))
-    assert not opt.state[param]
-    opt.param_groups[0]["temperature"] = 0.0  # AdamW itself runs in float16
-    opt.step()
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_at_positive_temperature_is_the_float32_chain_rounded(dtype):
+    """float16 (which rounds eps = 1e-8 to 0 and overflows 1/a) samples through a float32
+    master copy: the chain is the float32 one given the same gradients, each step rounded
+    to the parameter's dtype; bit for bit, through the preconditioner's freeze."""
+    generator = torch.Generator().manual_seed(0)
+    init = torch.randn(3, 5, generator=generator)
+    grads = [torch.randn(3, 5, generator=generator).to(dtype) for _ in range(6)]
+    chains = []
+    for start, cast in ((init.to(dtype), dtype), (init.to(dtype).float(), torch.float32)):
+        param = torch.nn.Parameter(start.clone())
+        opt = AdamWSGHMC([param], lr=1e-2, num_data=10, seed=0, preconditioner_warmup=3)
+        chain = []
+        for grad in grads:
+            param.grad = grad.to(cast)
+            opt.step()
+            chain.append(param.detach().clone())
+        chains.append(chain)
+        if cast is dtype:
+            assert opt.state[param]["master_param"].dtype == torch.float32
+    for half, full in zip(*chains, strict=True):
+        assert torch.isfinite(half).all() and torch.equal(half, full.to(dtype))
+    assert not torch.equal(chains[0][-1], init.to(dtype))
 
 
 @pytest.mark.parametrize("foreach", [False, True])

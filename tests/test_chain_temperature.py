@@ -13,9 +13,14 @@ are compared within z = 4.5 of that. Where the law is known less sharply (SGNHT'
 fluctuating thermostat; a gradient-noise chain's configurational terms) the single-step
 standard error is used instead (each element's term a Gaussian quadratic, variance
 2 E^2), which bounds any window average's whatever the autocorrelation.
+
+The monitor reads, with its default ``coordinates``, a fixed strided subset of the 10,000
+elements (``sgmcmc/temperature_coordinates``): every law below is the one of the elements
+it reads (``READ``: how many of each precision's), with d the subset's size.
 """
 
 import dataclasses
+import inspect
 import math
 import sys
 import warnings
@@ -31,6 +36,7 @@ from samplers_as_optim.names import set_member_dims
 from samplers_as_optim.sgmcmc.chain_temperature import TemperatureSums, chi2_quantile
 from samplers_as_optim.sgmcmc.optimizer import SamplerOptimizer
 from samplers_as_optim.sgmcmc.sgld import DEFINITION as SGLD_DEFINITION
+from samplers_as_optim.sgmcmc.temperature_coordinates import coordinate_subsets
 
 Z = 4.5
 N = 100
@@ -59,11 +65,25 @@ def diagonal_target(copies, temperature, seed=0):
     return lam, start
 
 
+def read_counts():
+    """How many elements of each precision the monitor reads with its default budget."""
+    budget = inspect.signature(diagnostics.TemperatureMonitor).parameters["coordinates"].default
+    (subset,) = coordinate_subsets([(len(LAMS) * COPIES,)], budget)
+    positions = np.asarray(subset.positions())
+    return np.bincount(positions // COPIES, minlength=len(LAMS))
+
+
+def weighted_mean(values):
+    """The mean over the elements read of per-precision values."""
+    return float(np.dot(READ, values) / READ.sum())
+
+
 def single_step_sd(values, extra=None):
-    """The single-step sd of the mean of Gaussian quadratic terms with these means."""
+    """The single-step sd of the mean, over the elements read, of Gaussian quadratic terms
+    with these means (per precision)."""
     values = np.asarray(values)
     variance = 2.0 * values**2 + (0.0 if extra is None else np.asarray(extra))
-    return np.sqrt(variance.mean() / (len(values) * COPIES))
+    return float(np.sqrt(np.dot(READ, variance)) / READ.sum())
 
 
 def window_variance(transition, cov, index, window):
@@ -77,21 +97,25 @@ def window_variance(transition, cov, index, window):
 
 
 COPIES = 500  # 10,000 elements
+READ = read_counts()
 BURN, WINDOW = 300, 100
 
 
-def run_window(make, temperature, *, burn=BURN, window=WINDOW, noise_sd=0.0, seed=0):
-    """Run ``make(param)`` from the target for ``burn`` steps, then a monitor's window."""
+def run_window(
+    make, temperature, *, burn=BURN, window=WINDOW, noise_sd=0.0, seed=0, dtype=torch.float32
+):
+    """Run ``make(param)`` from the target for ``burn`` steps, then a monitor's window
+    (``dtype``: the parameter's and its gradient's; the gradient is computed in float32)."""
     lam, start = diagonal_target(COPIES, temperature, seed)
-    param = torch.nn.Parameter(start.clone())
+    param = torch.nn.Parameter(start.clone().to(dtype))
     optimizer = make(param)
     generator = torch.Generator().manual_seed(seed + 1)
 
     def gradient():
-        grad = lam * param.detach() / N
+        grad = lam * param.detach().float() / N
         if noise_sd:
             grad = grad + noise_sd * torch.randn(lam.shape, generator=generator)
-        param.grad = grad
+        param.grad = grad.to(dtype)
 
     for _ in range(burn):
         gradient()
@@ -111,6 +135,7 @@ def check(report, law, temperature):
         if name not in law:
             assert estimate is None
             continue
+        assert estimate.dof == READ.sum() < len(LAMS) * COPIES  # the subset, not all
         mean, sd = law[name]
         assert abs(estimate.value - mean) < Z * sd, (name, estimate.value, mean, sd)
 
@@ -133,11 +158,10 @@ def exact_law(mode, kinetic_weight=None, *, prior=0.0, sharp=True, **hyper):
         if kinetic_weight is not None:
             kin.append(kinetic_weight * cov[1, 1])
             kin_var.append(kinetic_weight**2 * window_variance(transition, cov, 1, WINDOW))
-    d = len(LAMS) * COPIES
 
     def summary(means, variances):
-        sd = np.sqrt(np.mean(variances) / d) if sharp else single_step_sd(means)
-        return float(np.mean(means)), float(sd)
+        sd = np.sqrt(np.dot(READ, variances)) / READ.sum() if sharp else single_step_sd(means)
+        return weighted_mean(means), float(sd)
 
     law = {"conf": summary(conf, conf_var)}
     if kinetic_weight is not None:
@@ -189,6 +213,22 @@ def test_sghmc_both_temperatures_are_the_exact_laws(temperature, momentum):
     # and the reading without the factor would be outside the tolerance
     unscaled = law["kin"][0] * 2.0 / (1.0 + momentum)
     assert abs(report.kinetic.value - unscaled) > Z * law["kin"][1] * 2.0 / (1.0 + momentum)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_parameters_read_the_same_law(dtype):
+    """A half-precision parameter samples through its float32 master copy; the estimates
+    read the rounded parameter and its half gradient, summed in float32: the same law as
+    in float32 (rounding adds a relative 2^-9 at most to a term, far inside the band)."""
+    lr, momentum = 10.0, 0.9
+    _, report = run_window(
+        lambda p: sao.SGHMC([p], lr=lr, momentum=momentum, num_data=N, seed=1), 1.0, dtype=dtype
+    )
+    law, _ = exact_law(
+        sghmc_mode, N * lr * (1.0 + momentum) / 2.0, lr=lr, temperature=1.0, momentum=momentum
+    )
+    check(report, law, 1.0)
 
 
 @pytest.mark.slow
@@ -340,13 +380,17 @@ def noisy_sghmc_law(*, lr, momentum, temperature, noise_sd):
         extra.append(N**2 * noise_sd**2 * cov[0, 0])
         kin.append(N * lr * (1 + momentum) / 2 * cov[1, 1])
     return {
-        "conf": (float(np.mean(conf)), float(single_step_sd(conf, extra))),
-        "kin": (float(np.mean(kin)), float(single_step_sd(kin))),
+        "conf": (weighted_mean(conf), single_step_sd(conf, extra)),
+        "kin": (weighted_mean(kin), single_step_sd(kin)),
     }
 
 
 @pytest.mark.slow
 def test_a_minibatch_chain_the_exact_law_calls_hot_is_flagged_once_and_full_batch_is_not():
+    """The monitor's defaults read d' = 3334 of the 10,000 elements: the kinetic band's
+    upper end moves from 1.047 (d = 10,000) to 1.083 and the configurational band's
+    half-width grows by sqrt(10,000 / 3334) = 1.73 (from ~0.13 to ~0.23 here); the exact
+    law of the minibatch chain, 1.455, stays beyond both (asserted below)."""
     lr, momentum, temperature = 1.0, 0.9, 1.0
     noise_sd = 0.03  # the injected noise's variance is 2 (1 - mu) T / (N lr) = 0.002
     hot_law = noisy_sghmc_law(lr=lr, momentum=momentum, temperature=temperature, noise_sd=noise_sd)
@@ -417,9 +461,10 @@ def small_chain(temperature=1.0, momentum=0.9, seed=0, cls=sao.SGHMC, **kwargs):
     return model, optimizer, step
 
 
-def test_the_monitor_reads_to_the_host_only_every_every_steps(monkeypatch):
+@pytest.mark.parametrize("coordinates", [4096, 20])  # the 65 parameters whole; a subset
+def test_the_monitor_reads_to_the_host_only_every_every_steps(monkeypatch, coordinates):
     _, optimizer, step = small_chain()
-    monitor = diagnostics.TemperatureMonitor(optimizer, every=5)
+    monitor = diagnostics.TemperatureMonitor(optimizer, every=5, coordinates=coordinates)
     reads = {"tolist": 0, "item": 0, "report": 0}
     tolist, item, report = torch.Tensor.tolist, torch.Tensor.item, TemperatureSums.report
 

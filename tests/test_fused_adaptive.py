@@ -369,7 +369,7 @@ def test_resume_is_exact_across_the_freeze(cls):
 
 # ------------------------------------------------------------------ when it is fused
 def test_fused_none_takes_the_fused_path_where_it_can_run(monkeypatch):
-    monkeypatch.setattr(optimizer_module, "DEFAULT_ON_CUDA", True)  # (until validated on a GPU)
+    assert optimizer_module.DEFAULT_ON_CUDA  # (validated on an H100: bash .ci/gpu fused)
     calls = []
     original = optimizer_module.fused_kernel
     monkeypatch.setattr(
@@ -379,6 +379,8 @@ def test_fused_none_takes_the_fused_path_where_it_can_run(monkeypatch):
         params = named(shapes={"w": (3, 4)})
         run(cls(params, lr=0.01, num_data=N), params, gradients(params, 1))
         run(cls(params, lr=0.01, num_data=N, fused=False), params, gradients(params, 1))
+        # at T = 0: RMSprop's and AdamW's own default steps, bit for bit
+        run(cls(params, lr=0.01, num_data=N, temperature=0.0), params, gradients(params, 1))
     assert calls == ["PSGLD", "AdamWSGHMC"]
 
 
@@ -392,11 +394,13 @@ def fused_error(reason):
 @pytest.mark.parametrize("cls", [PSGLD, AdamWSGHMC], ids=lambda c: c.__name__)
 def test_fused_true_refusals_name_the_reason(cls, monkeypatch):
     half = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16, device=DEVICE))
+    assert cls([half], lr=0.01, num_data=N, temperature=0.0, eps=1e-3, fused=True)._fused is True
+    complex_ = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64, device=DEVICE))
     with pytest.raises(ValueError) as error:
-        cls([half], lr=0.01, num_data=N, temperature=0.0, eps=1e-3, fused=True)
+        cls([complex_], lr=0.01, num_data=N, temperature=0.0, eps=1e-3, fused=True)
     assert str(error.value) == fused_error(
-        "param group 0, parameter 0 of shape (2,) is torch.float16: the fused kernels take "
-        "float32 and float64 parameters (half precision: not yet)"
+        "param group 0, parameter 0 of shape (2,) is torch.complex64: the fused kernels take "
+        "float32, float64, float16 and bfloat16 parameters"
     )
     with pytest.raises(ValueError) as error:
         cls([torch.nn.Parameter(torch.zeros(2))], lr=0.01, num_data=N, foreach=True, fused=True)

@@ -369,13 +369,16 @@ def test_fused_true_refuses_a_thermostat_in_another_dtype_before_anything_change
 
 
 @pytest.mark.parametrize("cls", [SGNHT, BAOA], ids=lambda c: c.__name__)
-def test_fused_true_refuses_half_precision(cls):
-    half = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16, device=DEVICE))
+def test_fused_true_takes_half_precision_and_refuses_other_dtypes(cls):
+    for dtype in (torch.float16, torch.bfloat16):  # a float32 master copy (test_fused_amp)
+        half = torch.nn.Parameter(torch.zeros(2, dtype=dtype, device=DEVICE))
+        assert cls([half], lr=0.1, num_data=N, fused=True)._fused is True
+    complex_ = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64, device=DEVICE))
     with pytest.raises(ValueError) as error:
-        cls([half], lr=0.1, num_data=N, fused=True)
+        cls([complex_], lr=0.1, num_data=N, fused=True)
     assert str(error.value) == fused_error(
-        "param group 0, parameter 0 of shape (2,) is torch.float16: the fused kernels take "
-        "float32 and float64 parameters (half precision: not yet)"
+        "param group 0, parameter 0 of shape (2,) is torch.complex64: the fused kernels take "
+        "float32, float64, float16 and bfloat16 parameters"
     )
 
 
@@ -440,7 +443,7 @@ MANY = {f"p{i}": (i + 1, 3) for i in range(5)} | {"big": (4, 50)}
 SHARDS = {"p1": 1000, "p3": 2**33 + 5}
 LAUNCH_CASES = {
     "SGLD": (SGLD, {"weight_decay": 0.01}, 1),
-    "SGHMC": (SGHMC, {"momentum": 0.9, "nesterov": True, "temperature": 0.0}, 1),
+    "SGHMC": (SGHMC, {"momentum": 0.9, "weight_decay": 0.01}, 1),  # (T = 0: torch's fused SGD)
     "SGHMC-T": (SGHMC, {"momentum": 0.5, "maximize": True}, 1),
     "SGNHT": (SGNHT, {"kinetic_energy": "ding"}, 2),
     "BAOA": (BAOA, {"weight_decay": 0.1}, 1),
@@ -506,7 +509,7 @@ COMPILE = textwrap.dedent(
     HEAD = {"count": "i32", "programs": "i32", "numel": "i32", "offset": "i64",
             "seed": "u64"}
     FP = {"param": "*fp32", "grad": "*fp32", "buffer": "*fp32", "thermostat": "*fp32",
-          "largest": "*fp64", "partials": "*fp64"}
+          "largest": "*fp64", "partials": "*fp64", "master": "*fp32", "grad_scale": "*fp32"}
     FLAGS = ("MAXIMIZE", "DECAY", "NOISE", "FIRST", "NESTEROV", "SYMMETRIC")
     KERNELS = [  # with the mode that launches alone for one of them (the other's code)
         (_sgld_fused._sgld, (True,)), (_sghmc_fused._sghmc, (False, True)),

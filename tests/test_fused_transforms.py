@@ -5,8 +5,9 @@ Without CUDA the kernels run on CPU tensors in Triton's interpreter, as in
 the interpreter only. Checked: a fused transform and a fused Optimizer of one seed draw
 the same noise and take the same chain; the update is the formula given that noise;
 ``inplace=False`` modifies nothing given; a state round trip continues the chain;
-temperature 0; ``fused=None``; every refusal; and PSGLD's and AdamWSGHMC's kernels
-compile for an sm_90 GPU (not run).
+temperature 0; ``fused=None``; every refusal; given the fused stream's noise, the
+unfused transform takes the fused one's chain (SGNHT's thermostats and BAOA's buffers
+included); and PSGLD's and AdamWSGHMC's kernels compile for an sm_90 GPU (not run).
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
 pytest.importorskip("triton")
 torchopt = pytest.importorskip("torchopt")
 
-from samplers_as_optim import PSGLD, SGHMC, SGLD, AdamWSGHMC, transforms  # noqa: E402
+from samplers_as_optim import (  # noqa: E402
+    BAOA,
+    PSGLD,
+    SGHMC,
+    SGLD,
+    SGNHT,
+    AdamWSGHMC,
+    transforms,
+)
 from samplers_as_optim.core.streams import parameter_key  # noqa: E402
 from samplers_as_optim.sgmcmc import _transform_fused, fused  # noqa: E402
 from samplers_as_optim.sgmcmc.fused import fused_normal  # noqa: E402
@@ -43,6 +52,9 @@ CASES = {
     "sghmc": (SGHMC, transforms.sghmc, {"momentum": 0.9, "weight_decay": 0.1}),
     "psgld": (PSGLD, transforms.psgld, {"weight_decay": 0.1, "preconditioner_warmup": 2}),
     "adamw_sghmc": (AdamWSGHMC, transforms.adamw_sghmc, {"preconditioner_warmup": 2}),
+    "sgnht": (SGNHT, transforms.sgnht, {"weight_decay": 0.1, "maximize": True}),
+    "sgnht-ding": (SGNHT, transforms.sgnht, {"kinetic_energy": "ding", "momentum": 0.5}),
+    "baoa": (BAOA, transforms.baoa, {"momentum": 0.8, "weight_decay": 0.1}),
 }
 
 
@@ -128,6 +140,60 @@ def test_the_update_is_the_formula_given_the_fused_noise():
             torch.testing.assert_close(updates[key], expected, rtol=1e-12, atol=1e-14)
 
 
+class FusedStream:
+    """Stands for ``NoiseStream`` in the unfused transform: the fused stream's numbers."""
+
+    def __init__(self, seed):
+        self.seed = seed
+
+    def standard_normal(self, like, keys, *, step, shard=None):
+        return [
+            fused_normal(t.numel(), seed=self.seed, step=step, key=key, device=t.device)
+            .to(t.dtype)
+            .view_as(t)
+            for t, key in zip(like, keys, strict=True)
+        ]
+
+
+def state_tensors(state):
+    return [t for field in state[:-2] for t in field if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_given_the_fused_noise_the_unfused_transform_takes_the_fused_chain(
+    case, dtype, monkeypatch
+):
+    r"""The fused transform is the unfused one (the reference update, ``definition.update``)
+    given the same :math:`\xi`, over four steps with ``lr`` quartered before the last
+    (the momentum re-expressed first): parameters and every state tensor (SGNHT's buffers
+    and thermostats, BAOA's buffers, the preconditioners) agree up to the kernels'
+    rounding (float64 arithmetic rounded once, where the reference rounds each
+    operation; ``-lr * d`` rounded once where the reference rounds ``d`` then ``-lr * d``)."""
+    _, factory, kwargs = CASES[case]
+    lrs = [0.01, 0.01, 0.01, 0.0025]
+    params = start(dtype)
+    grads = gradients(params, 4)
+    one, fused_state = chain(
+        factory(lambda count: lrs[count], num_data=N, seed=7, fused=True, **kwargs),
+        params,
+        grads,
+    )
+    monkeypatch.setattr("samplers_as_optim.sgmcmc.transformation.NoiseStream", FusedStream)
+    two, plain_state = chain(
+        factory(lambda count: lrs[count], num_data=N, seed=7, fused=False, **kwargs),
+        params,
+        grads,
+    )
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+    for k in one:
+        assert not torch.equal(one[k], params[k])
+        torch.testing.assert_close(one[k], two[k], **tol)
+    assert fused_state[-2:] == plain_state[-2:]
+    for a, b in zip(state_tensors(fused_state), state_tensors(plain_state), strict=True):
+        torch.testing.assert_close(a, b, **tol)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_out_of_place_modifies_nothing_given_and_a_state_round_trip_continues(case):
     _, factory, kwargs = CASES[case]
@@ -155,13 +221,14 @@ ZERO_CASES = {
     "psgld": (transforms.psgld, {"weight_decay": 0.1, "momentum": 0.5, "centered": True}),
     "adamw_sghmc": (transforms.adamw_sghmc, {"amsgrad": True, "maximize": True}),
     "sghmc-nesterov": (transforms.sghmc, {"momentum": 0.9, "nesterov": True}),
+    "baoa": (transforms.baoa, {"momentum": 0.8, "weight_decay": 0.1, "maximize": True}),
 }
 
 
 @pytest.mark.parametrize("case", ZERO_CASES)
 def test_at_temperature_zero_the_fused_update_is_the_unfused_one(case):
     """At temperature 0 no noise is drawn: the fused update is the unfused transform's
-    (RMSprop's, AdamW's, SGD's, with their options) up to rounding (float64 here)."""
+    (RMSprop's, AdamW's, SGD's, BAOA's, with their options) up to rounding (float64 here)."""
     factory, kwargs = ZERO_CASES[case]
     params = start()
     grads = gradients(params, 3)
@@ -172,7 +239,7 @@ def test_at_temperature_zero_the_fused_update_is_the_unfused_one(case):
 
 
 def test_fused_none_takes_the_fused_path_only_where_it_can_run(monkeypatch):
-    monkeypatch.setattr(fused, "DEFAULT_ON_CUDA", True)  # (until validated on a GPU)
+    assert fused.DEFAULT_ON_CUDA  # (validated on an H100: bash .ci/gpu fused)
     calls = []
     original = _transform_fused.fused_update
     monkeypatch.setattr(
@@ -184,13 +251,18 @@ def test_fused_none_takes_the_fused_path_only_where_it_can_run(monkeypatch):
     chain(transforms.sghmc(0.01, num_data=N, seed=1), params, grads)
     assert calls == [1]
     chain(transforms.sghmc(0.01, num_data=N, seed=1, fused=False), params, grads)
-    chain(transforms.sgnht(0.01, num_data=N, seed=1), params, grads)  # no fused update
+    chain(transforms.sghmc(0.01, num_data=N, temperature=0.0), params, grads)  # torchopt.sgd's
+    chain(transforms.sgnht(0.01, num_data=N, seed=1), params, grads)
+    chain(transforms.baoa(0.01, num_data=N, seed=1), params, grads)
+    assert calls == [1, 1, 1]
+    monkeypatch.delitem(_transform_fused.HOW, "_sgnht_fused")  # as a sampler without one
+    chain(transforms.sgnht(0.01, num_data=N, seed=1), params, grads)
     tx = transforms.sghmc(0.01, num_data=N, seed=1, momentum=0.0)
     torch.func.vmap(
         lambda g: tx.update({"w": g}, tx.init({"w": g}), inplace=False)[0]["w"],
         randomness="different",
     )(torch.ones(3, 2, dtype=torch.float64, device=DEVICE))
-    assert calls == [1]
+    assert calls == [1, 1, 1]
 
 
 def fused_error(reason):
@@ -201,8 +273,10 @@ def fused_error(reason):
 
 
 def test_fused_true_refusals_name_the_reason(monkeypatch):
-    with pytest.raises(ValueError) as error:
-        transforms.sgnht(0.01, num_data=N, fused=True)
+    with monkeypatch.context() as patch:  # as a sampler without a fused update
+        patch.delitem(_transform_fused.HOW, "_sgnht_fused")
+        with pytest.raises(ValueError) as error:
+            transforms.sgnht(0.01, num_data=N, fused=True)
     assert str(error.value) == fused_error("transforms.sgnht has no fused update yet")
     with pytest.raises(
         ValueError, match=r"^Invalid fused: 'yes' \(expected None, True or False\)$"

@@ -364,28 +364,6 @@ def test_layerwise_tuning_beats_scalar_and_writes_the_prior():
     assert diag.prior_precision["0.weight"].shape == (6, 4)
 
 
-def test_gridsearch_picks_the_lowest_validation_nll():
-    la = fit_mlp("diag")
-    generator = torch.Generator().manual_seed(9)
-    x_val = torch.randn(30, 4, generator=generator, dtype=DTYPE)
-    y_val = torch.randint(0, 3, (30,), generator=generator)
-    val = DataLoader(TensorDataset(x_val, y_val), batch_size=30)
-    grid = [0.01, 0.3, 3.0, 100.0]
-    scores = []
-    for value in grid:
-        la.prior_precision = value
-        logits = la.predict(
-            x_val, 50, linear=True, generator=torch.Generator().manual_seed(0)
-        ).detach()
-        log_probs = logits.log_softmax(-1)[:, torch.arange(30), y_val]
-        scores.append(-float((log_probs.logsumexp(0) - math.log(50)).sum()))
-    la.optimize_prior_precision(
-        "gridsearch", val_loader=val, grid=grid, num_samples=50, progress=False
-    )
-    assert la.prior_precision == grid[min(range(4), key=scores.__getitem__)]
-    assert len(set(scores)) == 4
-
-
 def test_tuned_noise_prior_round_trips_into_a_new_laplace():
     la = fit_mlp("kron")
     la.optimize_prior_precision(prior_structure="layerwise", num_steps=20, progress=False)
@@ -628,3 +606,34 @@ def test_log_marginal_likelihood_equals_laplace_torch(case):
         prior = torch.tensor(prior, dtype=DTYPE) if isinstance(prior, list) else prior
         value = la.log_marginal_likelihood(prior, entry["noise"])
         assert float(value) == pytest.approx(entry["value"], rel=1e-10), entry
+
+
+def test_a_prior_whose_dense_posterior_fails_leaves_the_laplace_as_it_was():
+    """The setters are atomic: a rebuild that fails puts the prior (and σ) back, with the
+    posterior built from them (the network's GGN is singular: a prior of 1e-20 leaves a
+    precision that float64 cannot factor)."""
+    la = fit_mlp("dense")
+    precision = la._precision.clone()
+    with pytest.raises(ValueError, match=re.escape("Invalid precision: the fitted dense")):
+        la.prior_precision = 1e-20
+    assert la.prior_precision == 1.0
+    assert torch.equal(la._precision, precision)
+    x, y = blr_data(n=3)  # 3 examples, 5 weights: a singular curvature
+    regression = fitted(x, y, 1.0, 0.5, "dense")
+    precision = regression._precision.clone()
+    noise = regression.noise_std
+    with pytest.raises(ValueError, match=re.escape("Invalid precision: the fitted dense")):
+        regression._set_hyperparameters(1e-20, 2.0 * noise)
+    assert regression.noise_std == noise and regression.prior_precision == 1.0
+    assert torch.equal(regression._precision, precision)
+
+
+def test_the_regression_predictive_keeps_the_noise_in_the_models_dtype():
+    """σ² enters the float64 predictive in float64 (0.3² is not a float32 number)."""
+    x, y = blr_data()
+    la = fitted(x, y, 1.0, 0.3, "dense")
+    prediction = la.predictive(x)
+    assert prediction.aleatoric.dtype == torch.float64
+    torch.testing.assert_close(
+        prediction.aleatoric, torch.full_like(prediction.aleatoric, 0.3**2), rtol=1e-15, atol=0
+    )

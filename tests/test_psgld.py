@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from samplers_under_test import OTHER_SIGNATURES
 
-from samplers_as_optim import PSGLD, transforms
+from samplers_as_optim import PSGLD, AdamWSGHMC, transforms
 from samplers_as_optim.sgmcmc.psgld import psgld_direction, psgld_noise_scale
 
 CASE = OTHER_SIGNATURES[0]
@@ -236,23 +236,28 @@ def dead_unit_grads(dtype, steps=4, seed=0):
 def test_half_precision_with_a_zero_gradient_at_positive_temperature_stays_finite(
     dtype, foreach, correction
 ):
-    """The defaults (eps=1e-8, which float16 rounds to 0) on a dead unit: no NaN, and the
-    Optimizer and the transform take one chain, bit for bit. (float16 was NaN: 0/0; then
-    the dead unit drew a noise of sd sqrt(2 T / (N lr eps)): it now draws none.)"""
+    """The defaults (eps=1e-8, which float16 rounds to 0) on a dead unit: no NaN. The
+    Optimizer keeps a float32 master copy, so its half-precision chain is the float32 chain
+    given the same (half) gradients, each step rounded to the parameter's dtype; the
+    transform, which has no master copy, refuses a half-precision leaf at T > 0. (float16
+    was NaN: 0/0; then the dead unit drew a noise of sd sqrt(2 T / (N lr eps)): it now
+    draws none.)"""
     init = [torch.randn(2, 64, generator=torch.Generator().manual_seed(1)).to(dtype)]
     grads = dead_unit_grads(dtype)
     hyper = {"num_data": 50_000, "seed": 5, "foreach": foreach, **li_et_al(correction)}
-    theirs = transform_tests.run_optimizer(PSGLD, {"lr": 1e-3, **hyper}, init, grads)
-    for inplace in (True, False):
-        tx = transforms.psgld(1e-3, **hyper)
-        ours, state = transform_tests.run_transform(tx, init, grads, inplace=inplace)
-        transform_tests.assert_trajectories_equal(ours, theirs)
-        assert state.square_avg[0].dtype == dtype
-    for params in theirs:
+    half = transform_tests.run_optimizer(PSGLD, {"lr": 1e-3, **hyper}, init, grads)
+    full = transform_tests.run_optimizer(
+        PSGLD, {"lr": 1e-3, **hyper}, [init[0].float()], [[g[0].float()] for g in grads]
+    )
+    transform_tests.assert_trajectories_equal(half, [[p[0].to(dtype)] for p in full])
+    for params in half:
         assert params[0].dtype == dtype and torch.isfinite(params[0]).all()
     # the dead unit has no scale (its second moment is 0): no noise, it does not move
-    assert torch.equal(theirs[-1][0][0], init[0][0])
-    assert not torch.equal(theirs[-1][0][1], init[0][1])
+    assert torch.equal(half[-1][0][0], init[0][0])
+    assert not torch.equal(half[-1][0][1], init[0][1])
+    tx = transforms.psgld(1e-3, **hyper)
+    with pytest.raises(TypeError, match=rf"^Invalid params: params\[0\] is a {dtype} leaf"):
+        tx.update(grads[0], tx.init(init), params=init)
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 1e-2])
@@ -360,7 +365,8 @@ def test_a_noise_scale_that_would_overflow_float16_where_the_gradient_vanishes_i
 ):
     """The noise of an element whose gradient and V are 0 is sqrt(2 T / (N lr)) / sqrt(eps)
     times a standard normal: 4.47e4 here, which overflowed float16 (inf) for every draw
-    beyond 1.5 standard deviations. Refused before anything changes, by both front ends."""
+    beyond 1.5 standard deviations. The Optimizer refuses it before anything changes (its
+    float32 master copy would hold the value, the float16 parameter not)."""
     param = torch.nn.Parameter(torch.ones(2, 64, dtype=torch.float16))
     opt = PSGLD([param], lr=1e-3, eps=1e-6, num_data=1, seed=0, foreach=foreach)
     param.grad = dead_unit_grads(torch.float16)[0][0]
@@ -373,8 +379,9 @@ def test_a_noise_scale_that_would_overflow_float16_where_the_gradient_vanishes_i
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         opt.step()
     assert torch.equal(param.detach(), torch.ones_like(param)) and not opt.state
+    # the transform has no float32 master copy: it refuses the float16 leaf itself
     tx = transforms.psgld(1e-3, eps=1e-6, num_data=1, seed=0, foreach=foreach)
-    with pytest.raises(ValueError, match="^" + re.escape(message.replace(" in param group 0", ""))):
+    with pytest.raises(TypeError, match=r"^Invalid params: None, so updates\[0\] stands for"):
         tx.update([param.grad.clone()], tx.init([param.detach()]))
     # a larger eps, or a larger N lr / T, fits: a step, finite
     opt.param_groups[0]["eps"] = 1e-4
@@ -627,3 +634,35 @@ def test_a_state_saved_before_the_sampling_preconditioner_loads():
     tx = transforms.psgld(0.1, num_data=10)
     _, new = tx.update([torch.ones(2)], old, params=[torch.zeros(2)])
     assert new.step == (4.0,) and new.count == 4
+
+
+@pytest.mark.parametrize("cls", [PSGLD, AdamWSGHMC], ids=lambda c: c.__name__)
+def test_a_skipped_step_at_the_freeze_does_not_freeze(cls):
+    """nonfinite="skip" on the step that would freeze the sampling preconditioner: the
+    step is skipped on the device, and the freeze waits for the next step (it froze a
+    preconditioner of zeros, read before the device's verdict, and every later step
+    divided by it)."""
+
+    def chain(grads):
+        param = torch.nn.Parameter(torch.ones(4))
+        opt = cls([param], lr=1e-3, num_data=100, seed=0, nonfinite="skip",
+                  preconditioner_warmup=2)  # fmt: skip
+        for grad in grads:
+            param.grad = grad.clone()
+            opt.step()
+        return param, opt
+
+    ones = torch.ones(4)
+    bad = torch.tensor([1.0, math.nan, 1.0, 1.0])
+    param, opt = chain([ones, bad])
+    state = opt.state[param]
+    assert float(state["preconditioner_step"]) == 0 and "preconditioner" not in state
+    assert int(opt.param_groups[0]["skipped_steps"]) == 1
+    param, opt = chain([ones, bad, 2 * ones, ones])
+    state = opt.state[param]
+    assert float(state["preconditioner_step"]) == 3
+    assert (state["preconditioner"] > 0).all() and torch.isfinite(param).all()
+    if cls is PSGLD:  # the chain that never saw the bad gradient (AdamW's bias
+        # correction reads the step count, which a skipped step advances)
+        twin, twin_opt = chain([ones, 2 * ones])
+        assert torch.equal(state["preconditioner"], twin_opt.state[twin]["preconditioner"])

@@ -556,7 +556,9 @@ def test_the_stored_keys_and_rates_keep_their_dtype_and_stay_on_the_host(dtype):
         assert state["noise_key"].dtype == torch.int64
         assert torch.equal(state["noise_key"], saved["state"][index]["noise_key"])
         assert state["momentum_lr"].dtype == torch.float64
-        assert state["momentum_buffer"].dtype == dtype
+        # a half-precision parameter's chain runs on a float32 master at T > 0
+        half = dtype in (torch.float16, torch.bfloat16)
+        assert state["momentum_buffer"].dtype == (torch.float32 if half else dtype)
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,7 @@ __all__ = [
     "KeyedNormal",
     "block_bounds",
     "derive_seed",
+    "extend_seed",
     "key_from_int64",
     "key_to_int64",
     "parameter_key",
@@ -80,7 +81,16 @@ def derive_seed(seed: int, *counters: int) -> int:
     a full SplitMix64 round), which is how the noise of different steps, param groups and
     devices is kept independent.
     """
-    h = _counter_hash(seed & _MASK64)
+    return extend_seed(_counter_hash(seed & _MASK64), *counters)
+
+
+def extend_seed(derived: int, *counters: int) -> int:
+    """``derive_seed(seed, *first, *counters)`` given ``derived = derive_seed(seed, *first)``.
+
+    For many seeds sharing their first counters (one step's keys): the shared part is
+    mixed once.
+    """
+    h = derived
     for counter in counters:
         h = _splitmix64(h ^ _counter_hash(counter & _MASK64))
     return h

@@ -4,10 +4,11 @@ r"""Tuning a fitted Laplace's prior precision (and noise): by the evidence or on
 and :math:`\log\sigma` (regression), maximising the Laplace evidence
 (:mod:`._evidence`); the logarithms keep every value positive, as laplace-torch and
 Immer et al. (2021, §3) do. ``gridsearch``: a scalar prior precision from a list, scored
-by the negative log-likelihood of the linearised predictive on a validation loader,
-:math:`-\sum_i\log\frac1S\sum_s p(y_i\mid f_\text{lin}(x_i;\theta_s))`, with the same
-draws (one generator seed) for every value, so the comparison is not blurred by Monte
-Carlo noise.
+by the negative log-likelihood of the GLM (linearised) predictive on a validation loader,
+:math:`-\sum_i\log p(y_i\mid x_i)`: the exact Gaussian for regression, the probit (or
+Laplace bridge) closed form for classification, or Monte Carlo with the same draws for
+every value (:mod:`._prior_grid`, which computes each batch's Jacobians once for the
+whole grid); laplace-torch's default is the same GLM probit score.
 
 References:
     Immer et al. (2021), Scalable marginal likelihood estimation for model selection in
@@ -24,14 +25,17 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from ..core.progress import ProgressBar, check_progress
+from ..core.progress import ProgressBar, check_progress, progress_bar
 from ..core.validation import check_choice, check_learning_rate, check_positive, check_positive_int
+from ._evidence import FitTerms
 from ._prior_forms import Groups, read_prior
+from ._prior_grid import CurvatureBasis, batch_scores
 from ._weight_gaussian import _batches_on, _evaluating
 from .flat import Treated
+from .glm_predictive import LINK_APPROXIMATIONS
 from .likelihoods import Likelihood, Regression
 
-__all__ = ["HyperParameters", "gridsearch", "marglik_search"]
+__all__ = ["HyperParameters", "grid_scores", "gridsearch", "marglik_search"]
 
 _STRUCTURES = ("scalar", "layerwise", "diag")
 
@@ -62,15 +66,12 @@ class TunableLaplace(Protocol):
         self, prior_precision: Any = None, noise_std: Any = None
     ) -> Tensor: ...
 
-    def predict(
-        self,
-        x: Tensor,
-        num_samples: int = 100,
-        *,
-        linear: bool = ...,
-        generator: torch.Generator | None = None,
-        chunk_size: int | None = None,
-    ) -> Tensor: ...
+    @property
+    def temperature(self) -> float: ...
+
+    def _fitted(self) -> tuple[dict[str, Tensor], Any]: ...
+
+    def _fitted_terms(self) -> FitTerms: ...
 
 
 def check_tune_noise(la: TunableLaplace, tune_noise: Any) -> bool:
@@ -228,10 +229,14 @@ def gridsearch(
     tune_noise: bool | None,
     val_loader: Iterable[Any] | None,
     grid: Sequence[float] | None,
+    link_approx: str,
     num_samples: int,
     progress: bool | None,
-) -> None:
-    """The scalar prior precision of ``grid`` with the lowest validation NLL."""
+) -> Tensor:
+    """Set the lowest-scoring scalar prior precision of ``grid``; return the scores.
+
+    The score is the validation NLL of :func:`grid_scores`; the first of equal ones wins.
+    """
     structure = check_choice("prior_structure", prior_structure, _STRUCTURES)
     if structure != "scalar":
         raise ValueError(
@@ -247,37 +252,73 @@ def gridsearch(
             "Invalid val_loader: None (expected (inputs, targets) batches for method='gridsearch')"
         )
     values = _check_grid(grid)
+    link_approx = check_choice("link_approx", link_approx, LINK_APPROXIMATIONS)
     num_samples = check_positive_int("num_samples", num_samples)
     on = check_progress(progress)
-    batches = list(_batches_on(val_loader, la._reference().device))
-    if not batches:
-        raise ValueError("Invalid val_loader: it yielded no examples (expected validation data)")
+    if la.likelihood.name == "callable" and link_approx != "mc":
+        raise ValueError(
+            f"Invalid link_approx: {link_approx!r} (expected 'mc' with a callable "
+            "likelihood, whose predictive has no closed form)"
+        )
+    scores = grid_scores(la, val_loader, values, link_approx, num_samples, on)
+    if bool(scores.isnan().any()):
+        value = values[int(scores.isnan().nonzero()[0, 0])]
+        raise ValueError(
+            f"Invalid val_loader: the validation negative log-likelihood is NaN at "
+            f"prior_precision {value!r} (expected a log-likelihood that is a number for "
+            "every validation example)"
+        )
+    best = int(torch.argmin(scores))
     original = la.prior_precision
-    scores = []
     try:
-        with ProgressBar(on, len(values), "optimize_prior_precision") as bar:
-            for value in values:
-                la.prior_precision = value
-                scores.append(_validation_nll(la, batches, num_samples))
-                bar.update()
+        la.prior_precision = values[best]
     except BaseException:
         la.prior_precision = original
         raise
-    best = min(range(len(values)), key=lambda index: scores[index])
-    la.prior_precision = values[best]
+    return scores
 
 
-def _validation_nll(
-    la: TunableLaplace, batches: list[tuple[Tensor, Tensor]], num_samples: int
-) -> float:
-    r""":math:`-\sum_i \log\frac1S\sum_s p(y_i\mid f_\text{lin}(x_i;\theta_s))`."""
-    device = la._reference().device
-    total = 0.0
-    with torch.no_grad(), _evaluating(la.model):
-        for index, (inputs, targets) in enumerate(batches):
-            generator = torch.Generator(device=device).manual_seed(index)
-            outputs = la.predict(inputs, num_samples, linear=True, generator=generator)
-            nll = torch.stack([la.likelihood.nll(output, targets) for output in outputs])
-            log_mean = torch.logsumexp(-nll, dim=0) - math.log(num_samples)
-            total -= float(log_mean.sum())
+def grid_scores(
+    la: TunableLaplace,
+    val_loader: Iterable[Any],
+    values: Sequence[float],
+    link_approx: str,
+    num_samples: int,
+    progress: bool,
+) -> Tensor:
+    r"""The validation NLL of the GLM predictive for each scalar prior of ``values``.
+
+    :math:`\sum_b` :func:`._prior_grid.batch_scores` over the batches of
+    ``val_loader``, the Jacobians of each batch computed once for the whole grid; batch
+    b's Monte Carlo draws (``link_approx="mc"``) come from a generator seeded with b.
+    ``la`` is left as it is.
+    """
+    mean, _ = la._fitted()
+    ref = la._reference()
+    basis = CurvatureBasis(la._fitted_terms(), la.treated, la.noise_std)
+    grid = torch.tensor(list(values), dtype=ref.dtype, device=ref.device)
+    total = torch.zeros_like(grid)
+    seen = 0
+    batches = progress_bar(val_loader, progress, "optimize_prior_precision")
+    with _evaluating(la.model):
+        for index, (inputs, targets) in enumerate(_batches_on(batches, ref.device)):
+            generator = None
+            if link_approx == "mc":
+                generator = torch.Generator(device=ref.device).manual_seed(index)
+            total += batch_scores(
+                la.model,
+                mean,
+                basis,
+                la.likelihood,
+                grid,
+                la.temperature,
+                inputs,
+                targets,
+                link_approx,
+                num_samples,
+                generator,
+            )
+            seen += inputs.shape[0]
+    if seen == 0:
+        raise ValueError("Invalid val_loader: it yielded no examples (expected validation data)")
     return total

@@ -607,7 +607,9 @@ class _Gaussian(_WeightGaussian):
         num_samples = check_positive_int("num_samples", num_samples)
         gaussian = self.function_space(x, chunk_size=chunk_size)
         if name == "regression":
-            noise = torch.as_tensor(self.noise_std, device=gaussian.mean.device)
+            noise = torch.as_tensor(
+                self.noise_std, dtype=gaussian.mean.dtype, device=gaussian.mean.device
+            )
             return regression_predictive(gaussian, noise.square())
         if gaussian.mean.dim() != 2:
             raise ValueError(

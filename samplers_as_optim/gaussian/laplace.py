@@ -250,9 +250,7 @@ class Laplace(_Gaussian):
 
     @prior_precision.setter
     def prior_precision(self, value: Precision) -> None:
-        self._prior = self._check_prior(value)
-        if self._terms is not None:
-            self._assemble()
+        self._set_hyperparameters(value, None)
 
     @property
     def noise_std(self) -> float | None:
@@ -266,20 +264,31 @@ class Laplace(_Gaussian):
                 f"Invalid noise_std: {value!r} (expected None: it applies only to "
                 "likelihood='regression')"
             )
-        self.likelihood.noise_std = check_positive("noise_std", value)
-        if self._terms is not None:
-            self._assemble()
+        self._set_hyperparameters(self._prior, value)
 
     def _set_hyperparameters(self, prior: Precision, noise_std: float | None) -> None:
-        """Set the prior (and σ, if not None) together, checked first, rebuilt once."""
+        """Set the prior (and σ, if not None) together, checked first, rebuilt once.
+
+        Atomic: when the rebuild fails (a dense precision that is not positive definite),
+        the prior and σ are put back as they were, with the posterior built from them.
+        """
         checked = self._check_prior(prior)
         noise = None if noise_std is None else check_positive("noise_std", noise_std)
+        before = (self._prior, self.noise_std, self._precision, self._cholesky)
         self._prior = checked
         if noise is not None:
             assert isinstance(self.likelihood, Regression)
             self.likelihood.noise_std = noise
-        if self._terms is not None:
+        if self._terms is None:
+            return
+        try:
             self._assemble()
+        except Exception:
+            self._prior, old_noise, self._precision, self._cholesky = before
+            if old_noise is not None:
+                assert isinstance(self.likelihood, Regression)
+                self.likelihood.noise_std = old_noise
+            raise
 
     # ------------------------------------------------------------------ fitting
     def fit(self, loader: Iterable[Any], *, progress: bool | None = None) -> Laplace:
@@ -527,6 +536,7 @@ class Laplace(_Gaussian):
         init_prior_precision: float | None = None,
         val_loader: Iterable[Any] | None = None,
         grid: Sequence[float] | None = None,
+        link_approx: str = "probit",
         num_samples: int = 100,
         progress: bool | None = None,
     ) -> Laplace:
@@ -535,18 +545,30 @@ class Laplace(_Gaussian):
         ``method="marglik"``: Adam on :math:`\log\Lambda_0` (and :math:`\log\sigma` when
         ``tune_noise``), ``num_steps`` steps of ``lr``, maximising
         :meth:`log_marginal_likelihood` (Immer et al. 2021; no new pass over the data:
-        the curvature is stored). ``method="gridsearch"``: every value of ``grid`` as a
-        scalar prior precision, scored by the negative log-likelihood of the linearised
-        predictive (``num_samples`` draws, the same draws for every value) on
-        ``val_loader`` at the current ``temperature``; the lowest wins. Afterwards
+        the curvature is stored). ``method="gridsearch"``: every value δ of ``grid`` as
+        a scalar prior precision, scored by the validation negative log-likelihood
+        :math:`-\sum_i\log p(y_i\mid x_i)` on ``val_loader`` of the GLM predictive
+        (:meth:`predictive`) at the current ``temperature`` (and ``noise_std``): for
+        regression the exact Gaussian :math:`\mathcal N(f(x;\theta_*),
+        \mathrm{diag}\,TJ\Lambda_\delta^{-1}J^\top + \sigma^2)`, for classification
+        the closed form of ``link_approx`` (default ``"probit"``, laplace-torch's
+        default), or with ``link_approx="mc"`` ``num_samples`` function-space draws,
+        the same draws for every δ (batch b's from a generator seeded with b, as
+        ``predictive(x, link_approx="mc", generator=torch.Generator().manual_seed(b))``
+        draws them); the lowest wins (the first of equal ones). Each batch's Jacobians
+        are computed once for the whole grid, in the eigenbasis of the stored curvature
+        (diagonal; the KFAC factors' eigenvectors; one ``eigh`` of a dense curvature),
+        so each δ costs a product with :math:`1/(\delta + e)`, not a refit
+        (:mod:`~samplers_as_optim.gaussian._prior_grid`). Afterwards
         ``prior_precision`` (and ``noise_std``) hold the result and the posterior is
         rebuilt from it, so sampling and predictions use it.
 
         laplace-torch 0.3's ``optimize_prior_precision(method, n_steps, lr,
         init_prior_prec, prior_structure, val_loader, log_prior_prec_min,
-        log_prior_prec_max, grid_size)`` maps to ``method``, ``num_steps``, ``lr``,
-        ``init_prior_precision``, ``prior_structure``, ``val_loader`` and ``grid`` (e.g.
-        ``torch.logspace(-4, 4, 100).tolist()``); it never tunes the noise, here
+        log_prior_prec_max, grid_size, link_approx, n_samples)`` maps to ``method``,
+        ``num_steps``, ``lr``, ``init_prior_precision``, ``prior_structure``,
+        ``val_loader``, ``grid`` (e.g. ``torch.logspace(-4, 4, 100).tolist()``),
+        ``link_approx`` and ``num_samples``; it never tunes the noise, here
         ``tune_noise`` does (``la.noise_std`` is its ``sigma_noise``).
 
         Args:
@@ -565,17 +587,25 @@ class Laplace(_Gaussian):
             val_loader: ``(inputs, targets)`` batches for ``"gridsearch"`` (required there).
             grid: the prior precisions tried by ``"gridsearch"`` (default: None, 21
                 values from 1e-4 to 1e4, log-spaced; finite numbers > 0).
-            num_samples: draws of the linearised predictive for ``"gridsearch"`` (default:
-                100; an integer >= 1).
-            progress: a bar over the steps or grid values (default: None, where standard
-                error is a terminal and tqdm is installed).
+            link_approx: the predictive that ``"gridsearch"`` scores: ``"probit"``
+                (default), ``"bridge"`` or ``"bridge_norm"`` (classification closed
+                forms; for regression any of the three is the exact Gaussian) or
+                ``"mc"`` (``num_samples`` draws; the only one for a callable
+                likelihood).
+            num_samples: function-space draws per input for ``link_approx="mc"``
+                (default: 100; an integer >= 1; unused by the closed forms).
+            progress: a bar over the steps (``"marglik"``) or the validation batches
+                (``"gridsearch"``) (default: None, where standard error is a terminal and
+                tqdm is installed).
 
         Returns:
             ``self``.
 
         Raises:
             RuntimeError: the approximation is not fitted.
-            ValueError, TypeError: an argument outside what is listed above; nothing
+            ValueError, TypeError: an argument outside what is listed above; for
+                ``"gridsearch"`` also a validation batch holding NaN or inf, targets the
+                likelihood refuses, a Jacobian holding NaN or inf, or a NaN score; nothing
                 changes then.
         """
         self._fitted_terms()
@@ -597,6 +627,7 @@ class Laplace(_Gaussian):
                 tune_noise=tune_noise,
                 val_loader=val_loader,
                 grid=grid,
+                link_approx=link_approx,
                 num_samples=num_samples,
                 progress=progress,
             )

@@ -24,8 +24,11 @@ flag (the largest absolute gradient) is not finite. One launch per tensor.
 
 At temperature 0 the step is ``torch.optim.AdamW(fused=True)``'s: torch's own
 functional Adam with ``fused=True`` (``amsgrad`` included), told of a non-finite
-gradient by ``found_inf`` (torch's fused optimizers then write nothing), its step
-counts passed as device tensors filled from the host counts (no host synchronisation).
+gradient by ``found_inf`` (torch's fused optimizers then write nothing) and of a
+GradScaler's scale by ``grad_scale`` (given copies of the gradients, which it unscales in
+place), its step counts passed as device tensors filled from the host counts (no host
+synchronisation). A parameter with a float32 master takes the kernel's temperature-0
+step instead (AdamW's update, below, on the master).
 
 ``launch`` with ``updates`` (the transforms' fused path) writes the update
 :math:`-lr\,(m/a + \lambda\theta)` there and leaves the parameter unchanged; at
@@ -35,6 +38,12 @@ divided by :math:`1-\beta_1^t`), in float64 and rounded once.
 Checked through Triton's interpreter on the CPU only (``tests/test_fused_adaptive.py``):
 compiled for an sm_90 GPU by Triton's compiler
 (``tests/test_fused_transforms.py``), no GPU has run it yet.
+
+Mixed precision (``_fused_launch``'s module docstring): with a GradScaler scale
+:math:`s` the gradient is read as :math:`g/s` (float64 division, rounded once to the
+position's dtype); a float16/bfloat16 parameter with a float32 master steps on the
+master, as a float32 parameter would, and receives its rounding to nearest; one without
+master (temperature 0) is computed in float32 and stored, with its state, in its dtype.
 """
 
 from __future__ import annotations
@@ -48,9 +57,12 @@ from torch import Tensor
 from ._fused_launch import (
     FusedInput,
     KernelArg,
+    Part,
     as_float64_bits,
     constexpr,
     launch_elementwise,
+    parts,
+    torch_gradient,
 )
 from ._fused_launch import optional_module as _optional_module
 from ._pooled_fused import (
@@ -96,6 +108,8 @@ def _adamw_sghmc(
     pre: KernelArg,
     out: KernelArg,
     largest: KernelArg,
+    master: KernelArg,
+    grad_scale: KernelArg,
     numel: KernelArg,
     offset: KernelArg,
     seed: KernelArg,
@@ -119,6 +133,10 @@ def _adamw_sghmc(
     NOISE: constexpr,  # noqa: N803
     AMSGRAD: constexpr,  # noqa: N803
     UPDATE: constexpr,  # noqa: N803
+    UNSCALE: constexpr,  # noqa: N803
+    MASTER: constexpr,  # noqa: N803
+    NARROW: constexpr,  # noqa: N803
+    BF16: constexpr,  # noqa: N803
 ) -> None:
     index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     # nothing is read or written unless every gradient is finite: the largest absolute
@@ -130,14 +148,28 @@ def _adamw_sghmc(
     beta2 = beta2_bits.to(tl.int64).to(tl.float64, bitcast=True)
     eps = eps_bits.to(tl.int64).to(tl.float64, bitcast=True)
     scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    p = tl.load(param + index, mask=mask)
+    position = master if MASTER else param  # where the chain's position is kept
+    p = tl.load(position + index, mask=mask)
+    if NARROW:  # a half parameter without master: in float32, its state in its dtype
+        p = p.to(tl.float32)
     g = tl.load(grad + index, mask=mask)
+    if UNSCALE:  # g / s divided in float64, rounded once to the position's dtype
+        g = (g.to(tl.float64) / tl.load(grad_scale).to(tl.float64)).to(p.dtype)
+    elif MASTER or NARROW:
+        g = g.to(tl.float32)
     if MAXIMIZE:
         g = -g
     g64 = g.to(tl.float64)
     v = tl.load(exp_avg_sq + index, mask=mask).to(tl.float64)
     v = (beta2 * v + (1.0 - beta2) * g64 * g64).to(p.dtype)
-    tl.store(exp_avg_sq + index, v, mask=mask)
+    kept = v
+    if NARROW:  # the state in the parameter's dtype, through float32
+        kept = v.to(tl.float32)
+        if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
+            bits = kept.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            kept = (bits >> 16 << 16).to(tl.float32, bitcast=True)
+    tl.store(exp_avg_sq + index, kept.to(exp_avg_sq.dtype.element_ty), mask=mask)
     correction = correction_bits.to(tl.int64).to(tl.float64, bitcast=True)
     if POOLED:
         member = index // inner
@@ -150,17 +182,33 @@ def _adamw_sghmc(
         second = v
         if AMSGRAD:
             second = tl.maximum(tl.load(max_exp_avg_sq + index, mask=mask), v)
-            tl.store(max_exp_avg_sq + index, second, mask=mask)
+            kept = second
+            if NARROW:  # the state in the parameter's dtype, through float32
+                kept = second.to(tl.float32)
+                if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
+                    bits = kept.to(tl.uint32, bitcast=True)
+                    kept = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).to(
+                        tl.float32, bitcast=True
+                    )
+            tl.store(max_exp_avg_sq + index, kept.to(max_exp_avg_sq.dtype.element_ty), mask=mask)
         a = (tl.sqrt(second.to(tl.float64)) / tl.sqrt(correction) + eps).to(p.dtype)
     a64 = a.to(tl.float64)
     kick = g64
     if NOISE:
-        root = tl.where(a == eps.to(p.dtype), 0.0, tl.sqrt(a64).to(p.dtype))
+        eps_here = eps.to(p.dtype)
+        root = tl.where(a == eps_here, 0.0, tl.sqrt(a64).to(p.dtype))
         xi = tl.randn(seed, offset + index).to(tl.float64)
         kick = g64 + scale * xi * root.to(tl.float64)
     m = tl.load(exp_avg + index, mask=mask).to(tl.float64)
     m = (m + (1.0 - beta1) * (kick - m)).to(p.dtype)
-    tl.store(exp_avg + index, m, mask=mask)
+    kept = m
+    if NARROW:  # the state in the parameter's dtype, through float32
+        kept = m.to(tl.float32)
+        if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
+            bits = kept.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            kept = (bits >> 16 << 16).to(tl.float32, bitcast=True)
+    tl.store(exp_avg + index, kept.to(exp_avg.dtype.element_ty), mask=mask)
     d = m.to(tl.float64) / a64
     if not NOISE:  # AdamW's bias correction of the momentum (temperature 0 only)
         d = d / first_correction_bits.to(tl.int64).to(tl.float64, bitcast=True)
@@ -170,7 +218,17 @@ def _adamw_sghmc(
     if UPDATE:
         tl.store(out + index, (-lr * d).to(p.dtype), mask=mask)
     else:
-        tl.store(param + index, (p.to(tl.float64) - lr * d).to(p.dtype), mask=mask)
+        new = (p.to(tl.float64) - lr * d).to(p.dtype)
+        if MASTER or NARROW:  # the parameter: the position rounded to nearest (even)
+            half = new
+            if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
+                bits = half.to(tl.uint32, bitcast=True)
+                half = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).to(
+                    tl.float32, bitcast=True
+                )
+            tl.store(param + index, half.to(param.dtype.element_ty), mask=mask)
+        if not NARROW:
+            tl.store(position + index, new, mask=mask)
 
 
 def unsupported(group: Mapping[str, Any], temperature: float) -> str | None:
@@ -183,12 +241,19 @@ def _root(scale: Tensor, eps: float) -> Tensor:
     return scale.sqrt().masked_fill(scale == eps, 0.0)
 
 
-def _adamw(group: Mapping[str, Any], inputs: FusedInput, buffers: dict[str, list[Any]]) -> None:
-    """Temperature 0: ``torch.optim.AdamW(fused=True)``'s step, per device, ``found_inf`` set."""
+def _adamw(
+    group: Mapping[str, Any], inputs: FusedInput, part: Part, buffers: dict[str, list[Any]]
+) -> None:
+    """Temperature 0: ``torch.optim.AdamW(fused=True)``'s step, per device.
+
+    ``found_inf`` set from the step's flag, ``grad_scale`` from ``part``'s scale (torch's
+    fused AdamW divides the gradients by it itself, in place: it is given copies, so that
+    ``.grad`` is never written); ``part``'s parameters keep no master.
+    """
     beta1, beta2 = group["betas"]
     devices: dict[torch.device, list[int]] = {}
-    for i, param in enumerate(inputs.params):
-        devices.setdefault(param.device, []).append(i)
+    for i in part.members:
+        devices.setdefault(inputs.params[i].device, []).append(i)
     for device, index in devices.items():
         # torch's fused Adam counts on the device: fill tensors there from the host counts
         steps = [
@@ -200,9 +265,11 @@ def _adamw(group: Mapping[str, Any], inputs: FusedInput, buffers: dict[str, list
             buffers["preconditioner_step"][i] = released(buffers["preconditioner_step"][i], True)
         found_inf = inputs.largest[index[0]].isfinite().logical_not().to(torch.float32)
         maxima = buffers.get("max_exp_avg_sq") or []
+        # torch's fused AdamW writes the gradients it unscales: it gets copies of them
+        grads = [inputs.grads[i] for i in index]
         _torch_adam()(
             [inputs.params[i] for i in index],
-            [inputs.grads[i] for i in index],
+            grads if part.scale is None else [grad.clone() for grad in grads],
             [buffers["exp_avg"][i] for i in index],
             [buffers["exp_avg_sq"][i] for i in index],
             [maxima[i] for i in index] if maxima else [],
@@ -211,7 +278,7 @@ def _adamw(group: Mapping[str, Any], inputs: FusedInput, buffers: dict[str, list
             capturable=False,
             differentiable=False,
             fused=True,
-            grad_scale=None,
+            grad_scale=None if part.scale is None else part.scale.reshape(()),
             found_inf=found_inf.reshape(()),
             has_complex=False,
             amsgrad=bool(group["amsgrad"]),
@@ -232,85 +299,108 @@ def launch(
     Returns every state field of ``inputs.buffers`` (the step counts advanced, a
     preconditioner frozen or released). With ``updates`` (temperature > 0; one
     contiguous tensor per parameter), write :math:`-lr\,d` there and leave the
-    parameters unchanged.
+    parameters unchanged. At temperature 0 the parameters without a master take torch's
+    fused AdamW step; those with one, the kernel's (on the master).
     """
     buffers: dict[str, list[Any]] = {name: list(v) for name, v in inputs.buffers.items()}
+    torch_step = float(group["temperature"]) == 0 and updates is None
+    for part in parts(inputs):
+        if torch_step and not part.master:
+            _adamw(group, inputs, part, buffers)
+            continue
+        for i in part.members:
+            _launch_one(group, inputs, part.alone(i), buffers, updates)
+    return buffers
+
+
+def _launch_one(
+    group: Mapping[str, Any],
+    inputs: FusedInput,
+    part: Part,
+    buffers: dict[str, list[Any]],
+    updates: list[Tensor] | None,
+) -> None:
+    """The step of ``part``'s one parameter :math:`i`; its state fields advanced in ``buffers``."""
+    (i,) = part.members
     lr, temperature = float(group["lr"]), float(group["temperature"])
-    if temperature == 0 and updates is None:
-        _adamw(group, inputs, buffers)
-        return buffers
     amsgrad = bool(group["amsgrad"]) and temperature == 0
     beta1, beta2 = (float(beta) for beta in group["betas"])
     eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
     maximize = bool(group["maximize"])
     how, warmup = group["preconditioner"], group["preconditioner_warmup"]
     scale = adamw_sghmc_noise_scale(lr, temperature, group["num_data"])
-    for i, (param, grad, seed, offset, largest) in enumerate(
-        zip(inputs.params, inputs.grads, inputs.seeds, inputs.offsets, inputs.largest, strict=True)
-    ):
-        square = buffers["exp_avg_sq"][i]
-        buffers["step"][i] = advanced(buffers["step"][i], True)
-        step = float(buffers["step"][i])
-        correction = 1 - beta2**step
-        flag, frozen = buffers["preconditioner_step"][i], buffers["preconditioner"][i]
-        kept = frozen is not None and buffers["preconditioner_root"][i] is not None
-        pre = None
-        if temperature == 0:
-            buffers["preconditioner_step"][i] = released(flag, True)
-        elif float(flag) > 0 and kept:
-            pre = frozen
-        else:
-            freeze = freezes_now(float(flag), step, warmup)
-            if how != "elementwise" or freeze:
-                pre = preconditioner_before_kernel(
-                    square,
-                    grad,
-                    param,
-                    beta=beta2,
-                    correction=correction,
-                    eps=eps,
-                    how=how,
-                    weight_decay=0.0,
-                    maximize=maximize,
-                )
-            if freeze:
-                assert pre is not None
-                before = 1 - beta2 ** (step - 1) or 1.0  # (V is still 0 at step 1)
-                fallback = refused_step_fallback(
-                    pre, square, param, largest, correction=before, eps=eps, how=how
-                )
-                buffers["preconditioner"][i] = fallback
-                buffers["preconditioner_root"][i] = _root(fallback, eps)
-                buffers["preconditioner_step"][i] = freeze_mark(flag, step)
-        where = Layout(1, 1, 1, 1, 1) if pre is None else compact_layout(param, pre)
-        launch_elementwise(
-            _adamw_sghmc,
-            param,
-            grad,
-            buffers["exp_avg"][i],
-            square,
-            buffers["max_exp_avg_sq"][i] if amsgrad else param,  # (param: never read)
-            param if pre is None else pre,
-            param if updates is None else updates[i],
-            largest,
-            param.numel(),
-            offset,
-            seed,
-            as_float64_bits(lr),
-            as_float64_bits(beta1),
-            as_float64_bits(beta2),
-            as_float64_bits(eps),
-            as_float64_bits(correction),
-            as_float64_bits(1 - beta1**step),
-            as_float64_bits(weight_decay),
-            as_float64_bits(scale),
-            *where,
-            do_not_specialize=_VARYING,
-            MAXIMIZE=maximize,
-            DECAY=weight_decay != 0,
-            POOLED=pre is not None,
-            NOISE=temperature > 0,
-            AMSGRAD=amsgrad,
-            UPDATE=updates is not None,
-        )
-    return buffers
+    param, seed, offset, largest = (
+        inputs.params[i],
+        inputs.seeds[i],
+        inputs.offsets[i],
+        inputs.largest[i],
+    )
+    (position,) = part.positions(inputs)
+    square = buffers["exp_avg_sq"][i]
+    buffers["step"][i] = advanced(buffers["step"][i], True)
+    step = float(buffers["step"][i])
+    correction = 1 - beta2**step
+    flag, frozen = buffers["preconditioner_step"][i], buffers["preconditioner"][i]
+    kept = frozen is not None and buffers["preconditioner_root"][i] is not None
+    pre = None
+    if temperature == 0:
+        buffers["preconditioner_step"][i] = released(flag, True)
+    elif float(flag) > 0 and kept:
+        pre = frozen
+    else:
+        freeze = freezes_now(float(flag), step, warmup)
+        if how != "elementwise" or freeze:
+            pre = preconditioner_before_kernel(
+                square,
+                torch_gradient(inputs, i),
+                position,
+                beta=beta2,
+                correction=correction,
+                eps=eps,
+                how=how,
+                weight_decay=0.0,
+                maximize=maximize,
+            )
+        if freeze:
+            assert pre is not None
+            before = 1 - beta2 ** (step - 1) or 1.0  # (V is still 0 at step 1)
+            fallback = refused_step_fallback(
+                pre, square, param, largest, correction=before, eps=eps, how=how
+            )
+            buffers["preconditioner"][i] = fallback
+            buffers["preconditioner_root"][i] = _root(fallback, eps)
+            buffers["preconditioner_step"][i] = freeze_mark(flag, step)
+    where = Layout(1, 1, 1, 1, 1) if pre is None else compact_layout(param, pre)
+    launch_elementwise(
+        _adamw_sghmc,
+        param,
+        inputs.grads[i],
+        buffers["exp_avg"][i],
+        square,
+        buffers["max_exp_avg_sq"][i] if amsgrad else param,  # (param: never read)
+        param if pre is None else pre,
+        param if updates is None else updates[i],
+        largest,
+        position,
+        part.scale_argument(inputs),
+        param.numel(),
+        offset,
+        seed,
+        as_float64_bits(lr),
+        as_float64_bits(beta1),
+        as_float64_bits(beta2),
+        as_float64_bits(eps),
+        as_float64_bits(correction),
+        as_float64_bits(1 - beta1**step),
+        as_float64_bits(weight_decay),
+        as_float64_bits(scale),
+        *where,
+        do_not_specialize=_VARYING,
+        MAXIMIZE=maximize,
+        DECAY=weight_decay != 0,
+        POOLED=pre is not None,
+        NOISE=temperature > 0,
+        AMSGRAD=amsgrad,
+        UPDATE=updates is not None,
+        **part.flags(),
+    )

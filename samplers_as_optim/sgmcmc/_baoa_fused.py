@@ -20,6 +20,12 @@ largest absolute gradient) is not finite. Small tensors share launches
 operation in the parameter's dtype; the kernel agrees with it up to that rounding
 (``tests/test_fused_sgnht_baoa.py``, through Triton's interpreter on the CPU only: no GPU
 has run this kernel).
+
+Mixed precision (``_fused_launch``'s module docstring): with a GradScaler scale
+:math:`s` the gradient is read as :math:`g/s` (float64 division, rounded once to the
+position's dtype); a float16/bfloat16 parameter with a float32 master steps on the
+master, as a float32 parameter would, and receives its rounding to nearest; one without
+master (temperature 0) is computed in float32 and stored, with its state, in its dtype.
 """
 
 from __future__ import annotations
@@ -29,7 +35,14 @@ from typing import Any, cast
 
 from torch import Tensor
 
-from ._fused_launch import FusedInput, KernelArg, as_float64_bits, constexpr, launch_tensors
+from ._fused_launch import (
+    FusedInput,
+    KernelArg,
+    as_float64_bits,
+    constexpr,
+    launch_tensors,
+    parts,
+)
 from ._fused_launch import optional_module as _optional_module
 from .baoa import baoa_noise_scale
 
@@ -61,6 +74,8 @@ def _baoa(
     grad: KernelArg,
     buffer: KernelArg,
     largest: KernelArg,
+    master: KernelArg,
+    grad_scale: KernelArg,
     lr_bits: KernelArg,
     momentum_bits: KernelArg,
     decay_bits: KernelArg,
@@ -70,6 +85,10 @@ def _baoa(
     MAXIMIZE: constexpr,  # noqa: N803
     DECAY: constexpr,  # noqa: N803
     NOISE: constexpr,  # noqa: N803
+    UNSCALE: constexpr,  # noqa: N803
+    MASTER: constexpr,  # noqa: N803
+    NARROW: constexpr,  # noqa: N803
+    BF16: constexpr,  # noqa: N803
 ) -> None:
     if MULTI:  # this program's tensor and block, from the table (_fused_launch.launch_tensors)
         code = tl.load(table + tl.program_id(0))
@@ -83,6 +102,7 @@ def _baoa(
         grad = tl.load(rows + 4 * count + t).to(grad.dtype, bitcast=True)
         buffer = tl.load(rows + 5 * count + t).to(buffer.dtype, bitcast=True)
         largest = tl.load(rows + 6 * count + t).to(largest.dtype, bitcast=True)
+        master = tl.load(rows + 7 * count + t).to(master.dtype, bitcast=True)
     else:
         block = tl.program_id(0).to(tl.int64)
     index = block * BLOCK + tl.arange(0, BLOCK)
@@ -92,8 +112,15 @@ def _baoa(
     mask = index < tl.where(worst <= 1.7976931348623157e308, numel, 0)
     lr = lr_bits.to(tl.int64).to(tl.float64, bitcast=True)
     momentum = momentum_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    p = tl.load(param + index, mask=mask)
+    position = master if MASTER else param  # where the chain's position is kept
+    p = tl.load(position + index, mask=mask)
+    if NARROW:  # a half parameter without master: in float32, as torch's fused SGD
+        p = p.to(tl.float32)
     g = tl.load(grad + index, mask=mask)
+    if UNSCALE:  # g / s divided in float64, rounded once to the position's dtype
+        g = (g.to(tl.float64) / tl.load(grad_scale).to(tl.float64)).to(p.dtype)
+    elif MASTER or NARROW:
+        g = g.to(tl.float32)
     if MAXIMIZE:
         g = -g
     if DECAY:
@@ -104,10 +131,25 @@ def _baoa(
     if NOISE:
         scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
         b = b + scale * tl.randn(seed, offset + index).to(tl.float64)
-    tl.store(buffer + index, b.to(buffer.dtype.element_ty), mask=mask)
+    kept = b
+    if NARROW:  # the buffer in the parameter's dtype, through float32
+        kept = b.to(tl.float32)
+        if BF16:
+            bits = kept.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            kept = (bits >> 16 << 16).to(tl.float32, bitcast=True)
+    tl.store(buffer + index, kept.to(buffer.dtype.element_ty), mask=mask)
     d = ((v + b) * 0.5).to(p.dtype)  # the two half drifts (A)
-    p = (p.to(tl.float64) - lr * d.to(tl.float64)).to(p.dtype)
-    tl.store(param + index, p, mask=mask)
+    new = (p.to(tl.float64) - lr * d.to(tl.float64)).to(p.dtype)
+    if MASTER or NARROW:  # the parameter: the position rounded to nearest (even)
+        half = new
+        if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
+            bits = half.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            half = (bits >> 16 << 16).to(tl.float32, bitcast=True)
+        tl.store(param + index, half.to(param.dtype.element_ty), mask=mask)
+    if not NARROW:
+        tl.store(position + index, new, mask=mask)
 
 
 def unsupported(group: Mapping[str, Any], temperature: float) -> str | None:
@@ -120,18 +162,23 @@ def launch(group: Mapping[str, Any], inputs: FusedInput) -> Mapping[str, list[Te
     lr, temperature = float(group["lr"]), float(group["temperature"])
     momentum, weight_decay = float(group["momentum"]), float(group["weight_decay"])
     buffers = cast(list[Tensor], inputs.buffers["momentum_buffer"])  # set by the state's init
-    launch_tensors(
-        _baoa,
-        [inputs.params, inputs.grads, buffers, inputs.largest],
-        as_float64_bits(lr),
-        as_float64_bits(momentum),
-        as_float64_bits(weight_decay),
-        as_float64_bits(baoa_noise_scale(lr, momentum, temperature, group["num_data"])),
-        offsets=inputs.offsets,
-        seeds=inputs.seeds,
-        do_not_specialize=_VARYING,
-        MAXIMIZE=bool(group["maximize"]),
-        DECAY=weight_decay != 0,
-        NOISE=temperature > 0,
-    )
+    noise_scale = baoa_noise_scale(lr, momentum, temperature, group["num_data"])
+    for part in parts(inputs):
+        launch_tensors(
+            _baoa,
+            [part.take(column) for column in (inputs.params, inputs.grads, buffers)]
+            + [part.take(inputs.largest), part.positions(inputs)],
+            part.scale_argument(inputs),
+            as_float64_bits(lr),
+            as_float64_bits(momentum),
+            as_float64_bits(weight_decay),
+            as_float64_bits(noise_scale),
+            offsets=part.take(inputs.offsets),
+            seeds=part.take(inputs.seeds),
+            do_not_specialize=_VARYING,
+            MAXIMIZE=bool(group["maximize"]),
+            DECAY=weight_decay != 0,
+            NOISE=temperature > 0,
+            **part.flags(),
+        )
     return {"momentum_buffer": buffers}

@@ -1,4 +1,4 @@
-"""What every fused kernel module shares: Triton's language, float64 scalars, the launches.
+r"""What every fused kernel module shares: Triton's language, float64 scalars, the launches.
 
 Importing this module does not import Triton (``sgmcmc/fused`` imports it with the
 package); a kernel module imports Triton's language with :func:`optional_module` (None
@@ -20,6 +20,34 @@ and data pointers in a table of 64-bit integers copied to the device once per ca
 (layout: :func:`launch_tensors`). The noise stays a function of ``(seed, step, key,
 global index)``: each tensor keeps its own Philox key, so the numbers are those of one
 launch per tensor, bit for bit (checked through Triton's interpreter).
+
+Mixed precision (:class:`FusedInput`'s ``grad_scales`` and ``masters``; issue #24). Every
+kernel takes the same four compile-time flags, set per :class:`Part` (one kernel call
+each, so tensors with and without a master never share a launch):
+
+* ``UNSCALE``: gradient element :math:`g` is read as :math:`g/s`, with :math:`s` the
+  ``torch.amp.GradScaler`` scale read on the device (one pointer per call, not a table
+  column), divided in float64 and rounded once to the position's dtype (float32 for a
+  half parameter, the parameter's own otherwise): the correctly rounded quotient, so
+  torch's float32 ``g / s`` bit for bit. Before ``maximize`` and weight decay; the
+  gradients are never written. :func:`torch_gradient` computes the same numbers with
+  torch, for the work before a kernel (the pooled preconditioner).
+* ``MASTER``: the position is read from and written to the float32 master (one more
+  table column, the parameter itself where there is none), the gradient widened to
+  float32, every buffer float32: the numbers of a float32 parameter holding the
+  master's values, the noise included; the parameter then receives the new position
+  rounded to nearest even.
+* ``NARROW``: a float16/bfloat16 parameter without master (temperature 0): computed in
+  float32, as torch's fused SGD and AdamW compute it, the parameter and its buffers
+  stored in its dtype.
+* ``BF16``: the parameter is bfloat16. Triton's interpreter truncates a conversion to
+  bfloat16 (and mangles one from float64), so a value stored in bfloat16 is first rounded
+  to nearest even on its float32 bits (:math:`(b + \texttt{0x7FFF} + (b \gg 16 \mathbin{\&}
+  1)) \gg 16 \ll 16`), exact in float32, which the GPU and the interpreter then convert
+  alike.
+
+A non-finite step flag writes nothing: the parameter, the master and every buffer keep
+every bit.
 """
 
 from __future__ import annotations
@@ -29,16 +57,18 @@ import importlib
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from functools import cache
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "HALF",
     "MULTI_TENSOR_BLOCKS",
     "FusedInput",
     "FusedKernel",
     "KernelArg",
+    "Part",
     "as_float64_bits",
     "as_int64",
     "block_size",
@@ -47,8 +77,14 @@ __all__ = [
     "launch_programs",
     "launch_tensors",
     "optional_module",
+    "parts",
+    "torch_fused_sgd",
+    "torch_gradient",
     "upload_table",
 ]
+
+#: the parameter dtypes a kernel takes in float32 (a master) or as torch's SGD takes them
+HALF = (torch.float16, torch.bfloat16)
 
 #: a tensor of at most this many blocks shares its launch with the other small tensors
 #: of a :func:`launch_tensors` call (0: one launch per tensor)
@@ -290,7 +326,19 @@ class FusedInput(NamedTuple):
             in the whole tensor, else 0).
         largest: each parameter's device flag, a 1-element float64 tensor: the largest
             absolute gradient of the step over every parameter, NaN or infinity when one
-            is not finite, and then the kernel writes nothing.
+            is not finite, and then the kernel writes nothing (parameter, master,
+            buffers).
+        grad_scales: each parameter's ``torch.amp.GradScaler`` scale :math:`s`, a
+            1-element float32 tensor on its device (one tensor per device), or None: no
+            scaling. The kernels read each gradient element as :math:`g/s`, divided in
+            float64 and rounded once to float32 (float64 for a float64 gradient), before
+            ``maximize`` and weight decay; the gradients are never written.
+        masters: each parameter's float32 master copy (contiguous, its shape, on its
+            device) for a float16/bfloat16 parameter whose chain keeps one, else None
+            (None for the whole list: none). The step then runs on the master exactly
+            as on a float32 parameter holding its values (the gradient widened, every
+            buffer float32, the same noise), writes the master and, rounded to nearest,
+            the parameter.
     """
 
     params: list[Tensor]
@@ -299,6 +347,90 @@ class FusedInput(NamedTuple):
     seeds: list[int]
     offsets: list[int]
     largest: list[Tensor]
+    grad_scales: list[Tensor] | None = None
+    masters: list[Tensor | None] | None = None
+
+
+class Part(NamedTuple):
+    """Tensors of a :class:`FusedInput` that one kernel call takes: the same compile-time flags.
+
+    Attributes:
+        members: their indices in the input, in its order.
+        scale: the GradScaler scale they all read (one tensor), or None.
+        master: whether they keep float32 masters (the kernels' ``MASTER``).
+        narrow: whether they are float16/bfloat16 parameters without a master (the
+            kernels' ``NARROW``: computed in float32, as torch's fused SGD and AdamW
+            compute a half parameter, the parameter and its state stored in its dtype).
+        bf16: whether the parameters are bfloat16 (the kernels' ``BF16``: with a
+            master or narrow, the stored bfloat16 values are rounded to nearest even on
+            the float32 bits, as the GPU rounds; Triton's interpreter truncates).
+    """
+
+    members: list[int]
+    scale: Tensor | None
+    master: bool
+    narrow: bool
+    bf16: bool
+
+    def take(self, values: Sequence[Any]) -> list[Any]:
+        """The entries of ``values`` (one per parameter of the input) of the members."""
+        return [values[i] for i in self.members]
+
+    def positions(self, inputs: FusedInput) -> list[Tensor]:
+        """The tensors holding the members' positions: their masters, or the parameters."""
+        if not self.master:
+            return self.take(inputs.params)
+        assert inputs.masters is not None
+        return [cast(Tensor, inputs.masters[i]) for i in self.members]
+
+    def scale_argument(self, inputs: FusedInput) -> Tensor:
+        """The kernels' ``grad_scale`` pointer: the scale (a flag, never read, without)."""
+        return inputs.largest[self.members[0]] if self.scale is None else self.scale
+
+    def alone(self, i: int) -> Part:
+        """Member ``i`` alone, with the same flags."""
+        return self._replace(members=[i])
+
+    def flags(self) -> dict[str, bool]:
+        """The compile-time arguments ``UNSCALE``, ``MASTER``, ``NARROW`` and ``BF16``."""
+        return {
+            "UNSCALE": self.scale is not None,
+            "MASTER": self.master,
+            "NARROW": self.narrow,
+            "BF16": self.bf16,
+        }
+
+
+def parts(inputs: FusedInput) -> list[Part]:
+    """The input's tensors by compile-time flags and GradScaler scale, in their order.
+
+    Tensors with and without a master never share a launch.
+    """
+    found: dict[tuple[bool, bool, bool, int | None], Part] = {}
+    for i, param in enumerate(inputs.params):
+        scale = None if inputs.grad_scales is None else inputs.grad_scales[i]
+        master = inputs.masters is not None and inputs.masters[i] is not None
+        narrow = not master and param.dtype in HALF
+        bf16 = param.dtype == torch.bfloat16
+        key = (master, narrow, bf16, None if scale is None else id(scale))
+        found.setdefault(key, Part([], scale, master, narrow, bf16)).members.append(i)
+    return list(found.values())
+
+
+def torch_gradient(inputs: FusedInput, i: int) -> Tensor:
+    """Gradient ``i`` as the kernels read it, computed by torch (for work before a kernel).
+
+    :math:`g/s` divided in float64 and rounded once to float32 (float64 for a float64
+    gradient), the kernels' numbers bit for bit; without a scale the gradient itself,
+    widened to float32 where the parameter keeps a master. A new tensor where it differs.
+    """
+    grad = inputs.grads[i]
+    scale = None if inputs.grad_scales is None else inputs.grad_scales[i]
+    has_master = inputs.masters is not None and inputs.masters[i] is not None
+    if scale is None:
+        return grad.float() if has_master else grad
+    wide = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    return grad.double().div(scale.double()).to(wide)
 
 
 class FusedKernel(Protocol):
@@ -312,3 +444,65 @@ class FusedKernel(Protocol):
 
         ``group`` holds the hyperparameters, ``lr`` and ``temperature`` as floats.
         """
+
+
+def torch_fused_sgd(
+    group: Mapping[str, Any],
+    inputs: FusedInput,
+    buffers: Sequence[Tensor] | None = None,
+    first: Sequence[bool] | None = None,
+) -> None:
+    """The step at temperature 0: torch's own fused SGD step (``torch._fused_sgd_``).
+
+    At :math:`T = 0` SGLD and SGHMC are ``torch.optim.SGD``, and their fused step is
+    ``SGD(fused=True)``'s, bit for bit, whatever torch computes it with (torch 2.11's
+    CUDA kernel rounds lr to float32 for a float32 parameter, for one): the same op on
+    the same tensors. ``buffers``: the momentum buffers (None without momentum),
+    ``first[i]``: buffer ``i`` is created by this step (zeros given: torch then writes
+    ``g``, as on its first step; a skipped step leaves the zeros). The device flag
+    ``inputs.largest`` becomes torch's ``found_inf`` (a non-finite gradient: nothing is
+    written); a GradScaler's scale goes to torch as ``grad_scale``, on copies of the
+    gradients (torch writes the unscaled gradient back, and ``.grad`` stays as it was);
+    a parameter with a float32 master steps its master on the widened gradient, then
+    takes its rounding.
+    """
+    n = len(inputs.params)
+    masters = inputs.masters or [None] * n
+    positions = [p if m is None else m for p, m in zip(inputs.params, masters, strict=True)]
+    grads = []
+    for grad, master in zip(inputs.grads, masters, strict=True):
+        if master is not None:
+            grad = grad.float()  # a new tensor
+        elif inputs.grad_scales is not None:
+            grad = grad.clone()  # torch writes g / s into it
+        grads.append(grad)
+    found: dict[torch.device, Tensor] = {}
+    batches: dict[tuple[Any, ...], list[int]] = {}
+    for i, position in enumerate(positions):
+        if position.numel() == 0:
+            continue
+        scale = None if inputs.grad_scales is None else inputs.grad_scales[i]
+        key = (position.device, position.dtype, bool(first and first[i]), id(scale))
+        batches.setdefault(key, []).append(i)
+        if position.device not in found:
+            flag = inputs.largest[i].reshape(1)
+            found[position.device] = flag.isfinite().logical_not().to(torch.float32)
+    for (device, _, is_first, _), members in batches.items():
+        scale = None if inputs.grad_scales is None else inputs.grad_scales[members[0]]
+        torch._fused_sgd_(
+            [positions[i] for i in members],
+            [grads[i] for i in members],
+            [] if buffers is None else [buffers[i] for i in members],
+            weight_decay=float(group["weight_decay"]),
+            momentum=float(group["momentum"]) if buffers is not None else 0.0,
+            lr=float(group["lr"]),
+            dampening=float(group["dampening"]) if buffers is not None else 0.0,
+            nesterov=bool(group.get("nesterov", False)),
+            maximize=bool(group["maximize"]),
+            is_first_step=is_first,
+            grad_scale=None if scale is None else scale.reshape(1).float(),
+            found_inf=found[device],
+        )
+    for param, master in zip(inputs.params, masters, strict=True):
+        if master is not None:
+            param.copy_(master)  # its rounding to nearest (the master did not move if skipped)

@@ -15,7 +15,11 @@ and, when it is not, reads and writes nothing, as torch's fused optimizers do wi
   before, while the next forward and backward ran) and, when the step was refused,
   raises ``FloatingPointError`` naming the step and the parameter, after putting back
   what the refused step recorded on the host (its step counter, the state entries it
-  created), so that the optimizer is as it was before it.
+  created or replaced), so that the optimizer is as it was before it.
+
+Under ``torch.amp.GradScaler`` none of this runs: the scaler's ``found_inf`` is the
+verdict and becomes the flag (``_grad_scaler.found_inf_flags``), a skipped step is
+counted as with ``"skip"``, and nothing is refused.
 """
 
 from __future__ import annotations
@@ -127,6 +131,8 @@ class DeferredRefusal:
         for host, event, where in self._maxima:
             if event is not None:
                 event.synchronize()  # the copy, queued at the end of that step
+            if bool(host.isfinite().all()):  # the common case, without a nonzero
+                continue
             bad = torch.isfinite(host).logical_not().nonzero()
             if bad.numel():
                 index, group, param = where[int(bad[0, 0])]

@@ -4,7 +4,8 @@
 naming the parameter, before anything changes; ``"skip"`` makes that step a no-op
 selected on the device (``torch.where`` against the old values), counted in
 ``group["skipped_steps"]``, with no host synchronisation (``docs/design.md``,
-"Refusals").
+"Refusals"). Under ``torch.amp.GradScaler`` its ``found_inf`` decides instead, whatever
+the policy (``_grad_scaler``): such a step is skipped and counted the same way.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from torch import Tensor
 
 from ._common import all_finite, may_be_non_finite
 
-__all__ = ["describe_parameter", "finite_flags", "kept", "refuse_non_finite_gradients"]
+__all__ = [
+    "count_skipped_where",
+    "describe_parameter",
+    "finite_flags",
+    "kept",
+    "refuse_non_finite_gradients",
+]
 
 #: one param group's gathered step: (its index, the group, params and their gradients)
 Gathered = Sequence[tuple[int, dict[str, Any], list[Tensor], list[Tensor]]]
@@ -58,14 +65,26 @@ def finite_flags(gathered: Gathered) -> dict[torch.device, Tensor]:
     skipped in ``group["skipped_steps"]``, a 0-d integer tensor on its device.
     """
     flags = all_finite([grad for *_, grads in gathered for grad in grads])
+    count_skipped_where(gathered, {device: flag.logical_not() for device, flag in flags.items()})
+    return flags
+
+
+def count_skipped_where(gathered: Gathered, skipped_on: dict[torch.device, Tensor]) -> None:
+    """Add 1 to each group's ``skipped_steps`` where ``skipped_on`` (per device) is True.
+
+    ``group["skipped_steps"]`` is a 0-d integer tensor on the group's device, created at
+    its first count; nothing is read back to Python.
+    """
     for _, group, params, _ in gathered:
         if params:
             device = params[0].device
             skipped = group.get("skipped_steps")
             if not isinstance(skipped, Tensor):
                 skipped = group["skipped_steps"] = torch.zeros((), dtype=torch.int64, device=device)
-            skipped.add_(flags[skipped.device].logical_not().to(torch.int64))
-    return flags
+            flag = (
+                skipped_on[skipped.device] if skipped.device in skipped_on else skipped_on[device]
+            )
+            skipped.add_(flag.to(device=skipped.device, dtype=torch.int64))
 
 
 def kept(new: Tensor, old: Tensor | None, keep: dict[torch.device, Tensor]) -> Tensor:

@@ -39,6 +39,12 @@ freeze marks are host numbers, advanced in Python as the reference advances them
 and leaves the parameter unchanged. Checked through Triton's interpreter on the CPU only
 (``tests/test_fused_adaptive.py``): compiled for an sm_90 GPU by Triton's compiler
 (``tests/test_fused_transforms.py``), no GPU has run it yet.
+
+Mixed precision (``_fused_launch``'s module docstring): with a GradScaler scale
+:math:`s` the gradient is read as :math:`g/s` (float64 division, rounded once to the
+position's dtype); a float16/bfloat16 parameter with a float32 master steps on the
+master, as a float32 parameter would, and receives its rounding to nearest; one without
+master (temperature 0) is computed in float32 and stored, with its state, in its dtype.
 """
 
 from __future__ import annotations
@@ -51,9 +57,12 @@ from torch import Tensor
 from ._fused_launch import (
     FusedInput,
     KernelArg,
+    Part,
     as_float64_bits,
     constexpr,
     launch_elementwise,
+    parts,
+    torch_gradient,
 )
 from ._fused_launch import optional_module as _optional_module
 from ._pooled_fused import (
@@ -100,6 +109,8 @@ def _psgld(
     previous_grad: KernelArg,
     out: KernelArg,
     largest: KernelArg,
+    master: KernelArg,
+    grad_scale: KernelArg,
     numel: KernelArg,
     offset: KernelArg,
     seed: KernelArg,
@@ -124,6 +135,10 @@ def _psgld(
     CENTERED: constexpr,  # noqa: N803
     CORRECTION: constexpr,  # noqa: N803
     UPDATE: constexpr,  # noqa: N803
+    UNSCALE: constexpr,  # noqa: N803
+    MASTER: constexpr,  # noqa: N803
+    NARROW: constexpr,  # noqa: N803
+    BF16: constexpr,  # noqa: N803
 ) -> None:
     index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     # nothing is read or written unless every gradient is finite: the largest absolute
@@ -133,8 +148,15 @@ def _psgld(
     lr = lr_bits.to(tl.int64).to(tl.float64, bitcast=True)
     alpha = alpha_bits.to(tl.int64).to(tl.float64, bitcast=True)
     eps = eps_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    p = tl.load(param + index, mask=mask)
+    position = master if MASTER else param  # where the chain's position is kept
+    p = tl.load(position + index, mask=mask)
+    if NARROW:  # a half parameter without master: in float32, its state in its dtype
+        p = p.to(tl.float32)
     g = tl.load(grad + index, mask=mask)
+    if UNSCALE:  # g / s divided in float64, rounded once to the position's dtype
+        g = (g.to(tl.float64) / tl.load(grad_scale).to(tl.float64)).to(p.dtype)
+    elif MASTER or NARROW:
+        g = g.to(tl.float32)
     if MAXIMIZE:
         g = -g
     if DECAY:
@@ -143,7 +165,14 @@ def _psgld(
     g64 = g.to(tl.float64)
     v = tl.load(square + index, mask=mask).to(tl.float64)
     v = (alpha * v + (1.0 - alpha) * g64 * g64).to(p.dtype)
-    tl.store(square + index, v, mask=mask)
+    kept = v
+    if NARROW:  # the state in the parameter's dtype, through float32
+        kept = v.to(tl.float32)
+        if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
+            bits = kept.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            kept = (bits >> 16 << 16).to(tl.float32, bitcast=True)
+    tl.store(square + index, kept.to(square.dtype.element_ty), mask=mask)
     v64 = v.to(tl.float64)
     eps_here = eps.to(p.dtype).to(tl.float64)
     if POOLED:
@@ -154,7 +183,15 @@ def _psgld(
     elif CENTERED:
         mean = tl.load(grad_avg + index, mask=mask).to(tl.float64)
         mean = (mean + (1.0 - alpha) * (g64 - mean)).to(p.dtype)
-        tl.store(grad_avg + index, mean, mask=mask)
+        kept = mean
+        if NARROW:  # the state in the parameter's dtype, through float32
+            kept = mean.to(tl.float32)
+            if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
+                bits = kept.to(tl.uint32, bitcast=True)
+                kept = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).to(
+                    tl.float32, bitcast=True
+                )
+        tl.store(grad_avg + index, kept.to(grad_avg.dtype.element_ty), mask=mask)
         mean64 = mean.to(tl.float64)
         a = (tl.sqrt(v64 - mean64 * mean64) + eps).to(p.dtype).to(tl.float64)
     else:
@@ -164,7 +201,15 @@ def _psgld(
         momentum = momentum_bits.to(tl.int64).to(tl.float64, bitcast=True)
         b = momentum * tl.load(momentum_buffer + index, mask=mask).to(tl.float64) + d
         b = b.to(p.dtype)
-        tl.store(momentum_buffer + index, b, mask=mask)
+        kept = b
+        if NARROW:  # the state in the parameter's dtype, through float32
+            kept = b.to(tl.float32)
+            if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
+                bits = kept.to(tl.uint32, bitcast=True)
+                kept = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).to(
+                    tl.float32, bitcast=True
+                )
+        tl.store(momentum_buffer + index, kept.to(momentum_buffer.dtype.element_ty), mask=mask)
         d = b.to(tl.float64)
     if NOISE:
         scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
@@ -180,12 +225,22 @@ def _psgld(
         safe = tl.where(root > 0.0, root, 1.0)
         gamma = tl.where(root > 0.0, -(1.0 - alpha) * g64 * curvature / (a * a * safe), 0.0)
         d = d - gamma_scale * gamma
-        tl.store(previous_param + index, p, mask=mask)
-        tl.store(previous_grad + index, g, mask=mask)
+        tl.store(previous_param + index, p.to(previous_param.dtype.element_ty), mask=mask)
+        tl.store(previous_grad + index, g.to(previous_grad.dtype.element_ty), mask=mask)
     if UPDATE:
         tl.store(out + index, (-lr * d).to(p.dtype), mask=mask)
     else:
-        tl.store(param + index, (p.to(tl.float64) - lr * d).to(p.dtype), mask=mask)
+        new = (p.to(tl.float64) - lr * d).to(p.dtype)
+        if MASTER or NARROW:  # the parameter: the position rounded to nearest (even)
+            half = new
+            if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
+                bits = half.to(tl.uint32, bitcast=True)
+                half = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).to(
+                    tl.float32, bitcast=True
+                )
+            tl.store(param + index, half.to(param.dtype.element_ty), mask=mask)
+        if not NARROW:
+            tl.store(position + index, new, mask=mask)
 
 
 def unsupported(group: Mapping[str, Any], temperature: float) -> str | None:
@@ -202,6 +257,22 @@ def launch(
     preconditioner frozen or released). With ``updates`` (one contiguous tensor per
     parameter), write :math:`-lr\,d` there and leave the parameters unchanged.
     """
+    buffers: dict[str, list[Any]] = {name: list(v) for name, v in inputs.buffers.items()}
+    for part in parts(inputs):
+        for i in part.members:
+            _launch_one(group, inputs, part.alone(i), buffers, updates)
+    return buffers
+
+
+def _launch_one(
+    group: Mapping[str, Any],
+    inputs: FusedInput,
+    part: Part,
+    buffers: dict[str, list[Any]],
+    updates: list[Tensor] | None,
+) -> None:
+    """The step of ``part``'s one parameter :math:`i`; its state fields advanced in ``buffers``."""
+    (i,) = part.members
     lr, temperature = float(group["lr"]), float(group["temperature"])
     alpha, eps = float(group["alpha"]), float(group["eps"])
     weight_decay, maximize = float(group["weight_decay"]), bool(group["maximize"])
@@ -209,78 +280,81 @@ def launch(
     how, warmup = group["preconditioner"], group["preconditioner_warmup"]
     correction = bool(group["correction"]) and temperature > 0
     scale = psgld_noise_scale(lr, temperature, group["num_data"])
-    buffers: dict[str, list[Any]] = {name: list(v) for name, v in inputs.buffers.items()}
-    for i, (param, grad, seed, offset, largest) in enumerate(
-        zip(inputs.params, inputs.grads, inputs.seeds, inputs.offsets, inputs.largest, strict=True)
-    ):
-        square = buffers["square_avg"][i]
-        buffers["step"][i] = advanced(buffers["step"][i], True)
-        step = float(buffers["step"][i])
-        pre = None
-        if temperature == 0:
-            buffers["preconditioner_step"][i] = released(buffers["preconditioner_step"][i], True)
+    param, seed, offset, largest = (
+        inputs.params[i],
+        inputs.seeds[i],
+        inputs.offsets[i],
+        inputs.largest[i],
+    )
+    (position,) = part.positions(inputs)
+    square = buffers["square_avg"][i]
+    buffers["step"][i] = advanced(buffers["step"][i], True)
+    step = float(buffers["step"][i])
+    pre = None
+    if temperature == 0:
+        buffers["preconditioner_step"][i] = released(buffers["preconditioner_step"][i], True)
+    else:
+        flag, frozen = buffers["preconditioner_step"][i], buffers["preconditioner"][i]
+        if float(flag) > 0 and frozen is not None:
+            pre = frozen
         else:
-            flag, frozen = buffers["preconditioner_step"][i], buffers["preconditioner"][i]
-            if float(flag) > 0 and frozen is not None:
-                pre = frozen
-            else:
-                freeze = freezes_now(float(flag), step, warmup)
-                if how != "elementwise" or freeze:
-                    pre = preconditioner_before_kernel(
-                        square,
-                        grad,
-                        param,
-                        beta=alpha,
-                        correction=1.0,
-                        eps=eps,
-                        how=how,
-                        weight_decay=weight_decay,
-                        maximize=maximize,
-                    )
-                if freeze:
-                    assert pre is not None
-                    buffers["preconditioner"][i] = refused_step_fallback(
-                        pre, square, param, largest, correction=1.0, eps=eps, how=how
-                    )
-                    buffers["preconditioner_step"][i] = freeze_mark(flag, step)
-        where = Layout(1, 1, 1, 1, 1) if pre is None else compact_layout(param, pre)
-        fallback = param  # (a pointer for the buffers an option does not keep: never read)
-        momentum_buffer = buffers["momentum_buffer"][i] if temperature == 0 and momentum else None
-        grad_avg = buffers["grad_avg"][i] if temperature == 0 and centered else None
-        previous = (
-            (buffers["previous_param"][i], buffers["previous_grad"][i]) if correction else None
-        )
-        launch_elementwise(
-            _psgld,
-            param,
-            grad,
-            square,
-            fallback if pre is None else pre,
-            fallback if momentum_buffer is None else momentum_buffer,
-            fallback if grad_avg is None else grad_avg,
-            fallback if previous is None else previous[0],
-            fallback if previous is None else previous[1],
-            fallback if updates is None else updates[i],
-            largest,
-            param.numel(),
-            offset,
-            seed,
-            as_float64_bits(lr),
-            as_float64_bits(alpha),
-            as_float64_bits(eps),
-            as_float64_bits(weight_decay),
-            as_float64_bits(scale),
-            as_float64_bits(momentum),
-            as_float64_bits(temperature / group["num_data"]),
-            *where,
-            do_not_specialize=_VARYING,
-            MAXIMIZE=maximize,
-            DECAY=weight_decay != 0,
-            NOISE=temperature > 0,
-            POOLED=pre is not None,
-            MOMENTUM=momentum_buffer is not None,
-            CENTERED=grad_avg is not None,
-            CORRECTION=previous is not None,
-            UPDATE=updates is not None,
-        )
-    return buffers
+            freeze = freezes_now(float(flag), step, warmup)
+            if how != "elementwise" or freeze:
+                pre = preconditioner_before_kernel(
+                    square,
+                    torch_gradient(inputs, i),
+                    position,
+                    beta=alpha,
+                    correction=1.0,
+                    eps=eps,
+                    how=how,
+                    weight_decay=weight_decay,
+                    maximize=maximize,
+                )
+            if freeze:
+                assert pre is not None
+                buffers["preconditioner"][i] = refused_step_fallback(
+                    pre, square, param, largest, correction=1.0, eps=eps, how=how
+                )
+                buffers["preconditioner_step"][i] = freeze_mark(flag, step)
+    where = Layout(1, 1, 1, 1, 1) if pre is None else compact_layout(param, pre)
+    fallback = param  # (a pointer for the buffers an option does not keep: never read)
+    momentum_buffer = buffers["momentum_buffer"][i] if temperature == 0 and momentum else None
+    grad_avg = buffers["grad_avg"][i] if temperature == 0 and centered else None
+    previous = (buffers["previous_param"][i], buffers["previous_grad"][i]) if correction else None
+    launch_elementwise(
+        _psgld,
+        param,
+        inputs.grads[i],
+        square,
+        fallback if pre is None else pre,
+        fallback if momentum_buffer is None else momentum_buffer,
+        fallback if grad_avg is None else grad_avg,
+        fallback if previous is None else previous[0],
+        fallback if previous is None else previous[1],
+        fallback if updates is None else updates[i],
+        largest,
+        position,
+        part.scale_argument(inputs),
+        param.numel(),
+        offset,
+        seed,
+        as_float64_bits(lr),
+        as_float64_bits(alpha),
+        as_float64_bits(eps),
+        as_float64_bits(weight_decay),
+        as_float64_bits(scale),
+        as_float64_bits(momentum),
+        as_float64_bits(temperature / group["num_data"]),
+        *where,
+        do_not_specialize=_VARYING,
+        MAXIMIZE=maximize,
+        DECAY=weight_decay != 0,
+        NOISE=temperature > 0,
+        POOLED=pre is not None,
+        MOMENTUM=momentum_buffer is not None,
+        CENTERED=grad_avg is not None,
+        CORRECTION=previous is not None,
+        UPDATE=updates is not None,
+        **part.flags(),
+    )

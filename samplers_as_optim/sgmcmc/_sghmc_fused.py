@@ -19,6 +19,12 @@ once; nothing is written when the step's flag (the largest absolute gradient) is
 finite. With ``momentum=0`` it is SGLD's kernel, as the reference update is SGLD's. Small
 tensors share launches (``_fused_launch.launch_tensors``), each with its own noise key:
 the numbers of one launch per tensor.
+
+Mixed precision (``_fused_launch``'s module docstring): with a GradScaler scale
+:math:`s` the gradient is read as :math:`g/s` (float64 division, rounded once to the
+position's dtype); a float16/bfloat16 parameter with a float32 master steps on the
+master, as a float32 parameter would, and receives its rounding to nearest; one without
+master (temperature 0) is computed in float32 and stored, with its state, in its dtype.
 """
 
 from __future__ import annotations
@@ -30,7 +36,15 @@ import torch
 from torch import Tensor
 
 from . import _sgld_fused
-from ._fused_launch import FusedInput, KernelArg, as_float64_bits, constexpr, launch_tensors
+from ._fused_launch import (
+    FusedInput,
+    KernelArg,
+    as_float64_bits,
+    constexpr,
+    launch_tensors,
+    parts,
+    torch_fused_sgd,
+)
 from ._fused_launch import optional_module as _optional_module
 from .sghmc import sghmc_noise_scale
 
@@ -63,6 +77,8 @@ def _sghmc(
     grad: KernelArg,
     buffer: KernelArg,
     largest: KernelArg,
+    master: KernelArg,
+    grad_scale: KernelArg,
     lr_bits: KernelArg,
     momentum_bits: KernelArg,
     gain_bits: KernelArg,
@@ -75,6 +91,10 @@ def _sghmc(
     FIRST: constexpr,  # noqa: N803
     NESTEROV: constexpr,  # noqa: N803
     NOISE: constexpr,  # noqa: N803
+    UNSCALE: constexpr,  # noqa: N803
+    MASTER: constexpr,  # noqa: N803
+    NARROW: constexpr,  # noqa: N803
+    BF16: constexpr,  # noqa: N803
 ) -> None:
     if MULTI:  # this program's tensor and block, from the table (_fused_launch.launch_tensors)
         code = tl.load(table + tl.program_id(0))
@@ -88,6 +108,7 @@ def _sghmc(
         grad = tl.load(rows + 4 * count + t).to(grad.dtype, bitcast=True)
         buffer = tl.load(rows + 5 * count + t).to(buffer.dtype, bitcast=True)
         largest = tl.load(rows + 6 * count + t).to(largest.dtype, bitcast=True)
+        master = tl.load(rows + 7 * count + t).to(master.dtype, bitcast=True)
     else:
         block = tl.program_id(0).to(tl.int64)
     index = block * BLOCK + tl.arange(0, BLOCK)
@@ -97,8 +118,15 @@ def _sghmc(
     mask = index < tl.where(worst <= 1.7976931348623157e308, numel, 0)
     lr = lr_bits.to(tl.int64).to(tl.float64, bitcast=True)
     momentum = momentum_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    p = tl.load(param + index, mask=mask)
+    position = master if MASTER else param  # where the chain's position is kept
+    p = tl.load(position + index, mask=mask)
+    if NARROW:  # a half parameter without master: in float32, as torch's fused SGD
+        p = p.to(tl.float32)
     g = tl.load(grad + index, mask=mask)
+    if UNSCALE:  # g / s divided in float64, rounded once to the position's dtype
+        g = (g.to(tl.float64) / tl.load(grad_scale).to(tl.float64)).to(p.dtype)
+    elif MASTER or NARROW:
+        g = g.to(tl.float32)
     if MAXIMIZE:
         g = -g
     if DECAY:
@@ -114,10 +142,25 @@ def _sghmc(
         scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
         xi = tl.randn(seed, offset + index)
         b = b + scale * xi.to(tl.float64)
-    tl.store(buffer + index, b.to(buffer.dtype.element_ty), mask=mask)
+    kept = b
+    if NARROW:  # the buffer in the parameter's dtype, through float32
+        kept = b.to(tl.float32)
+        if BF16:
+            bits = kept.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            kept = (bits >> 16 << 16).to(tl.float32, bitcast=True)
+    tl.store(buffer + index, kept.to(buffer.dtype.element_ty), mask=mask)
     d = (g.to(tl.float64) + momentum * b).to(p.dtype) if NESTEROV else b.to(p.dtype)
-    p = (p.to(tl.float64) - lr * d.to(tl.float64)).to(p.dtype)
-    tl.store(param + index, p, mask=mask)
+    new = (p.to(tl.float64) - lr * d.to(tl.float64)).to(p.dtype)
+    if MASTER or NARROW:  # the parameter: the position rounded to nearest (even)
+        half = new
+        if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
+            bits = half.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            half = (bits >> 16 << 16).to(tl.float32, bitcast=True)
+        tl.store(param + index, half.to(param.dtype.element_ty), mask=mask)
+    if not NARROW:
+        tl.store(position + index, new, mask=mask)
 
 
 def unsupported(group: Mapping[str, Any], temperature: float) -> str | None:
@@ -139,31 +182,44 @@ def launch(group: Mapping[str, Any], inputs: FusedInput) -> Mapping[str, list[Te
     scale = sghmc_noise_scale(lr, momentum, temperature, group["num_data"])
     buffers: list[Tensor] = []
     created: list[bool] = []
-    for param, buffer in zip(inputs.params, inputs.buffers["momentum_buffer"], strict=True):
+    for buffer, position in zip(inputs.buffers["momentum_buffer"], _positions(inputs), strict=True):
         created.append(buffer is None)
-        if buffer is None:
-            buffer = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        if buffer is None:  # (float32 beside a master)
+            buffer = torch.zeros_like(position, memory_format=torch.contiguous_format)
         buffers.append(buffer)
-    for first in (True, False):  # FIRST is a compile-time argument: one call for each
-        chosen = [i for i, c in enumerate(created) if c is first]
-        if not chosen:
-            continue
-        launch_tensors(
-            _sghmc,
-            [[column[i] for i in chosen] for column in (inputs.params, inputs.grads, buffers)]
-            + [[inputs.largest[i] for i in chosen]],
-            as_float64_bits(lr),
-            as_float64_bits(momentum),
-            as_float64_bits(1.0 - float(group["dampening"])),
-            as_float64_bits(weight_decay),
-            as_float64_bits(scale),
-            offsets=[inputs.offsets[i] for i in chosen],
-            seeds=[inputs.seeds[i] for i in chosen],
-            do_not_specialize=_VARYING,
-            MAXIMIZE=bool(group["maximize"]),
-            DECAY=weight_decay != 0,
-            FIRST=first,
-            NESTEROV=bool(group["nesterov"]),
-            NOISE=temperature > 0,
-        )
+    if temperature == 0:  # torch.optim.SGD(fused=True)'s own step
+        torch_fused_sgd(group, inputs, buffers, created)
+        return {"momentum_buffer": buffers}
+    for part in parts(inputs):
+        for first in (True, False):  # FIRST is a compile-time argument: one call for each
+            chosen = [i for i in part.members if created[i] is first]
+            if not chosen:
+                continue
+            here = part._replace(members=chosen)
+            launch_tensors(
+                _sghmc,
+                [here.take(column) for column in (inputs.params, inputs.grads, buffers)]
+                + [here.take(inputs.largest), here.positions(inputs)],
+                here.scale_argument(inputs),
+                as_float64_bits(lr),
+                as_float64_bits(momentum),
+                as_float64_bits(1.0 - float(group["dampening"])),
+                as_float64_bits(weight_decay),
+                as_float64_bits(scale),
+                offsets=here.take(inputs.offsets),
+                seeds=here.take(inputs.seeds),
+                do_not_specialize=_VARYING,
+                MAXIMIZE=bool(group["maximize"]),
+                DECAY=weight_decay != 0,
+                FIRST=first,
+                NESTEROV=bool(group["nesterov"]),
+                NOISE=temperature > 0,
+                **here.flags(),
+            )
     return {"momentum_buffer": buffers}
+
+
+def _positions(inputs: FusedInput) -> list[Tensor]:
+    """Each parameter's position: its master, or itself."""
+    masters = inputs.masters or [None] * len(inputs.params)
+    return [param if m is None else m for param, m in zip(inputs.params, masters, strict=True)]

@@ -1,6 +1,6 @@
 r"""SGLD's fused Triton kernel: ``sgld.sgld_direction`` and the step in one pass.
 
-Per element, with :math:`g' = \pm g + \lambda\theta` (rounded to the parameter's dtype,
+Per element, with :math:`g' = \pm g + \lambda\theta` (rounded to the position's dtype,
 as ``torch.optim.SGD(fused=True)`` rounds it) and :math:`c = \sqrt{2T/(N\,lr)}`,
 
 .. math::
@@ -14,6 +14,12 @@ in float64 and rounded once (torch's fused SGD computes :math:`\theta - lr\,g'` 
 when the step's flag (the largest absolute gradient) is not finite. Small tensors share
 launches (``_fused_launch.launch_tensors``), each with its own noise key: the numbers of
 one launch per tensor.
+
+Mixed precision (``_fused_launch``'s module docstring): with a GradScaler scale
+:math:`s` the gradient is read as :math:`g/s` (float64 division, rounded once to the
+position's dtype); a float16/bfloat16 parameter with a float32 master steps on the
+master, as a float32 parameter would, and receives its rounding to nearest; one without
+master (temperature 0) is computed in float32 and stored, with its state, in its dtype.
 """
 
 from __future__ import annotations
@@ -24,7 +30,15 @@ from typing import Any
 
 from torch import Tensor
 
-from ._fused_launch import FusedInput, KernelArg, as_float64_bits, constexpr, launch_tensors
+from ._fused_launch import (
+    FusedInput,
+    KernelArg,
+    as_float64_bits,
+    constexpr,
+    launch_tensors,
+    parts,
+    torch_fused_sgd,
+)
 from ._fused_launch import optional_module as _optional_module
 
 __all__ = ["launch", "unsupported"]
@@ -45,6 +59,8 @@ def _sgld(
     param: KernelArg,
     grad: KernelArg,
     largest: KernelArg,
+    master: KernelArg,
+    grad_scale: KernelArg,
     lr_bits: KernelArg,
     decay_bits: KernelArg,
     scale_bits: KernelArg,
@@ -53,6 +69,10 @@ def _sgld(
     MAXIMIZE: constexpr,  # noqa: N803
     DECAY: constexpr,  # noqa: N803
     NOISE: constexpr,  # noqa: N803
+    UNSCALE: constexpr,  # noqa: N803
+    MASTER: constexpr,  # noqa: N803
+    NARROW: constexpr,  # noqa: N803
+    BF16: constexpr,  # noqa: N803
 ) -> None:
     if MULTI:  # this program's tensor and block, from the table (_fused_launch.launch_tensors)
         code = tl.load(table + tl.program_id(0))
@@ -65,6 +85,7 @@ def _sgld(
         param = tl.load(rows + 3 * count + t).to(param.dtype, bitcast=True)
         grad = tl.load(rows + 4 * count + t).to(grad.dtype, bitcast=True)
         largest = tl.load(rows + 5 * count + t).to(largest.dtype, bitcast=True)
+        master = tl.load(rows + 6 * count + t).to(master.dtype, bitcast=True)
     else:
         block = tl.program_id(0).to(tl.int64)
     index = block * BLOCK + tl.arange(0, BLOCK)
@@ -73,8 +94,15 @@ def _sgld(
     worst = tl.load(largest)
     mask = index < tl.where(worst <= 1.7976931348623157e308, numel, 0)
     lr = lr_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    p = tl.load(param + index, mask=mask)
+    position = master if MASTER else param  # where the chain's position is kept
+    p = tl.load(position + index, mask=mask)
+    if NARROW:  # a half parameter without master: in float32, as torch's fused SGD
+        p = p.to(tl.float32)
     g = tl.load(grad + index, mask=mask)
+    if UNSCALE:  # g / s divided in float64, rounded once to the position's dtype
+        g = (g.to(tl.float64) / tl.load(grad_scale).to(tl.float64)).to(p.dtype)
+    elif MASTER or NARROW:
+        g = g.to(tl.float32)
     if MAXIMIZE:
         g = -g
     if DECAY:
@@ -85,8 +113,16 @@ def _sgld(
         scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
         xi = tl.randn(seed, offset + index)
         direction = direction - scale * xi.to(tl.float64)
-    p = (p.to(tl.float64) - lr * direction).to(p.dtype)
-    tl.store(param + index, p, mask=mask)
+    new = (p.to(tl.float64) - lr * direction).to(p.dtype)
+    if MASTER or NARROW:  # the parameter: the position rounded to nearest (even)
+        half = new
+        if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
+            bits = half.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            half = (bits >> 16 << 16).to(tl.float32, bitcast=True)
+        tl.store(param + index, half.to(param.dtype.element_ty), mask=mask)
+    if not NARROW:
+        tl.store(position + index, new, mask=mask)
 
 
 def unsupported(group: Mapping[str, Any], temperature: float) -> str | None:
@@ -97,19 +133,26 @@ def unsupported(group: Mapping[str, Any], temperature: float) -> str | None:
 def launch(group: Mapping[str, Any], inputs: FusedInput) -> Mapping[str, list[Tensor]]:
     """Take SGLD's step on every tensor of ``inputs`` in place (small ones share launches)."""
     lr, temperature = float(group["lr"]), float(group["temperature"])
+    if temperature == 0:  # torch.optim.SGD(fused=True)'s own step
+        torch_fused_sgd(group, inputs)
+        return {}
     weight_decay = float(group["weight_decay"])
-    scale = math.sqrt(2.0 * temperature / (group["num_data"] * lr)) if temperature > 0 else 0.0
-    launch_tensors(
-        _sgld,
-        [inputs.params, inputs.grads, inputs.largest],
-        as_float64_bits(lr),
-        as_float64_bits(weight_decay),
-        as_float64_bits(scale),
-        offsets=inputs.offsets,
-        seeds=inputs.seeds,
-        do_not_specialize=_VARYING,
-        MAXIMIZE=bool(group["maximize"]),
-        DECAY=weight_decay != 0,
-        NOISE=temperature > 0,
-    )
+    scale = math.sqrt(2.0 * temperature / (group["num_data"] * lr))
+    for part in parts(inputs):
+        launch_tensors(
+            _sgld,
+            [part.take(column) for column in (inputs.params, inputs.grads, inputs.largest)]
+            + [part.positions(inputs)],
+            part.scale_argument(inputs),
+            as_float64_bits(lr),
+            as_float64_bits(weight_decay),
+            as_float64_bits(scale),
+            offsets=part.take(inputs.offsets),
+            seeds=part.take(inputs.seeds),
+            do_not_specialize=_VARYING,
+            MAXIMIZE=bool(group["maximize"]),
+            DECAY=weight_decay != 0,
+            NOISE=temperature > 0,
+            **part.flags(),
+        )
     return {}

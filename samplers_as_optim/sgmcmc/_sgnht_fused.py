@@ -38,6 +38,12 @@ tensor has nothing to thermostat: its :math:`\alpha` stays as it is. The referen
 each operation in the parameter's dtype and sums :math:`e^2` in the thermostat's; this
 kernel agrees with it up to that rounding (``tests/test_fused_sgnht_baoa.py``, through
 Triton's interpreter on the CPU only: no GPU has run these kernels).
+
+Mixed precision (``_fused_launch``'s module docstring): with a GradScaler scale
+:math:`s` the gradient is read as :math:`g/s` (float64 division, rounded once to the
+position's dtype); a float16/bfloat16 parameter with a float32 master steps on the
+master, as a float32 parameter would, and receives its rounding to nearest; one without
+master (temperature 0) is computed in float32 and stored, with its state, in its dtype.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from ._fused_launch import (
     constexpr,
     launch_programs,
     launch_tensors,
+    parts,
     upload_table,
 )
 from ._fused_launch import optional_module as _optional_module
@@ -85,6 +92,8 @@ def _sgnht(
     thermostat: KernelArg,
     largest: KernelArg,
     partials: KernelArg,
+    master: KernelArg,
+    grad_scale: KernelArg,
     lr_bits: KernelArg,
     decay_bits: KernelArg,
     scale_bits: KernelArg,
@@ -93,6 +102,10 @@ def _sgnht(
     MAXIMIZE: constexpr,  # noqa: N803
     DECAY: constexpr,  # noqa: N803
     SYMMETRIC: constexpr,  # noqa: N803
+    UNSCALE: constexpr,  # noqa: N803
+    MASTER: constexpr,  # noqa: N803
+    NARROW: constexpr,  # noqa: N803
+    BF16: constexpr,  # noqa: N803
 ) -> None:
     """Phase 1: the buffer, the parameter and each block's sum of :math:`e^2`."""
     if MULTI:  # this program's tensor and block, from the table (_fused_launch.launch_tensors)
@@ -109,6 +122,7 @@ def _sgnht(
         thermostat = tl.load(rows + 6 * count + t).to(thermostat.dtype, bitcast=True)
         largest = tl.load(rows + 7 * count + t).to(largest.dtype, bitcast=True)
         partials = tl.load(rows + 8 * count + t).to(partials.dtype, bitcast=True)
+        master = tl.load(rows + 9 * count + t).to(master.dtype, bitcast=True)
     else:
         block = tl.program_id(0).to(tl.int64)
     index = block * BLOCK + tl.arange(0, BLOCK)
@@ -119,8 +133,15 @@ def _sgnht(
     lr = lr_bits.to(tl.int64).to(tl.float64, bitcast=True)
     scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
     friction = 1.0 - tl.load(thermostat).to(tl.float64)
-    p = tl.load(param + index, mask=mask)
+    position = master if MASTER else param  # where the chain's position is kept
+    p = tl.load(position + index, mask=mask)
+    if NARROW:  # a half parameter without master: in float32, as torch's fused SGD
+        p = p.to(tl.float32)
     g = tl.load(grad + index, mask=mask)
+    if UNSCALE:  # g / s divided in float64, rounded once to the position's dtype
+        g = (g.to(tl.float64) / tl.load(grad_scale).to(tl.float64)).to(p.dtype)
+    elif MASTER or NARROW:
+        g = g.to(tl.float32)
     if MAXIMIZE:
         g = -g
     if DECAY:
@@ -131,10 +152,25 @@ def _sgnht(
     b = friction * old + kick
     energy = (friction + 1.0) * old + kick if SYMMETRIC else b
     tl.store(partials + block, tl.sum(tl.where(mask, energy * energy, 0.0)))
-    tl.store(buffer + index, b.to(buffer.dtype.element_ty), mask=mask)
+    kept = b
+    if NARROW:  # the buffer in the parameter's dtype, through float32
+        kept = b.to(tl.float32)
+        if BF16:
+            bits = kept.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            kept = (bits >> 16 << 16).to(tl.float32, bitcast=True)
+    tl.store(buffer + index, kept.to(buffer.dtype.element_ty), mask=mask)
     d = b.to(p.dtype)
-    p = (p.to(tl.float64) - lr * d.to(tl.float64)).to(p.dtype)
-    tl.store(param + index, p, mask=mask)
+    new = (p.to(tl.float64) - lr * d.to(tl.float64)).to(p.dtype)
+    if MASTER or NARROW:  # the parameter: the position rounded to nearest (even)
+        half = new
+        if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
+            bits = half.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            half = (bits >> 16 << 16).to(tl.float32, bitcast=True)
+        tl.store(param + index, half.to(param.dtype.element_ty), mask=mask)
+    if not NARROW:
+        tl.store(position + index, new, mask=mask)
 
 
 def _thermostat(
@@ -187,19 +223,24 @@ def launch(group: Mapping[str, Any], inputs: FusedInput) -> Mapping[str, list[Te
     buffers = cast(list[Tensor], inputs.buffers["momentum_buffer"])  # set by the state's init
     thermostats = cast(list[Tensor], inputs.buffers["thermostat"])
     partials = _partial_sums(inputs.params)
-    launch_tensors(
-        _sgnht,
-        [inputs.params, inputs.grads, buffers, thermostats, inputs.largest, partials],
-        as_float64_bits(lr),
-        as_float64_bits(weight_decay),
-        as_float64_bits(sghmc_noise_scale(lr, float(group["momentum"]), temperature, num_data)),
-        offsets=inputs.offsets,
-        seeds=inputs.seeds,
-        do_not_specialize=_VARYING,
-        MAXIMIZE=bool(group["maximize"]),
-        DECAY=weight_decay != 0,
-        SYMMETRIC=symmetric,
-    )
+    noise_scale = sghmc_noise_scale(lr, float(group["momentum"]), temperature, num_data)
+    for part in parts(inputs):
+        columns = (inputs.params, inputs.grads, buffers, thermostats, inputs.largest, partials)
+        launch_tensors(
+            _sgnht,
+            [part.take(column) for column in columns] + [part.positions(inputs)],
+            part.scale_argument(inputs),
+            as_float64_bits(lr),
+            as_float64_bits(weight_decay),
+            as_float64_bits(noise_scale),
+            offsets=part.take(inputs.offsets),
+            seeds=part.take(inputs.seeds),
+            do_not_specialize=_VARYING,
+            MAXIMIZE=bool(group["maximize"]),
+            DECAY=weight_decay != 0,
+            SYMMETRIC=symmetric,
+            **part.flags(),
+        )
     factor = lr * lr / 4 if symmetric else lr * lr
     _move_thermostats(inputs, thermostats, partials, factor, lr * temperature / num_data)
     return {"momentum_buffer": buffers, "thermostat": thermostats}

@@ -8,10 +8,18 @@ A transformation returns the update :math:`u = -lr\,d` and leaves the parameters
 * ``"update"`` (``_psgld_fused``, ``_adamw_sghmc_fused``): the kernel's ``launch`` takes
   ``updates`` and writes :math:`-lr\,d` there, reading the parameter only for the weight
   decay (and PSGLD's correction);
-* ``"from zero"`` (``_sgld_fused``, ``_sghmc_fused``, which read the parameter only for
-  the weight decay): the kernel steps a zero "parameter", :math:`0 - lr\,d`, with
-  :math:`g' = \pm g + \lambda\theta` formed before it (torch operations, one pass) and
-  passed as the gradient.
+* ``"from zero"`` (``_sgld_fused``, ``_sghmc_fused``, ``_sgnht_fused``, ``_baoa_fused``,
+  which read the parameter only for the weight decay): the kernel steps a zero
+  "parameter", :math:`0 - lr\,d`, with :math:`g' = \pm g + \lambda\theta` formed before
+  it (torch operations, one pass) and passed as the gradient. The buffers are the
+  transformation's state, updated by the kernel as an Optimizer's are: SGNHT's
+  thermostat :math:`\alpha` (a 0-dim tensor per leaf) moves by the kinetic energy of the
+  buffers alone (phase 2 of its kernel reads none of :math:`\theta`), BAOA's buffer is
+  its momentum. A field the update creates on its first step (SGHMC's momentum, as
+  ``torch.optim.SGD``'s, ``StateField.init`` None) is handed to the kernel as None at
+  ``count == 0``, where the transformation's state holds zeros in its place; a field
+  with an initial value (SGNHT's :math:`b = 0` and :math:`\alpha = 1 - \mu`, BAOA's
+  :math:`b = 0`) is handed as the state holds it.
 
 Either way the kernel computes in float64 and rounds :math:`-lr\,d` once, where the
 unfused transform rounds :math:`d` and then :math:`-lr\,d`: the two agree up to that
@@ -36,7 +44,7 @@ from torch import Tensor
 from ._common import effective_grad
 from ._fused_launch import FusedInput
 from .definition import SamplerDefinition
-from .fused import _tensor_refusal, fused_kernel, fused_noise_seed, parameter_offset
+from .fused import _tensor_refusal, fused_kernel, fused_noise_seeds, parameter_offset
 from .fused import triton_importable as _triton_importable
 
 __all__ = ["HOW", "fused_update", "fused_update_refusal"]
@@ -45,6 +53,8 @@ __all__ = ["HOW", "fused_update", "fused_update_refusal"]
 HOW = {"_psgld_fused": "update", "_adamw_sghmc_fused": "update"} | {
     "_sgld_fused": "from zero",
     "_sghmc_fused": "from zero",
+    "_sgnht_fused": "from zero",
+    "_baoa_fused": "from zero",
 }
 
 
@@ -106,7 +116,7 @@ def fused_update(
     assert definition.fused_kernel is not None
     kernel = fused_kernel(definition)
     temperature = float(group["temperature"])
-    seeds = [fused_noise_seed(seed, count, key) if temperature > 0 else 0 for key in keys]
+    seeds = fused_noise_seeds(seed, count, keys) if temperature > 0 else [0] * len(keys)
     offsets = [parameter_offset(param) for param in params]
     flags = {grad.device: torch.zeros(1, dtype=torch.float64, device=grad.device) for grad in grads}
     largest = [flags[grad.device] for grad in grads]
@@ -129,7 +139,11 @@ def fused_update(
         for grad, param in zip(grads, params, strict=True)
     ]
     if count == 0:  # the zeros of a fresh state stand for a buffer the kernel creates
-        given = {field: [None] * len(grads) for field in given}
+        created = {state.name for state in definition.state if state.init is None}
+        given = {
+            field: [None] * len(grads) if field in created else values
+            for field, values in given.items()
+        }
     zeros = [torch.zeros_like(grad) for grad in grads]
     neutral = {**group, "weight_decay": 0.0, "maximize": False}
     new = kernel.launch(neutral, FusedInput(zeros, folded, given, seeds, offsets, largest))

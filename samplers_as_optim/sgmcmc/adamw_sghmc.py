@@ -81,9 +81,10 @@ drawn ahead on a worker thread or a side stream); the frozen :math:`a` and its m
 square root are kept (in their pooled shape: full-size for a matrix), so sampling holds
 five tensors per parameter where AdamW holds three.
 
-Not supported at temperature > 0: float16 parameters (refused: ``eps`` rounds to 0 in
-float16 and :math:`1/a` overflows; keep float32 master weights, as AMP does; bfloat16
-works), DTensor parameters (the pooled means would need a collective), and
+Half precision. A float16 or bfloat16 parameter samples through a float32 master copy
+(``_half_precision``): ``eps``, :math:`V` and :math:`1/a` stay in float32, where float16
+would round ``eps`` to 0 and overflow :math:`1/a`. Not supported at temperature > 0:
+DTensor parameters (the pooled means would need a collective), and
 ``torch.compile`` in one graph (the step counts are read in Python, as
 ``torch.optim.AdamW`` reads them without ``capturable``).
 """
@@ -309,15 +310,6 @@ def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:
     sampling_meaningless("amsgrad", group["amsgrad"], False, temperature, where)
 
 
-def _check_parameters(group: Mapping[str, Any], params: list[Tensor], where: str) -> None:
-    if float(group["temperature"]) > 0 and any(p.dtype == torch.float16 for p in params):
-        raise ValueError(
-            f"Invalid parameters{where}: float16 at temperature {group['temperature']!r} "
-            "(expected float32, float64 or bfloat16: float16 rounds eps to 0 and overflows "
-            "the preconditioner's 1/a; keep float32 master weights, as torch.amp does)"
-        )
-
-
 def _update(
     group: Mapping[str, Any], inputs: UpdateInput, *, foreach: bool, inplace: bool
 ) -> UpdateOutput:
@@ -506,7 +498,6 @@ DEFINITION = SamplerDefinition(
     supports_dtensor=False,
     dtensor_unsupported_reason="its pooled preconditioner takes means over whole tensors",
     transform_fixed={"capturable": False},
-    check_parameters=_check_parameters,
     zero_temperature_step=_adamw_step,
     fused_kernel="_adamw_sghmc_fused",
     optimizer_doc=r"""SGHMC preconditioned by Adam's second moment, a drop-in for AdamW.

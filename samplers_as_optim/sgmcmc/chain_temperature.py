@@ -84,6 +84,11 @@ band is again conservative for correlated coordinates. Neither band holds before
 chain has mixed, nor models the discretisation bias above: a chain hot by its step size
 is reported hot, which it is.
 
+The monitor reads a fixed subset of the coordinates (``group_sums(coordinates=...)``,
+:mod:`.temperature_coordinates`): both identities hold coordinate by coordinate, so the
+estimates over it stay unbiased, and the bands above hold with :math:`d` the subset's
+size (its own terms' variance for the configurational one).
+
 Every reduction stays on the parameters' device (:class:`TemperatureSums`); only
 :meth:`TemperatureSums.report` reads to the host. A ``ParallelEnsemble``'s stacked
 parameters (:func:`~samplers_as_optim.names.member_dims`) are reduced per member: one
@@ -97,6 +102,7 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -106,6 +112,7 @@ from ..core.validation import check_open_unit_interval, refuse
 from ..names import member_dims
 from .momentum_units import MOMENTUM_RATE
 from .sampling_preconditioner import pooled_second_moment
+from .temperature_coordinates import CoordinateSubset, coordinate_subsets
 
 __all__ = [
     "TEMPERATURE_RULES",
@@ -126,12 +133,19 @@ def chi2_quantile(probability: float, dof: int) -> float:
 
     Wilson & Hilferty's cube-root approximation, refined by safeguarded Newton steps on
     the regularised incomplete gamma function :math:`P(\text{dof}/2, x/2)`
-    (``torch.special.gammainc``, float64 on the CPU) to a relative 1e-10.
+    (``torch.special.gammainc``, float64 on the CPU) to a relative 1e-10. Cached: a
+    monitor's bands, whose ``dof`` is its fixed subset's size, cost nothing after the
+    first window.
     """
     if not 0.0 < probability < 1.0:
         refuse("probability", probability, "a number in (0, 1)", "")
     if dof < 1:
         refuse("dof", dof, "an integer >= 1", "")
+    return _chi2_quantile(float(probability), dof)
+
+
+@lru_cache(maxsize=1024)
+def _chi2_quantile(probability: float, dof: int) -> float:
     k = dof / 2.0
     z = statistics.NormalDist().inv_cdf(probability)
     c = 2.0 / (9.0 * dof)
@@ -237,11 +251,6 @@ class ChainTemperatureReport:
         )
 
 
-def _rows(tensor: Tensor, members: int) -> Tensor:
-    """``tensor`` as ``[members, elements]`` (a view where it can be)."""
-    return tensor.reshape(members, -1)
-
-
 def _member_count(params: Sequence[Tensor], index: int) -> int:
     """The number of stacked members shared by a group's parameters (1 unstacked)."""
     counts = set()
@@ -261,27 +270,60 @@ def _member_count(params: Sequence[Tensor], index: int) -> int:
 
 
 def _adamw_scale(
-    group: Mapping[str, Any], param: Tensor, state: Mapping[str, Any]
+    group: Mapping[str, Any],
+    param: Tensor,
+    state: Mapping[str, Any],
+    subset: CoordinateSubset,
+    members: int,
 ) -> Tensor | None:
-    """The twin's sampling preconditioner :math:`a` for ``param`` (None before a step)."""
+    """The twin's sampling preconditioner :math:`a` at ``subset`` (None before a step).
+
+    As :meth:`~.temperature_coordinates.CoordinateSubset.read` gives it, or with a last
+    dimension of 1 where :math:`a` is one number per member.
+    """
     frozen = state.get("preconditioner")
     flag = state.get("preconditioner_step")
     if isinstance(frozen, Tensor) and flag is not None and float(flag) > 0:
-        return frozen
+        return _read_like(frozen, param, subset, members)
     square = state.get("exp_avg_sq")
     step = state.get("step")
     if square is None or step is None or float(step) == 0:
         return None
     beta2 = float(group["betas"][1])
-    pooled = pooled_second_moment(square, group["preconditioner"], member_dims(param))
     correction = 1.0 - beta2 ** float(step)
+    if group["preconditioner"] == "elementwise":  # the pooling is the identity: read first
+        pooled = subset.read(square, members)
+    else:
+        full = pooled_second_moment(square, group["preconditioner"], member_dims(param))
+        pooled = _read_like(full, param, subset, members)
     return pooled.div(correction).sqrt().add(group["eps"])
 
 
+def _read_like(value: Tensor, param: Tensor, subset: CoordinateSubset, members: int) -> Tensor:
+    """``value`` (``param``'s shape, or broadcast to it) at ``subset``."""
+    if value.numel() == param.numel():
+        return subset.read(value.reshape(param.shape), members)
+    if value.numel() == members:  # one number per member (pooled over a vector)
+        return value.reshape((1,) if members == 1 else (members, 1))
+    return subset.read(value.expand_as(param), members)
+
+
 def _kinetic(
-    rule: str, group: Mapping[str, Any], param: Tensor, state: Mapping[str, Any], members: int
-) -> tuple[Tensor, Tensor | int] | None:
-    r""":math:`\sum r^2/M` (in units of T) per member and the element count, or None."""
+    rule: str,
+    group: Mapping[str, Any],
+    param: Tensor,
+    state: Mapping[str, Any],
+    members: int,
+    subset: CoordinateSubset,
+) -> tuple[Tensor, Tensor | int, float | None] | None:
+    r"""The momentum of ``param`` over ``subset``, in units of T, or None.
+
+    ``(value, count, weight)``. For SGHMC and BAOA the read ``[members, count]`` and the
+    float :math:`w` with :math:`r^2/M = w\,b^2` (the dot product is left to the
+    caller, which sums the tensors of one weight together); for SGNHT and the twin,
+    whose weights are tensors,
+    :math:`\sum r^2/M` per member, the element count and None.
+    """
     name = "exp_avg" if rule == "adamw_sghmc" else "momentum_buffer"
     buffer = state.get(name)
     if rule == "langevin" or buffer is None:
@@ -289,33 +331,59 @@ def _kinetic(
     rate = state.get(MOMENTUM_RATE)
     lr = float(group["lr"]) if rate is None else float(rate)
     scale = float(group["num_data"]) * lr
+    momentum = subset.read(buffer, members)
+    if rule == "sghmc":
+        return momentum, subset.count, scale * (1.0 + float(group["momentum"])) / 2.0
+    if rule == "baoa":
+        return momentum, subset.count, scale
     if rule == "adamw_sghmc":
-        a = _adamw_scale(group, param, state)
+        a = _adamw_scale(group, param, state, subset, members)
         if a is None:
             return None
         beta1 = float(group["betas"][0])
-        weighted = buffer.square().div_(a)
-        has_scale = (a != group["eps"]).expand_as(buffer)
-        total = _rows(weighted.masked_fill_(~has_scale, 0.0), members).sum(1).to(torch.float64)
-        count = _rows(has_scale, members).sum(1)
-        return total.mul_(scale * (1.0 + beta1) / (2.0 * (1.0 - beta1))), count
-    total = _dot(buffer, buffer, members)
-    if rule == "sghmc":
-        total = total.mul_(scale * (1.0 + float(group["momentum"])) / 2.0)
-    elif rule == "sgnht":
-        thermostat = state["thermostat"].to(device=total.device, dtype=torch.float64)
-        total = total.mul_(thermostat.mul(-0.5).add_(1.0)).mul_(scale)
-    else:  # baoa
-        total = total.mul_(scale)
-    return total, buffer.numel() // members
+        weighted = momentum.square().div_(a)
+        has_scale = (a != group["eps"]).expand_as(weighted)
+        total = weighted.masked_fill_(~has_scale, 0.0).sum(-1).to(torch.float64)
+        count = has_scale.sum(-1).reshape(members)
+        return total.mul_(scale * (1.0 + beta1) / (2.0 * (1.0 - beta1))), count, None
+    # sgnht
+    total = _dot(momentum, momentum, members).to(torch.float64)
+    thermostat = state["thermostat"].to(device=total.device, dtype=torch.float64)
+    return total.mul_(thermostat.mul(-0.5).add_(1.0)).mul_(scale), subset.count, None
+
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _dot(x: Tensor, y: Tensor, members: int) -> Tensor:
-    r""":math:`\sum_i x_i y_i` per member, in float64 (one pass, nothing allocated)."""
+    r""":math:`\sum_i x_i y_i` per member, in their dtype (float32 for half precision).
+
+    Nothing is allocated, except where one is float16 or bfloat16 (a half-precision
+    parameter or gradient): a sum over thousands of terms in half precision would lose
+    the estimate, so both are widened to float32.
+
+    ``x`` and ``y`` are subsets as read (``[count]``, or ``[members, count]``; views,
+    possibly strided: BLAS reads them with their stride, which costs far less than
+    gathering them first); 0-d for one member.
+    """
+    if x.dtype in _HALF or y.dtype in _HALF:
+        x, y = x.float(), y.float()
     if members == 1:
-        return torch.dot(x.reshape(-1), y.reshape(-1)).to(torch.float64).reshape(1)
-    product: Tensor = torch.linalg.vecdot(x.reshape(members, -1), y.reshape(members, -1))
-    return product.to(torch.float64)
+        return torch.dot(x, y)
+    product: Tensor = torch.linalg.vecdot(x, y)
+    return product
+
+
+def _total(parts: list[Tensor], members: int) -> Tensor:
+    """The sum of per-tensor parts (per member) as ``[members]`` in float64.
+
+    A few operations however many parts.
+    """
+    if len(parts) == 1:
+        return parts[0].to(torch.float64).reshape(members)
+    if len({part.dtype for part in parts}) > 1:
+        parts = [part.to(torch.float64) for part in parts]
+    return torch.stack(parts).to(torch.float64).sum(0).reshape(members)
 
 
 def _configurational(
@@ -325,36 +393,37 @@ def _configurational(
     grad: Tensor,
     state: Mapping[str, Any],
     members: int,
-    spread: bool,
-) -> tuple[Tensor, Tensor | None, int] | None:
-    r"""Per member: :math:`\sum_i t_i`, :math:`\sum_i t_i^2` and the element count.
+    subset: CoordinateSubset,
+) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    r""":math:`\theta`, :math:`g` and the twin's :math:`a` over ``subset``.
 
-    The second only with ``spread`` (else None).
-    :math:`t_i = \theta_i g'_i` (units of :math:`U/N`); None where the prior is unknown.
-    Without ``spread`` and without decay it is one dot product: no tensor is allocated.
+    As the reads give them; :math:`a` only where the twin's decoupled decay is the
+    prior (else None). None where that prior is unknown (before the first step).
+    """
+    theta, gradient = subset.read(param, members), subset.read(grad, members)
+    if rule == "adamw_sghmc" and float(group.get("weight_decay", 0.0)) != 0:
+        a = _adamw_scale(group, param, state, subset, members)
+        if a is None:
+            return None  # the decoupled prior needs a, which the first step creates
+        return theta, gradient, a.expand_as(theta)
+    return theta, gradient, None
+
+
+def _conf_terms(
+    group: Mapping[str, Any], theta: Tensor, gradient: Tensor, a: Tensor | None
+) -> Tensor:
+    r"""The terms :math:`t_i = \theta_i g'_i` (units of :math:`U/N`), shaped as the reads.
+
+    :math:`g' = \pm g + \lambda\theta`, or :math:`\pm g + \lambda a\theta` for the twin.
     """
     decay = float(group.get("weight_decay", 0.0))
     sign = -1.0 if group.get("maximize", False) else 1.0
-    count = param.numel() // members
-    if rule == "adamw_sghmc" and decay != 0:
-        a = _adamw_scale(group, param, state)
-        if a is None:
-            return None  # the decoupled prior needs a, which the first step creates
-        terms = param.mul(a).mul_(decay).add_(grad, alpha=sign).mul_(param)
-    elif spread:
-        terms = grad.mul(param) if sign > 0 else grad.neg().mul_(param)
-        if decay != 0:
-            terms.addcmul_(param, param, value=decay)
-    else:  # the cheap path of most steps
-        first = _dot(param, grad, members)
-        if sign < 0:
-            first = first.neg_()
-        if decay != 0:
-            first = first.add_(_dot(param, param, members), alpha=decay)
-        return first, None, count
-    rows = _rows(terms, members)
-    first = rows.sum(1).to(torch.float64)
-    return first, (_dot(terms, terms, members) if spread else None), count
+    if a is not None:
+        return theta.mul(a).mul_(decay).add_(gradient, alpha=sign).mul_(theta)
+    terms = gradient.mul(theta) if sign > 0 else gradient.neg().mul_(theta)
+    if decay != 0:
+        terms.addcmul_(theta, theta, value=decay)
+    return terms
 
 
 @dataclass
@@ -491,6 +560,7 @@ def group_sums(
     kinetic: bool = True,
     configurational: bool = True,
     spread: bool = True,
+    coordinates: int | None = None,
 ) -> TemperatureSums:
     r"""One step's sums of a param group, on its device (no host synchronisation).
 
@@ -500,34 +570,70 @@ def group_sums(
     per member, and the configurational ones are :math:`\sum_i N t_i/d` and the
     terms' empirical variance :math:`N^2(\sum t_i^2/d - (\sum t_i/d)^2)` (with
     ``spread``; without, the step costs one dot product per tensor and buffer).
+
+    ``coordinates``: read at most about that many coordinates per member, the fixed
+    subset of :func:`~.temperature_coordinates.coordinate_subsets` (every tensor
+    represented; :math:`d` is then the subset's size); None: every coordinate.
     """
     params: Iterable[Tensor] = group["params"]
     params = list(params)
     members = _member_count(params, index)
+    subsets = coordinate_subsets([p.shape[member_dims(p) :] for p in params], coordinates)
     sums = TemperatureSums(index, float(group["temperature"]), members)
     if sums.temperature == 0:
         return sums  # nothing to test (the report says so)
     num_data = float(group["num_data"])
-    kin_total: Tensor | None = None
+    decay = float(group.get("weight_decay", 0.0))
+    sign = -1.0 if group.get("maximize", False) else 1.0
+    # per tensor, one dot product (in the parameters' dtype) per quantity; the parts are
+    # summed at the end in float64, a few operations whatever the number of tensors
+    kin_parts: dict[float, list[Tensor]] = {}  # SGHMC and BAOA: b.b by weight
+    kin_totals: list[Tensor] = []  # float64: SGNHT, the twin, and the weighted sums
     kin_dof: Tensor | int = 0
-    first: Tensor | None = None
-    second: Tensor | None = None
+    theta_grad: list[Tensor] = []  # the cheap path: theta.g and theta.theta
+    theta_theta: list[Tensor] = []
+    term_sums: list[Tensor] = []  # with the spread, or the twin's decay: sum t, sum t^2
+    term_squares: list[Tensor] = []
     conf_dof = 0
     with torch.no_grad():
-        for param in params:
+        for param, subset in zip(params, subsets, strict=True):
             state = states.get(param, {})
             if kinetic:
-                read = _kinetic(rule, group, param, state, members)
+                read = _kinetic(rule, group, param, state, members, subset)
                 if read is not None:
-                    kin_total = read[0] if kin_total is None else kin_total.add_(read[0])
-                    kin_dof = kin_dof + read[1]
+                    value, count, weight = read
+                    kin_dof = kin_dof + count
+                    if weight is None:
+                        kin_totals.append(value)
+                    else:
+                        kin_parts.setdefault(weight, []).append(_dot(value, value, members))
             if configurational and param.grad is not None:
-                conf = _configurational(rule, group, param, param.grad, state, members, spread)
-                if conf is not None:
-                    first = conf[0] if first is None else first.add_(conf[0])
-                    if conf[1] is not None:
-                        second = conf[1] if second is None else second.add_(conf[1])
-                    conf_dof += conf[2]
+                conf = _configurational(rule, group, param, param.grad, state, members, subset)
+                if conf is None:
+                    continue
+                conf_dof += subset.count
+                theta, gradient, a = conf
+                if a is None and not spread:  # the cheap path of most steps
+                    theta_grad.append(_dot(theta, gradient, members))
+                    if decay != 0:
+                        theta_theta.append(_dot(theta, theta, members))
+                else:
+                    terms = _conf_terms(group, theta, gradient, a)
+                    term_sums.append(terms.sum(-1))
+                    if spread:
+                        term_squares.append(_dot(terms, terms, members))
+        for weight, parts in kin_parts.items():
+            kin_totals.append(_total(parts, members).mul_(weight))
+        kin_total = _total(kin_totals, members) if kin_totals else None
+        first: Tensor | None = None
+        if theta_grad:
+            first = _total(theta_grad, members).mul_(sign)
+            if theta_theta:
+                first = first.add_(_total(theta_theta, members), alpha=decay)
+        if term_sums:
+            summed = _total(term_sums, members)
+            first = summed if first is None else first.add_(summed)
+        second = _total(term_squares, members) if term_squares else None
     if kin_total is not None:
         sums.kinetic = kin_total
         sums.kinetic_dof = kin_dof

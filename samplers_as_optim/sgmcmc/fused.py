@@ -52,14 +52,17 @@ import torch
 from torch import Tensor
 
 from ..core.dtensor import is_dtensor
+from ..core.keyed_normal import extend_seed
 from ..core.streams import derive_seed
 from ..names import parameter_layout
 from ._fused_launch import FusedKernel, optional_module
+from ._half_precision import MASTER, is_half
 from ._nonfinite import describe_parameter
 from .definition import SamplerDefinition
 
 __all__ = [
     "DEFAULT_ON_CUDA",
+    "FULL_PRECISION",
     "FUSED_DOMAIN",
     "FUSED_DTYPES",
     "RUN_ON_CPU_UNDER_INTERPRETER",
@@ -67,6 +70,7 @@ __all__ = [
     "fused_kernel",
     "fused_message",
     "fused_noise_seed",
+    "fused_noise_seeds",
     "fused_normal",
     "fused_refusal",
     "interpreting",
@@ -82,13 +86,18 @@ RUN_ON_CPU_UNDER_INTERPRETER = False
 #: keeps the fused stream's seeds apart from the unfused stream's block seeds
 FUSED_DOMAIN = 0x7472_746E  # "trtn"
 
-#: the parameter dtypes the fused kernels take (half precision: not yet)
-FUSED_DTYPES = (torch.float32, torch.float64)
+#: the parameter dtypes the fused kernels take from an Optimizer: a float16/bfloat16
+#: parameter's chain keeps a float32 master at T > 0 (``_half_precision``), whose buffers
+#: are float32
+FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
-#: whether ``fused=None`` takes the fused path on CUDA. False until the kernels have run
-#: on a GPU (issue 24: so far they are tested through Triton's interpreter on the CPU
-#: only), so that no chain takes an unvalidated path by default; ``fused=True`` takes it.
-DEFAULT_ON_CUDA = False
+#: the dtypes the fused transforms take (no master copy there: half precision not yet)
+FULL_PRECISION = (torch.float32, torch.float64)
+
+#: whether ``fused=None`` takes the fused path on CUDA (at T > 0). True since the fused
+#: kernels' tests passed compiled on an H100 (torch 2.11, Triton 3.6; ``bash .ci/gpu
+#: fused``, issue 24); set it False to keep every default step unfused.
+DEFAULT_ON_CUDA = True
 
 
 @cache
@@ -121,6 +130,15 @@ def fused_noise_seed(seed: int, step: int, key: int, shard: int | None = None) -
     return derive_seed(seed, FUSED_DOMAIN, step, key, *shards) | (1 << 63)
 
 
+def fused_noise_seeds(
+    seed: int, step: int, keys: Sequence[int], shard: int | None = None
+) -> list[int]:
+    """:func:`fused_noise_seed` of each key at one step (the shared part mixed once)."""
+    shards = () if shard is None else (shard,)
+    at_step = derive_seed(seed, FUSED_DOMAIN, step)
+    return [extend_seed(at_step, key, *shards) | (1 << 63) for key in keys]
+
+
 def parameter_offset(param: Tensor) -> int:
     """The global index of ``param``'s first element.
 
@@ -144,19 +162,34 @@ def _on_supported_device(tensor: Tensor) -> bool:
     return tensor.device.type == "cpu" and RUN_ON_CPU_UNDER_INTERPRETER and interpreting()
 
 
-def _tensor_refusal(tensor: Tensor, dtype: torch.dtype | None = None) -> str | None:
-    """Why the fused path cannot take ``tensor`` (what follows its name), or None."""
+def _tensor_refusal(
+    tensor: Tensor,
+    dtype: torch.dtype | None = None,
+    *,
+    dtypes: tuple[torch.dtype, ...] = FULL_PRECISION,
+    like: str = "its parameter",
+) -> str | None:
+    """Why the fused path cannot take ``tensor`` (what follows its name), or None.
+
+    ``dtypes``: the dtypes taken at all; ``dtype``: the one ``tensor`` must have, as
+    ``like`` has it.
+    """
     if is_dtensor(tensor):
         return "is a DTensor (FSDP2): the fused path does not take DTensors yet"
     if not _on_supported_device(tensor):
         return f"is on {tensor.device}: the fused kernels run on CUDA"
-    if tensor.dtype not in FUSED_DTYPES:
+    if tensor.dtype not in dtypes:
+        if dtypes == FULL_PRECISION:
+            return (
+                f"is {tensor.dtype}: the fused kernels take float32 and float64 parameters "
+                "(half precision: not yet)"
+            )
         return (
-            f"is {tensor.dtype}: the fused kernels take float32 and float64 parameters "
-            "(half precision: not yet)"
+            f"is {tensor.dtype}: the fused kernels take float32, float64, float16 and "
+            "bfloat16 parameters"
         )
     if dtype is not None and tensor.dtype != dtype:
-        return f"is {tensor.dtype}, unlike its parameter ({dtype})"
+        return f"is {tensor.dtype}, unlike {like} ({dtype})"
     if not tensor.is_contiguous():
         return "is not contiguous: the fused kernels take contiguous tensors"
     return None
@@ -170,22 +203,32 @@ def _parameter_refusal(
     state: Mapping[str, Any] | None,
 ) -> tuple[str, str] | None:
     """Why the fused path cannot take a parameter: ``(whose, why)``, or None."""
-    why = _tensor_refusal(param)
+    why = _tensor_refusal(param, dtypes=FUSED_DTYPES)
     if why is not None:
         return "", why
     if grad is not None:
-        why = _tensor_refusal(grad, param.dtype)
+        why = _tensor_refusal(grad, param.dtype, dtypes=FUSED_DTYPES)
         if why is None and grad.device != param.device:
             why = f"is on {grad.device}, unlike its parameter"
         if why is not None:
             return "the gradient of ", why
+    # a half-precision parameter with a float32 master: float32 master and buffers
+    master = state.get(MASTER) if state else None
+    buffer_dtype, like = param.dtype, "its parameter"
+    if isinstance(master, Tensor) and is_half(param):
+        why = _tensor_refusal(master, torch.float32, dtypes=FUSED_DTYPES, like="a master copy")
+        if why is None and (master.device != param.device or master.shape != param.shape):
+            why = f"is not shaped like its parameter on {param.device}"
+        if why is not None:
+            return f"the state {MASTER!r} of ", why
+        buffer_dtype, like = torch.float32, f"its parameter's {MASTER!r}"
     host = {field.name for field in definition.state if field.host}
     for name in definition.state_fields(group) if state else ():
         if name in host:  # a count kept on the CPU and read in Python (StateField.host)
             continue
         buffer = state.get(name) if state else None
         if isinstance(buffer, Tensor):
-            why = _tensor_refusal(buffer, param.dtype)
+            why = _tensor_refusal(buffer, buffer_dtype, dtypes=FUSED_DTYPES, like=like)
             if why is None and buffer.device != param.device:
                 why = f"is on {buffer.device}, unlike its parameter"
             if why is not None:
@@ -212,6 +255,8 @@ def fused_refusal(
         return f"{definition.name} has no fused kernel yet"
     if compiling:
         return "torch.compile traces the unfused step"
+    if state is not None and _all_plainly_fused(definition, groups, state):
+        return _kernel_refusal(definition, groups)
     for index, group, params, grads in groups:
         if group.get("foreach"):
             return f"param group {index} sets foreach=True (fused and foreach exclude each other)"
@@ -227,6 +272,14 @@ def fused_refusal(
                 position = next(j for j, p in enumerate(group["params"]) if p is param)
                 whose, why = refusal
                 return f"{whose}{describe_parameter(group, index, position)} {why}"
+    return _kernel_refusal(definition, groups)
+
+
+def _kernel_refusal(
+    definition: SamplerDefinition,
+    groups: Sequence[tuple[int, dict[str, Any], list[Tensor], list[Tensor] | None]],
+) -> str | None:
+    """Why the kernel refuses (Triton missing, an option it lacks), or None."""
     if not triton_importable():
         return "Triton cannot be imported (pip install triton)"
     kernel = fused_kernel(definition)
@@ -235,6 +288,62 @@ def fused_refusal(
         if option is not None:
             return f"{option} (param group {index})"
     return None
+
+
+def _all_plainly_fused(
+    definition: SamplerDefinition,
+    groups: Sequence[tuple[int, dict[str, Any], list[Tensor], list[Tensor] | None]],
+    state: Mapping[Tensor, Mapping[str, Any]],
+) -> bool:
+    """Whether every parameter of a step passes :func:`_parameter_refusal` plainly.
+
+    The common case at every step, checked inline (no message is built): contiguous
+    CUDA tensors (CPU ones under the test hatch), the gradient and every buffer of
+    the parameter's dtype and device (float32 beside a master). False sends the step
+    through the detailed checks, which find the reason where there is one.
+    """
+    cpu_ok = RUN_ON_CPU_UNDER_INTERPRETER and interpreting()
+    host = {field.name for field in definition.state if field.host}
+    for _, group, params, grads in groups:
+        if group.get("foreach") or grads is None:
+            return False
+        fields = [name for name in definition.state_fields(group) if name not in host]
+        for param, grad in zip(params, grads, strict=True):
+            device = param.device
+            if not (device.type == "cuda" or (cpu_ok and device.type == "cpu")):
+                return False
+            dtype = param.dtype
+            if dtype not in FUSED_DTYPES or not param.is_contiguous() or is_dtensor(param):
+                return False
+            if grad.dtype != dtype or grad.device != device or not grad.is_contiguous():
+                return False
+            if is_dtensor(grad):
+                return False
+            entries = state.get(param)
+            if not entries:
+                continue
+            buffer_dtype = dtype
+            master = entries.get(MASTER)
+            if master is not None:
+                if not is_half(param):
+                    return False
+                if not isinstance(master, Tensor) or master.dtype != torch.float32:
+                    return False
+                if master.device != device or master.shape != param.shape:
+                    return False
+                if not master.is_contiguous():
+                    return False
+                buffer_dtype = torch.float32
+            for name in fields:
+                buffer = entries.get(name)
+                if isinstance(buffer, Tensor) and (
+                    buffer.dtype != buffer_dtype
+                    or buffer.device != device
+                    or not buffer.is_contiguous()
+                    or is_dtensor(buffer)
+                ):
+                    return False
+    return True
 
 
 def fused_message(reason: str) -> str:

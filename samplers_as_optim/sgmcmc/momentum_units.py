@@ -35,6 +35,7 @@ def rescale_momentum(
     temperature: float,
     foreach: bool,
     inplace: bool = True,
+    unless_nonfinite: dict[torch.device, Tensor] | None = None,
 ) -> tuple[list[Tensor | None], list[float | None]]:
     r"""Re-express momentum buffers written at another learning rate in this step's units.
 
@@ -57,6 +58,11 @@ def rescale_momentum(
         temperature: T >= 0.
         foreach: multi-tensor path; both paths give the same numbers.
         inplace: rescale the given buffers in place, or return new ones.
+        unless_nonfinite: per device, the step's largest gradient magnitude there (a 0-d
+            or one-element tensor): rescale only where it is finite, decided on the
+            device (a factor of exactly 1 otherwise, so the buffer keeps every bit). The
+            fused step with ``nonfinite="raise"`` passes it, so that a step it refuses
+            later has not re-expressed a buffer whose record it puts back.
 
     Returns:
         ``(momentum_buffers, buffer_lrs)`` to hand to the kernel and to record after the
@@ -76,21 +82,46 @@ def rescale_momentum(
     for old, index in by_rate.items():
         factor = math.sqrt(old / lr)
         chosen = [known_buffer(buffers[i]) for i in index]  # only buffers with a rate
+        gated: dict[torch.device, Tensor] = {}
         if not foreach:
             for i, buffer in zip(index, chosen, strict=True):
-                buffers[i] = buffer.mul_(factor) if inplace else buffer.mul(factor)
+                scale = _gated(factor, buffer.device, unless_nonfinite, gated)
+                buffers[i] = buffer.mul_(scale) if inplace else buffer.mul(scale)
             continue
         for bucket in buckets(chosen):
             tensors = [chosen[j] for j in bucket]
             # out of place (then copied): on the CPU the in-place foreach multiply rounds
             # the factor to a bfloat16/float16 buffer's dtype first, unlike mul_
-            scaled = list(torch._foreach_mul(tensors, factor))
+            scale = _gated(factor, tensors[0].device, unless_nonfinite, gated)
+            scaled = list(torch._foreach_mul(tensors, scale))
             if inplace:
                 torch._foreach_copy_(tensors, scaled)
                 scaled = tensors
             for j, tensor in zip(bucket, scaled, strict=True):
                 buffers[index[j]] = tensor
     return buffers, [lr] * len(buffers)
+
+
+def _gated(
+    factor: float,
+    device: torch.device,
+    unless_nonfinite: dict[torch.device, Tensor] | None,
+    cache: dict[torch.device, Tensor],
+) -> float | Tensor:
+    """The factor, or (``unless_nonfinite``) a float64 0-d tensor of it or of 1 on ``device``.
+
+    A buffer times the tensor rounds as times the Python float: both are read in the
+    buffer's compute type.
+    """
+    if unless_nonfinite is None or device not in unless_nonfinite:
+        return factor
+    if device not in cache:
+        cache[device] = torch.where(
+            unless_nonfinite[device].reshape(()).isfinite(),
+            torch.tensor(factor, dtype=torch.float64, device=device),
+            torch.ones((), dtype=torch.float64, device=device),
+        )
+    return cache[device]
 
 
 def rescale_momentum_state(
@@ -102,6 +133,7 @@ def rescale_momentum_state(
     params: Sequence[Tensor] | None = None,
     known: HostScalars | None = None,
     buffer: str = "momentum_buffer",
+    unless_nonfinite: dict[torch.device, Tensor] | None = None,
 ) -> None:
     """:func:`rescale_momentum` on an Optimizer's per-parameter states, in place.
 
@@ -121,6 +153,7 @@ def rescale_momentum_state(
             remembers are not read back from their tensors (an Optimizer's step).
         known: the Optimizer's :class:`~._common.HostScalars` of its rates.
         buffer: the name of the momentum buffer in the states.
+        unless_nonfinite: as for :func:`rescale_momentum`.
     """
     records = [state.get(MOMENTUM_RATE) for state in states]
     if params is not None and known is not None:
@@ -133,6 +166,7 @@ def rescale_momentum_state(
         lr=lr,
         temperature=temperature,
         foreach=foreach,
+        unless_nonfinite=unless_nonfinite,
     )
     for i, (state, record, rate, new) in enumerate(
         zip(states, records, rates, new_rates, strict=True)

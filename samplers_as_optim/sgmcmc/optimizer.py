@@ -8,8 +8,9 @@ step, since a schedule may move any hyperparameter), gathering parameters with a
 gradient, the non-finite policy (``_nonfinite``), the lr re-expression of the state, the
 noise (``_group_noise``, drawn ahead by ``_prefetch``), the CPU update in chunks
 (``_chunked_update``), the fused step (``fused``: one Triton kernel per tensor, its
-non-finite check on the device, ``_fused_nonfinite``) and loading checkpoints
-(``_checkpoint``).
+non-finite check on the device, ``_fused_nonfinite``), ``torch.amp.GradScaler``'s
+``grad_scale``/``found_inf`` (``_grad_scaler``), the float32 master of a float16/bfloat16
+parameter (``_half_precision``) and loading checkpoints (``_checkpoint``).
 
 The chain itself (the seed and step counter in the param groups, the noise streams, each
 parameter's noise key, derived once and kept in its state as ``state["noise_key"]``) is
@@ -28,7 +29,7 @@ that hold such a number as a float are migrated on load.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -69,7 +70,17 @@ from ._common import (
 )
 from ._fused_launch import FusedInput
 from ._fused_nonfinite import DeferredRefusal, check_gradients, count_skipped
+from ._grad_scaler import ScalerInput, found_inf_flags, keep_flags, scaler_input, unscaled_grads
 from ._group_noise import GroupNoise, large
+from ._half_precision import (
+    MASTER,
+    MasterSync,
+    check_saved_master,
+    compute_tensors,
+    is_half,
+    restore_master_state_,
+    store_masters_,
+)
 from ._nonfinite import describe_parameter, finite_flags, kept, refuse_non_finite_gradients
 from ._prefetch import NoisePrefetcher, NoiseRequest
 from .arguments import PARAMS_DOC
@@ -87,7 +98,7 @@ from .fused import (
     check_fused,
     fused_kernel,
     fused_message,
-    fused_noise_seed,
+    fused_noise_seeds,
     fused_refusal,
     parameter_offset,
 )
@@ -121,11 +132,17 @@ class SamplerOptimizer(ChainOptimizer):
     the rest: param-group validation (at construction, on ``add_param_group`` and at every
     step, since a schedule may move any hyperparameter), gathering parameters with a
     gradient, the non-finite policy, the lr re-expression of the state, the fused step
-    (``fused``, where the definition names a fused kernel), and the chain.
+    (``fused``, where the definition names a fused kernel), ``torch.amp.GradScaler``'s
+    protocol (``_step_supports_amp_scaling``: the step unscales and skips itself,
+    without a host synchronisation), the float32 master of a half-precision parameter,
+    and the chain.
     """
 
     #: the sampler this class is built from (set by ``__init_subclass__``)
     definition: SamplerDefinition
+    #: ``torch.amp.GradScaler.step`` hands over ``grad_scale`` and ``found_inf`` instead
+    #: of unscaling and synchronising (``_grad_scaler``)
+    _step_supports_amp_scaling = True
     requires_positive_temperature: bool = False
     #: the state holds a momentum buffer in SGD units, re-expressed when lr changes
     momentum_in_lr_units: bool = False
@@ -225,6 +242,8 @@ class SamplerOptimizer(ChainOptimizer):
         self._reset_chain_runtime()  # the noise streams and keys, the shard
         #: the values of the 0-d rate tensors in the state (see ``HostScalars``)
         self._host_scalars = HostScalars()
+        #: what each half-precision parameter held after its last step (``_half_precision``)
+        self._master_sync = MasterSync()
         self._prefetcher = NoisePrefetcher() if self._overlap_noise else None
         self._seed_given = seed_given
         self._runtime["agreed"] = False
@@ -322,10 +341,30 @@ class SamplerOptimizer(ChainOptimizer):
                 (with ``nonfinite="raise"``, the default). A fused step checks on the
                 device, without a host synchronisation: its refusal is raised by the
                 next ``step()`` (before the closure runs) or ``state_dict()``, which
-                changes nothing either, and names the refused step.
+                changes nothing either, and names the refused step. Never under a
+                ``GradScaler`` (below).
             ValueError: a param group holds an invalid hyperparameter (a schedule may
                 have moved it), or ``fused=True`` and the fused step cannot run (a
                 parameter moved off CUDA, say); nothing was changed.
+            TypeError: ``grad_scale`` or ``found_inf`` is set but is not a 1-element
+                floating tensor; nothing was changed.
+
+        ``torch.amp.GradScaler``: ``scaler.step(opt)`` sets ``opt.grad_scale`` and
+        ``opt.found_inf`` (``_step_supports_amp_scaling``) and calls this without
+        unscaling or synchronising (``sgmcmc/_grad_scaler``). The update then reads each
+        gradient as ``g / grad_scale`` in float32 or wider; ``.grad`` is left as it is
+        (scaled), unlike after ``scaler.unscale_``. ``found_inf > 0`` makes the step a
+        no-op decided on the device (unfused: ``torch.where`` against the old values;
+        fused: the kernels' flag), with no ``FloatingPointError`` whatever
+        ``nonfinite`` says; it advances the step counter and the host counts and adds 1
+        to ``param_group["skipped_steps"]``, as ``nonfinite="skip"`` does.
+
+        float16/bfloat16 parameters: from a parameter's first step at T > 0 on, the
+        update runs on its float32 master ``state["master_param"]`` with float32
+        buffers, and the parameter takes its rounding to nearest
+        (``sgmcmc/_half_precision``, which says what wins when the parameter was
+        assigned from outside); at T = 0 a parameter without master steps as
+        ``torch.optim.SGD`` does, in its own dtype.
 
         Under ``torch.compile`` the step is one graph (the noise draw is one custom op,
         ``samplers_as_optim.core.noise_op``) when built with ``nonfinite="skip"``; with
@@ -334,6 +373,7 @@ class SamplerOptimizer(ChainOptimizer):
         ``fused=None`` takes the unfused step there.)
         """
         loss = None
+        scaler = scaler_input(self)  # set by torch.amp.GradScaler.step, checked first
         self._raise_deferred_refusal()
         if closure is not None:
             with torch.enable_grad():
@@ -342,20 +382,27 @@ class SamplerOptimizer(ChainOptimizer):
         if not self._runtime["agreed"]:
             self._agree_across_ranks()
         gathered = []
+        checked: dict[int, Any] = {} if compiling else self._runtime.setdefault("checked", {})
         for index, group in enumerate(self.param_groups):
-            self.check_hyperparameters(group, where=at_group(index))
+            key = None if compiling else _hyperparameter_key(group)
+            if key is None or checked.get(id(group)) != key:
+                self.check_hyperparameters(group, where=at_group(index))
+                if key is not None:  # (the checks read these values alone)
+                    checked[id(group)] = key
             if not compiling:  # checked on the way in; reading it would specialise the graph
                 self._check_chain_state(group, where=at_group(index))
             params, grads = self._gather(group, index)
             check_representable(group, params, where=at_group(index))
             gathered.append((index, group, params, grads))
         if self._takes_fused_step(gathered, compiling=compiling):
-            self._fused_step(gathered)
+            self._fused_step(gathered, scaler)
             for group in self.param_groups:
                 group["step"] += 1
             return loss
         keep = None
-        if self._nonfinite == "raise":
+        if scaler.found_inf is not None:  # the scaler's verdict, on the device
+            keep = keep_flags(gathered, scaler.found_inf)
+        elif self._nonfinite == "raise":
             refuse_non_finite_gradients(type(self).__name__, gathered)
         else:
             keep = finite_flags(gathered)
@@ -369,7 +416,15 @@ class SamplerOptimizer(ChainOptimizer):
             lr = float(group["lr"])
             if temperature > 0 and lr == 0:
                 continue  # a step of length zero: no time passes, nothing changes
-            self._update_group(group, params, grads, lr=lr, temperature=temperature, keep=keep)
+            self._update_group(
+                group,
+                params,
+                grads,
+                lr=lr,
+                temperature=temperature,
+                keep=keep,
+                grad_scale=scaler.grad_scale,
+            )
             if temperature > 0:  # the keys the noise was drawn with (module docstring)
                 self._record_noise_keys(params)
         for group in self.param_groups:
@@ -429,10 +484,21 @@ class SamplerOptimizer(ChainOptimizer):
                 and not is_dtensor(param)
             ]
             requests += [
-                NoiseRequest(param, group["seed"], group["step"], key, self._shard)
+                NoiseRequest(
+                    self._noise_like(param), group["seed"], group["step"], key, self._shard
+                )
                 for param, key in zip(params, self._noise_keys(params), strict=True)
             ]
         return requests
+
+    def _noise_like(self, param: Tensor) -> Tensor:
+        """The tensor ``param``'s noise is drawn like: its float32 master where it has one."""
+        if is_half(param):
+            state = self.state.get(param)
+            if state and isinstance(state.get(MASTER), Tensor):
+                master: Tensor = state[MASTER]
+                return master
+        return param
 
     def _agree_across_ranks(self) -> None:
         """Under ``torch.distributed``, agree on the seeds once (see ``_distributed``)."""
@@ -455,7 +521,10 @@ class SamplerOptimizer(ChainOptimizer):
         ``fused=None`` takes the fused path where :func:`~.fused.fused_refusal` finds no
         reason against it and no param group sets ``foreach`` (a choice of the unfused
         kernels); never under ``torch.compile``, which traces the unfused step, nor for a
-        step without gradients (which would only import Triton).
+        step without gradients (which would only import Triton), nor where every group is
+        at temperature 0: there the step is ``torch.optim``'s default (foreach) step,
+        bit for bit, as the optimizer it replaces takes it (``fused=True`` is
+        ``SGD(fused=True)``'s step at T = 0).
         """
         if self._fused is False or (self._fused is None and compiling):
             return False
@@ -464,6 +533,7 @@ class SamplerOptimizer(ChainOptimizer):
         if self._fused is None and (
             any(group["foreach"] is not None for _, group, *_ in gathered)
             or not any(params for _, _, params, _ in gathered)
+            or all(float(group["temperature"]) == 0 for _, group, params, _ in gathered if params)
         ):
             return False
         reason = fused_refusal(self.definition, gathered, self.state, compiling=compiling)
@@ -472,7 +542,9 @@ class SamplerOptimizer(ChainOptimizer):
         return reason is None
 
     def _fused_step(
-        self, gathered: list[tuple[int, dict[str, Any], list[Tensor], list[Tensor]]]
+        self,
+        gathered: list[tuple[int, dict[str, Any], list[Tensor], list[Tensor]]],
+        scaler: ScalerInput,
     ) -> None:
         """Every group's step by the sampler's fused kernel, checked on the device.
 
@@ -480,14 +552,23 @@ class SamplerOptimizer(ChainOptimizer):
         and write nothing when a gradient is not finite: with ``nonfinite="skip"`` the
         step is counted as skipped, with ``"raise"`` the verdict is read by the next
         ``step()`` or ``state_dict()`` (:class:`~._fused_nonfinite.DeferredRefusal`),
-        which can then put back what this step recorded on the host.
+        which can then put back what this step recorded on the host. Under a
+        ``GradScaler`` (``scaler.found_inf`` given) its ``found_inf`` is the flag
+        (:func:`~._grad_scaler.found_inf_flags`): no check of the gradients, no refusal.
         """
-        check = check_gradients(gathered)
         rollback = None
-        if self._nonfinite == "skip":
-            count_skipped(gathered, check.largest)
+        check = None
+        finite_where = None
+        if scaler.found_inf is not None:
+            largest = found_inf_flags(gathered, scaler.found_inf)
         else:
-            rollback = self._host_record(gathered)
+            check = check_gradients(gathered)
+            largest = check.largest
+            if self._nonfinite == "skip":
+                count_skipped(gathered, largest)
+            else:
+                rollback = self._host_record(gathered)
+                finite_where = largest
         for _, group, params, grads in gathered:
             if not params:
                 continue
@@ -496,25 +577,33 @@ class SamplerOptimizer(ChainOptimizer):
             if temperature > 0 and lr == 0:
                 continue  # a step of length zero: no time passes, nothing changes
             self._fused_update_group(
-                group, params, grads, lr=lr, temperature=temperature, largest=check.largest
+                group,
+                params,
+                grads,
+                lr=lr,
+                temperature=temperature,
+                largest=largest,
+                grad_scale=scaler.grad_scale,
+                finite_where=finite_where,
             )
             if temperature > 0:  # the keys the noise was drawn with (module docstring)
                 self._record_noise_keys(params)
-        if rollback is not None:
+        if rollback is not None and check is not None:
             steps = {id(group): int(group["step"]) for group in self.param_groups}
             self._runtime["refusal"] = DeferredRefusal(check, steps=steps, rollback=rollback)
 
     def _host_record(self, gathered: list[Any]) -> Any:
         """A function that puts back the step counters and per-parameter state entries.
 
-        As they are now: entries added later are removed, and the host numbers
-        (``StateField.host``: the step counts the kernel modules advance in Python) take
-        back their values; tensors written in place on the device are not its business
-        (a refused fused step writes none).
+        As they are now: entries added later are removed, entries replaced (a buffer
+        widened to float32 with a new master, ``_half_precision``) take back their
+        tensors, and the host numbers (``StateField.host``: the step counts the kernel
+        modules advance in Python) take back their values; tensors written in place on
+        the device are not its business (a refused fused step writes none).
         """
         steps = [(group, group["step"]) for group in self.param_groups]
         entries = [
-            (param, set(self.state[param]) if param in self.state else None)
+            (param, dict(self.state[param]) if param in self.state else None)
             for _, _, params, _ in gathered
             for param in params
         ]
@@ -535,8 +624,8 @@ class SamplerOptimizer(ChainOptimizer):
                     self.state.pop(param, None)
                     continue
                 state = self.state[param]
-                for name in [name for name in state if name not in keys]:
-                    del state[name]
+                state.clear()
+                state.update(keys)
             for state, name, value in numbers:
                 state[name] = value
 
@@ -573,19 +662,32 @@ class SamplerOptimizer(ChainOptimizer):
         lr: float,
         temperature: float,
         largest: dict[torch.device, Tensor],
+        grad_scale: Tensor | None = None,
+        finite_where: dict[torch.device, Tensor] | None = None,
     ) -> None:
         """One param group's step by the sampler's fused kernel (``sgmcmc/fused``).
 
         The state is created and re-expressed in lr's units as by the unfused step; the
         kernel then reads and writes each parameter and buffer once, drawing the fused
-        noise stream (``fused.fused_noise_seed``) in registers.
+        noise stream (``fused.fused_noise_seed``) in registers. A half-precision
+        parameter's float32 master (``_half_precision``) and the GradScaler's scale go
+        to the kernel (``FusedInput.masters``, ``FusedInput.grad_scales``), which reads
+        the gradient as ``g / scale`` and writes the master and its rounding.
         """
         fields = self._state_fields(group)
+        masters = compute_tensors(
+            params,
+            self.state,
+            temperature=temperature,
+            skip=self._unwidened_state(),
+            sync=self._master_sync,
+        )
+        tensors = [p if m is None else m for p, m in zip(params, masters, strict=True)]
         states = [self.state[p] for p in params] if fields else []
-        for param, state in zip(params if fields else [], states, strict=True):
+        for tensor, state in zip(tensors if fields else [], states, strict=True):
             if not all(name in state for name in fields):
-                self._init_state(group, param, state)
-        if fields:
+                self._init_state(group, tensor, state)
+        if fields:  # (a step refused later keeps every bit of its buffers: ``where``)
             self._reexpress_state(
                 group,
                 params,
@@ -593,13 +695,27 @@ class SamplerOptimizer(ChainOptimizer):
                 lr=lr,
                 temperature=temperature,
                 foreach=default_foreach(params),
+                unless_nonfinite=finite_where,
             )
         keys = self._noise_keys(params) if temperature > 0 else [0] * len(params)
         seeds = (
-            [fused_noise_seed(group["seed"], group["step"], key, self._shard) for key in keys]
+            fused_noise_seeds(group["seed"], group["step"], keys, self._shard)
             if temperature > 0
             else [0] * len(params)
         )
+        extra: dict[str, Any] = {}  # the fields of FusedInput a plain step leaves out
+        if grad_scale is not None:
+            on: dict[torch.device, Tensor] = {}
+            for param in params:
+                if param.device not in on:
+                    on[param.device] = grad_scale.reshape(1).to(
+                        device=param.device,
+                        dtype=torch.float32,
+                        non_blocking=param.device.type != "cpu",
+                    )
+            extra["grad_scales"] = [on[param.device] for param in params]
+        if any(master is not None for master in masters):
+            extra["masters"] = masters
         inputs = FusedInput(
             params,
             grads,
@@ -607,10 +723,14 @@ class SamplerOptimizer(ChainOptimizer):
             seeds,
             [parameter_offset(param) for param in params],
             [largest[param.device] for param in params],
+            **extra,
         )
         new = fused_kernel(self.definition).launch(
             {**group, "lr": lr, "temperature": temperature}, inputs
         )
+        for param, master in zip(params, masters, strict=True):
+            if master is not None:  # the kernel wrote its rounding into the parameter
+                self._master_sync.written(param, master)
         for name in fields:
             for state, value in zip(states, new[name], strict=True):
                 if value is None:  # not created yet (a frozen preconditioner)
@@ -619,6 +739,10 @@ class SamplerOptimizer(ChainOptimizer):
                     state[name] = value
 
     # ------------------------------------------------------------------ the update
+    def _unwidened_state(self) -> tuple[str, ...]:
+        """State entries a new master leaves in their dtype: the host numbers."""
+        return self.host_state
+
     def _update_group(
         self,
         group: dict[str, Any],
@@ -628,14 +752,49 @@ class SamplerOptimizer(ChainOptimizer):
         lr: float,
         temperature: float,
         keep: dict[torch.device, Tensor] | None = None,
+        grad_scale: Tensor | None = None,
     ) -> None:
         """Draw the noise, call the sampler's kernel, store its state and take the step.
 
-        ``keep`` (``nonfinite="skip"``): per device, a 0-d boolean tensor, False when the
-        step must change nothing; the new parameters and buffers are then selected with
-        ``torch.where`` against the old ones, without a host synchronisation.
+        ``keep`` (``nonfinite="skip"``, or a ``GradScaler``'s ``found_inf``): per
+        device, a 0-d boolean tensor, False when the step must change nothing; the new
+        parameters and buffers are then selected with ``torch.where`` against the old
+        ones, without a host synchronisation. ``grad_scale`` (a ``GradScaler``'s): the
+        update reads each gradient as ``g / grad_scale``, ``.grad`` is left as it is.
 
-        On the CPU without foreach, large tensors are updated chunk by chunk, in cache
+        A float16/bfloat16 parameter at T > 0, or one that has a master already, is
+        updated through its float32 master (``_half_precision``): the update runs on the
+        master with the gradient widened, then the parameter takes its rounding.
+        """
+        masters = compute_tensors(
+            params,
+            self.state,
+            temperature=temperature,
+            skip=self._unwidened_state(),
+            sync=self._master_sync,
+        )
+        tensors = [p if m is None else m for p, m in zip(params, masters, strict=True)]
+        grads = unscaled_grads(grads, grad_scale, widen=[m is not None for m in masters])
+        self._update_tensors(
+            group, params, tensors, grads, lr=lr, temperature=temperature, keep=keep
+        )
+        store_masters_(params, masters, self._master_sync)
+
+    def _update_tensors(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        tensors: list[Tensor],
+        grads: list[Tensor],
+        *,
+        lr: float,
+        temperature: float,
+        keep: dict[torch.device, Tensor] | None,
+    ) -> None:
+        """:meth:`_update_group` on ``tensors`` (each parameter, or its master).
+
+        ``params`` key the state and the noise; ``tensors`` are updated in place. On the
+        CPU without foreach, large tensors are updated chunk by chunk, in cache
         (``_chunked_update``), with the same numbers.
         """
         foreach = group["foreach"]
@@ -643,9 +802,9 @@ class SamplerOptimizer(ChainOptimizer):
             foreach = torch.compiler.is_compiling() or default_foreach(params)
         fields = self._state_fields(group)
         states = [self.state[p] for p in params] if fields else []
-        for param, state in zip(params if fields else [], states, strict=True):
+        for tensor, state in zip(tensors if fields else [], states, strict=True):
             if not all(name in state for name in fields):  # new, or loaded from another kind
-                self._init_state(group, param, state)
+                self._init_state(group, tensor, state)
         if fields:  # state in lr's units follows a change of lr (docs/design.md)
             self._reexpress_state(
                 group, params, states, lr=lr, temperature=temperature, foreach=foreach
@@ -653,13 +812,13 @@ class SamplerOptimizer(ChainOptimizer):
         buffers = [[state.get(name) for state in states] for name in fields]
         exact = self.definition.zero_temperature_step
         if exact is not None and temperature == 0 and keep is None:
-            inputs = UpdateInput(params, grads, dict(zip(fields, buffers, strict=True)), None)
+            inputs = UpdateInput(tensors, grads, dict(zip(fields, buffers, strict=True)), None)
             if exact({**group, "lr": lr, "temperature": 0.0}, inputs, foreach=foreach):
                 return
         noise_of = None
         if temperature > 0:
             noise_of = GroupNoise(
-                params,
+                tensors,
                 stream=self._stream(group["seed"]),
                 keys=self._noise_keys(params),
                 step=group["step"],
@@ -673,7 +832,7 @@ class SamplerOptimizer(ChainOptimizer):
             keep is None
             and not foreach
             and self.chunked_kernel
-            and chunkable(params, grads, buffers)
+            and chunkable(tensors, grads, buffers)
         ):
 
             def kernel(
@@ -685,16 +844,32 @@ class SamplerOptimizer(ChainOptimizer):
                 return self._kernel(group, ps, gs, bs, noise, foreach=False, **kwargs)[0]
 
             update_in_chunks(
-                kernel, params, grads, buffers, noise_of, lr=lr, temperature=temperature
+                kernel, tensors, grads, buffers, noise_of, lr=lr, temperature=temperature
             )
             return
         noise = None if noise_of is None else [noise_of.whole(i) for i in range(len(params))]
         old = None
+        marks: dict[str, list[float]] = {}
         if keep is not None:  # the kernels update buffers in place
             old = [[None if b is None else b.clone() for b in field] for field in buffers]
+            marks = {
+                name: [float(b) for b in field]
+                for name, field in zip(fields, buffers, strict=True)
+                if name in self.host_state and name != "step" and None not in field
+            }
         directions, new_buffers = self._kernel(
-            group, params, grads, buffers, noise, foreach=foreach, **kwargs
+            group, tensors, grads, buffers, noise, foreach=foreach, **kwargs
         )
+        if (
+            keep is not None
+            and marks
+            and _marks_moved(marks, fields, new_buffers)
+            and _skipped(keep, tensors)
+        ):
+            # A host mark moved (a preconditioner frozen at this step) in a step that the
+            # device skipped: the mark and what it froze go back, and the next step
+            # freezes from the kept state. Read to the host once, at the freeze only.
+            new_buffers = _undo_marks(marks, fields, new_buffers, old)
         for f, (name, field) in enumerate(zip(fields, new_buffers, strict=True)):
             host = name in self.host_state  # a count on the CPU: advanced even when skipped
             for i, (state, value) in enumerate(zip(states, field, strict=True)):
@@ -704,7 +879,7 @@ class SamplerOptimizer(ChainOptimizer):
                 if old is not None and keep is not None and isinstance(value, Tensor) and not host:
                     value = kept(value, old[f][i], keep)
                 state[name] = value
-        apply_step_(params, directions, lr=lr, as_sgd=temperature == 0, foreach=foreach, keep=keep)
+        apply_step_(tensors, directions, lr=lr, as_sgd=temperature == 0, foreach=foreach, keep=keep)
 
     # What a sampler supplies.
     #: whether the kernel is elementwise, so that it may run on chunks of a tensor
@@ -751,6 +926,7 @@ class SamplerOptimizer(ChainOptimizer):
         lr: float,
         temperature: float,
         foreach: bool,
+        unless_nonfinite: dict[torch.device, Tensor] | None = None,
     ) -> None:
         """Re-express state kept in lr's units when lr has changed, before the kernel.
 
@@ -769,6 +945,7 @@ class SamplerOptimizer(ChainOptimizer):
                 params=params,
                 known=self._host_scalars,
                 buffer=self.definition.momentum_buffer,
+                unless_nonfinite=unless_nonfinite,
             )
 
     def _kernel(
@@ -798,7 +975,8 @@ class SamplerOptimizer(ChainOptimizer):
         """Undo torch's cast of some saved entries to the parameter's dtype and device.
 
         ``own_dtype_state`` (a thermostat) keeps its dtype on the parameter's device,
-        ``host_state`` (AdamW's step count) its dtype on the CPU; the
+        ``host_state`` (AdamW's step count) its dtype on the CPU, a half-precision
+        parameter's master and buffers float32 (``_half_precision``); the
         noise key (``ChainOptimizer._restore_noise_keys``) and the rate of a momentum
         buffer (``_checkpoint.restore_momentum_rate``) keep theirs on the CPU.
         """
@@ -817,6 +995,22 @@ class SamplerOptimizer(ChainOptimizer):
                         self.state[param][key] = value.detach().to(device="cpu", copy=True)
                 if MOMENTUM_RATE in saved:  # (indexing self.state creates an entry)
                     restore_momentum_rate(self.state[param], saved)
+                if MASTER in saved:  # a half parameter's float32 master and buffers
+                    restore_master_state_(
+                        param, self.state[param], saved, (*self.host_state, MOMENTUM_RATE)
+                    )
+
+    def _check_saved_masters(
+        self, saved_groups: list[dict[str, Any]], saved_state: dict[Any, Any]
+    ) -> None:
+        """Refuse a saved ``master_param`` that does not fit its parameter (before loading)."""
+        for group, saved_group in zip(self.param_groups, saved_groups, strict=False):
+            for param, param_id in zip(
+                group["params"], saved_group.get("params", []), strict=False
+            ):
+                saved = saved_state.get(param_id) or {}
+                if MASTER in saved and is_half(param):
+                    check_saved_master(param_id, param, saved[MASTER])
 
     def _migrate_host_state(self) -> None:
         """A rate kept as a float (or None) by an earlier version becomes a tensor (or none)."""
@@ -871,6 +1065,7 @@ class SamplerOptimizer(ChainOptimizer):
         )
         saved_state = state_dict.get("state", {})
         refuse_non_finite_state(saved_state)
+        self._check_saved_masters(saved_groups, saved_state)
         warn_if_keyed_otherwise(type(self).__name__, self.param_groups, saved_groups, saved_state)
         if len(saved_groups) == len(self.param_groups):
             saved_groups = [
@@ -893,3 +1088,76 @@ if not COMPILED_DRAW:
     SamplerOptimizer.step = torch.compiler.disable(  # type: ignore[method-assign,no-untyped-call]
         SamplerOptimizer.step
     )
+
+
+def _marks_moved(
+    marks: dict[str, list[float]], fields: Sequence[str], new_buffers: Sequence[Sequence[Any]]
+) -> bool:
+    """Whether a host mark (a float read in Python: the step of a freeze) changed."""
+    for name, before in marks.items():
+        after = new_buffers[fields.index(name)]
+        if any(a is not None and float(a) != b for a, b in zip(after, before, strict=True)):
+            return True
+    return False
+
+
+def _skipped(keep: dict[torch.device, Tensor], tensors: Sequence[Tensor]) -> bool:
+    """Whether the device skipped this step (one read back to the host)."""
+    devices = {tensor.device for tensor in tensors}
+    return not all(bool(keep[device]) for device in devices if device in keep)
+
+
+def _undo_marks(
+    marks: dict[str, list[float]],
+    fields: Sequence[str],
+    new_buffers: Sequence[Sequence[Any]],
+    old: Sequence[Sequence[Tensor | None]] | None,
+) -> list[list[Any]]:
+    """``new_buffers`` with the moved marks put back.
+
+    A buffer the step created (None before it) is dropped; one it replaced is restored
+    by ``kept`` afterwards, as for any skipped step.
+    """
+    undone = [list(field) for field in new_buffers]
+    for name, before in marks.items():
+        f = fields.index(name)
+        for i, value in enumerate(undone[f]):
+            if value is not None and float(value) != before[i]:
+                undone[f][i] = (
+                    torch.tensor(before[i], dtype=value.dtype)
+                    if isinstance(value, Tensor)
+                    else before[i]
+                )
+    if old is not None:
+        for f, field in enumerate(old):
+            if fields[f] in marks or fields[f] == "step":
+                continue
+            for i, before_value in enumerate(field):
+                if before_value is None:
+                    undone[f][i] = None
+    return undone
+
+
+#: param-group entries that are not hyperparameters (the chain's state, counters)
+_NOT_HYPERPARAMETERS = frozenset({"params", "step", "seed", "skipped_steps"})
+
+
+def _hyperparameter_key(group: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The group's hyperparameters as a hashable tuple of ``(name, type, value)``, or None.
+
+    None where one is a tensor or unhashable: then they are checked at every step. The
+    checks of :meth:`SamplerOptimizer.check_hyperparameters` read these values
+    alone, so a group whose key is the one last checked needs no new check.
+    """
+    items = []
+    for name, value in group.items():
+        if name in _NOT_HYPERPARAMETERS:
+            continue
+        if isinstance(value, Tensor):
+            return None
+        try:
+            hash(value)
+        except TypeError:
+            return None
+        items.append((name, type(value), value))
+    return tuple(items)
