@@ -658,8 +658,8 @@ class TemperatureMonitor:
             of :math:`\theta`, ``p.grad`` and the momentum (one dot product per tensor
             on strided views; the first of a window also the terms' variance): with the
             default ``coordinates``, a cost per tensor that does not grow with its size,
-            2.3-2.4% of an ``SGHMC.step()`` on one CPU thread for a 1.9M-parameter MLP
-            and 0.8-1.0% at 5.8M, against 9-10% reading every coordinate
+            1.6-2.0% of an ``SGHMC.step()`` on one CPU thread for a 1.9M-parameter MLP
+            and 0.7-0.8% at 5.8M, against 9-11% reading every coordinate
             (``benchmarks/bench_chain_temperature.py``). A small model's step is cheap
             enough that this fixed cost shows: ``stride`` divides it.
         coordinates: the coordinates read per param group (per member), at most about

@@ -33,7 +33,12 @@ from linear_chains import sghmc_mode, sgld_mode, spectral_radius, stationary_cov
 import samplers_as_optim as sao
 from samplers_as_optim import diagnostics
 from samplers_as_optim.names import set_member_dims
-from samplers_as_optim.sgmcmc.chain_temperature import TemperatureSums, chi2_quantile
+from samplers_as_optim.sgmcmc import chain_temperature
+from samplers_as_optim.sgmcmc.chain_temperature import (
+    TemperatureSums,
+    chi2_quantile,
+    group_sums,
+)
 from samplers_as_optim.sgmcmc.optimizer import SamplerOptimizer
 from samplers_as_optim.sgmcmc.sgld import DEFINITION as SGLD_DEFINITION
 from samplers_as_optim.sgmcmc.temperature_coordinates import coordinate_subsets
@@ -679,3 +684,45 @@ def test_a_group_of_one_scalar_has_no_configurational_band() -> None:
     assert report.configurational.low == -math.inf and report.configurational.high == math.inf
     assert not report.configurational.hot and not report.configurational.cold
     monitor.remove()
+
+
+@pytest.mark.parametrize(
+    ("cls", "rule", "kwargs"),
+    [
+        (sao.SGHMC, "sghmc", {"momentum": 0.8, "weight_decay": 0.3, "maximize": True}),
+        (sao.BAOA, "baoa", {"momentum": 0.7}),
+    ],
+)
+@pytest.mark.parametrize("coordinates", [4096, 40, None])
+def test_the_common_path_gives_the_general_paths_sums(cls, rule, kwargs, coordinates, monkeypatch):
+    """An unstacked SGHMC/BAOA group takes a leaner path (``_plain_sums``), the same sums
+    as the general loop to rounding, with and without the terms' spread, after an lr
+    change (the buffers' recorded rate) too."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.Tanh(), torch.nn.Linear(20, 3))
+    optimizer = cls(model.parameters(), lr=1e-3, num_data=500, seed=0, **kwargs)
+    x, y = torch.randn(16, 30), torch.randn(16, 3)
+    for lr in (1e-3, 3e-3):
+        optimizer.param_groups[0]["lr"] = lr
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    group = optimizer.param_groups[0]
+    for spread in (False, True):
+        lean = group_sums(rule, group, 0, optimizer.state, spread=spread, coordinates=coordinates)
+        with monkeypatch.context() as patch:
+            patch.setattr(chain_temperature, "_LEAN_RULES", ())
+            general = group_sums(
+                rule, group, 0, optimizer.state, spread=spread, coordinates=coordinates
+            )
+        assert (lean.kinetic_dof, lean.conf_dof) == (general.kinetic_dof, general.conf_dof)
+        torch.testing.assert_close(lean.kinetic, general.kinetic, rtol=1e-6, atol=0.0)
+        torch.testing.assert_close(lean.conf, general.conf, rtol=1e-5, atol=1e-9)
+        if spread:
+            torch.testing.assert_close(
+                lean.conf_variance, general.conf_variance, rtol=1e-4, atol=0.0
+            )
+        else:
+            assert lean.conf_variance is None and general.conf_variance is None
