@@ -674,29 +674,17 @@ class SamplerOptimizer(ChainOptimizer):
         to the kernel (``FusedInput.masters``, ``FusedInput.grad_scales``), which reads
         the gradient as ``g / scale`` and writes the master and its rounding.
         """
-        fields = self._state_fields(group)
-        masters = compute_tensors(
+        masters, tensors = self._positions(params, temperature)
+        # (a step refused later keeps every bit of its buffers: ``unless_nonfinite``)
+        fields, states = self._ready_state(
+            group,
             params,
-            self.state,
+            tensors,
+            lr=lr,
             temperature=temperature,
-            skip=self._unwidened_state(),
-            sync=self._master_sync,
+            foreach=default_foreach(params),
+            unless_nonfinite=finite_where,
         )
-        tensors = [p if m is None else m for p, m in zip(params, masters, strict=True)]
-        states = [self.state[p] for p in params] if fields else []
-        for tensor, state in zip(tensors if fields else [], states, strict=True):
-            if not all(name in state for name in fields):
-                self._init_state(group, tensor, state)
-        if fields:  # (a step refused later keeps every bit of its buffers: ``where``)
-            self._reexpress_state(
-                group,
-                params,
-                states,
-                lr=lr,
-                temperature=temperature,
-                foreach=default_foreach(params),
-                unless_nonfinite=finite_where,
-            )
         keys = self._noise_keys(params) if temperature > 0 else [0] * len(params)
         seeds = (
             fused_noise_seeds(group["seed"], group["step"], keys, self._shard)
@@ -766,6 +754,21 @@ class SamplerOptimizer(ChainOptimizer):
         updated through its float32 master (``_half_precision``): the update runs on the
         master with the gradient widened, then the parameter takes its rounding.
         """
+        masters, tensors = self._positions(params, temperature)
+        grads = unscaled_grads(grads, grad_scale, widen=[m is not None for m in masters])
+        self._update_tensors(
+            group, params, tensors, grads, lr=lr, temperature=temperature, keep=keep
+        )
+        store_masters_(params, masters, self._master_sync)
+
+    def _positions(
+        self, params: list[Tensor], temperature: float
+    ) -> tuple[list[Tensor | None], list[Tensor]]:
+        """Each parameter's float32 master (None without one), and the tensors stepped.
+
+        The tensor a parameter's step updates is its master, or the parameter itself
+        (``_half_precision``).
+        """
         masters = compute_tensors(
             params,
             self.state,
@@ -774,11 +777,42 @@ class SamplerOptimizer(ChainOptimizer):
             sync=self._master_sync,
         )
         tensors = [p if m is None else m for p, m in zip(params, masters, strict=True)]
-        grads = unscaled_grads(grads, grad_scale, widen=[m is not None for m in masters])
-        self._update_tensors(
-            group, params, tensors, grads, lr=lr, temperature=temperature, keep=keep
-        )
-        store_masters_(params, masters, self._master_sync)
+        return masters, tensors
+
+    def _ready_state(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        tensors: list[Tensor],
+        *,
+        lr: float,
+        temperature: float,
+        foreach: bool,
+        unless_nonfinite: dict[torch.device, Tensor] | None = None,
+    ) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
+        """The group's state fields and per-parameter states, ready for this step.
+
+        What a state lacks is created (new, or loaded from another kind) like its
+        ``tensors``; state in lr's units follows a change of lr (``docs/design.md``;
+        ``unless_nonfinite`` as for :meth:`_reexpress_state`). Both the unfused and the
+        fused step start here.
+        """
+        fields = self._state_fields(group)
+        states = [self.state[p] for p in params] if fields else []
+        for tensor, state in zip(tensors if fields else [], states, strict=True):
+            if not all(name in state for name in fields):
+                self._init_state(group, tensor, state)
+        if fields:
+            self._reexpress_state(
+                group,
+                params,
+                states,
+                lr=lr,
+                temperature=temperature,
+                foreach=foreach,
+                unless_nonfinite=unless_nonfinite,
+            )
+        return fields, states
 
     def _update_tensors(
         self,
@@ -800,15 +834,9 @@ class SamplerOptimizer(ChainOptimizer):
         foreach = group["foreach"]
         if foreach is None:  # under compile, whole tensors (both paths: the same numbers)
             foreach = torch.compiler.is_compiling() or default_foreach(params)
-        fields = self._state_fields(group)
-        states = [self.state[p] for p in params] if fields else []
-        for tensor, state in zip(tensors if fields else [], states, strict=True):
-            if not all(name in state for name in fields):  # new, or loaded from another kind
-                self._init_state(group, tensor, state)
-        if fields:  # state in lr's units follows a change of lr (docs/design.md)
-            self._reexpress_state(
-                group, params, states, lr=lr, temperature=temperature, foreach=foreach
-            )
+        fields, states = self._ready_state(
+            group, params, tensors, lr=lr, temperature=temperature, foreach=foreach
+        )
         buffers = [[state.get(name) for state in states] for name in fields]
         exact = self.definition.zero_temperature_step
         if exact is not None and temperature == 0 and keep is None:
