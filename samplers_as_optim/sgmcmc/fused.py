@@ -196,13 +196,15 @@ def _tensor_refusal(
 
 
 def _parameter_refusal(
-    definition: SamplerDefinition,
-    group: dict[str, Any],
+    fields: Sequence[str],
     param: Tensor,
     grad: Tensor | None,
     state: Mapping[str, Any] | None,
 ) -> tuple[str, str] | None:
-    """Why the fused path cannot take a parameter: ``(whose, why)``, or None."""
+    """Why the fused path cannot take a parameter: ``(whose, why)``, or None.
+
+    ``fields``: the state fields its kernel reads (not those kept on the host).
+    """
     why = _tensor_refusal(param, dtypes=FUSED_DTYPES)
     if why is not None:
         return "", why
@@ -222,10 +224,7 @@ def _parameter_refusal(
         if why is not None:
             return f"the state {MASTER!r} of ", why
         buffer_dtype, like = torch.float32, f"its parameter's {MASTER!r}"
-    host = {field.name for field in definition.state if field.host}
-    for name in definition.state_fields(group) if state else ():
-        if name in host:  # a count kept on the CPU and read in Python (StateField.host)
-            continue
+    for name in fields if state else ():
         buffer = state.get(name) if state else None
         if isinstance(buffer, Tensor):
             why = _tensor_refusal(buffer, buffer_dtype, dtypes=FUSED_DTYPES, like=like)
@@ -255,15 +254,14 @@ def fused_refusal(
         return f"{definition.name} has no fused kernel yet"
     if compiling:
         return "torch.compile traces the unfused step"
-    if state is not None and _all_plainly_fused(definition, groups, state):
-        return _kernel_refusal(definition, groups)
+    host = {field.name for field in definition.state if field.host}
     for index, group, params, grads in groups:
         if group.get("foreach"):
             return f"param group {index} sets foreach=True (fused and foreach exclude each other)"
+        fields = [name for name in definition.state_fields(group) if name not in host]
         for i, param in enumerate(params):
             refusal = _parameter_refusal(
-                definition,
-                group,
+                fields,
                 param,
                 None if grads is None else grads[i],
                 None if state is None or param not in state else state[param],
@@ -288,62 +286,6 @@ def _kernel_refusal(
         if option is not None:
             return f"{option} (param group {index})"
     return None
-
-
-def _all_plainly_fused(
-    definition: SamplerDefinition,
-    groups: Sequence[tuple[int, dict[str, Any], list[Tensor], list[Tensor] | None]],
-    state: Mapping[Tensor, Mapping[str, Any]],
-) -> bool:
-    """Whether every parameter of a step passes :func:`_parameter_refusal` plainly.
-
-    The common case at every step, checked inline (no message is built): contiguous
-    CUDA tensors (CPU ones under the test hatch), the gradient and every buffer of
-    the parameter's dtype and device (float32 beside a master). False sends the step
-    through the detailed checks, which find the reason where there is one.
-    """
-    cpu_ok = RUN_ON_CPU_UNDER_INTERPRETER and interpreting()
-    host = {field.name for field in definition.state if field.host}
-    for _, group, params, grads in groups:
-        if group.get("foreach") or grads is None:
-            return False
-        fields = [name for name in definition.state_fields(group) if name not in host]
-        for param, grad in zip(params, grads, strict=True):
-            device = param.device
-            if not (device.type == "cuda" or (cpu_ok and device.type == "cpu")):
-                return False
-            dtype = param.dtype
-            if dtype not in FUSED_DTYPES or not param.is_contiguous() or is_dtensor(param):
-                return False
-            if grad.dtype != dtype or grad.device != device or not grad.is_contiguous():
-                return False
-            if is_dtensor(grad):
-                return False
-            entries = state.get(param)
-            if not entries:
-                continue
-            buffer_dtype = dtype
-            master = entries.get(MASTER)
-            if master is not None:
-                if not is_half(param):
-                    return False
-                if not isinstance(master, Tensor) or master.dtype != torch.float32:
-                    return False
-                if master.device != device or master.shape != param.shape:
-                    return False
-                if not master.is_contiguous():
-                    return False
-                buffer_dtype = torch.float32
-            for name in fields:
-                buffer = entries.get(name)
-                if isinstance(buffer, Tensor) and (
-                    buffer.dtype != buffer_dtype
-                    or buffer.device != device
-                    or not buffer.is_contiguous()
-                    or is_dtensor(buffer)
-                ):
-                    return False
-    return True
 
 
 def fused_message(reason: str) -> str:
