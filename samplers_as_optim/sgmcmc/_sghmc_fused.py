@@ -12,8 +12,9 @@ computes its buffer:
 
 with :math:`d = b` rounded to the parameter's dtype (:math:`g' + \mu b` with
 ``nesterov``), :math:`\xi = \texttt{tl.randn}(seed, \text{global index})`, the buffer
-stored in its dtype and :math:`\theta` rounded once. At :math:`T = 0` no noise is drawn
-and the step is torch's fused SGD step, dampening and Nesterov included. It reads
+stored in its dtype and :math:`\theta` rounded once. The kernel runs at :math:`T > 0`;
+at :math:`T = 0` the launch hands the step to torch's own fused SGD op
+(``_fused_launch.torch_fused_sgd``), dampening and Nesterov included. It reads
 :math:`\theta`, :math:`g` and :math:`b` once and writes :math:`\theta` and :math:`b`
 once; nothing is written when the step's flag (the largest absolute gradient) is not
 finite. With ``momentum=0`` it is SGLD's kernel, as the reference update is SGLD's. Small
@@ -23,8 +24,9 @@ the numbers of one launch per tensor.
 Mixed precision (``_fused_launch``'s module docstring): with a GradScaler scale
 :math:`s` the gradient is read as :math:`g/s` (float64 division, rounded once to the
 position's dtype); a float16/bfloat16 parameter with a float32 master steps on the
-master, as a float32 parameter would, and receives its rounding to nearest; one without
-master (temperature 0) is computed in float32 and stored, with its state, in its dtype.
+master, as a float32 parameter would, and receives its rounding to nearest. (One
+without a master exists at temperature 0 only, where torch's op steps it: the kernel's
+``NARROW`` branch is reached by no call of ``launch``.)
 """
 
 from __future__ import annotations
@@ -90,7 +92,6 @@ def _sghmc(
     DECAY: constexpr,  # noqa: N803
     FIRST: constexpr,  # noqa: N803
     NESTEROV: constexpr,  # noqa: N803
-    NOISE: constexpr,  # noqa: N803
     UNSCALE: constexpr,  # noqa: N803
     MASTER: constexpr,  # noqa: N803
     NARROW: constexpr,  # noqa: N803
@@ -138,10 +139,9 @@ def _sghmc(
         gain = gain_bits.to(tl.int64).to(tl.float64, bitcast=True)
         old = tl.load(buffer + index, mask=mask)
         b = momentum * old.to(tl.float64) + gain * g.to(tl.float64)
-    if NOISE:
-        scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
-        xi = tl.randn(seed, offset + index)
-        b = b + scale * xi.to(tl.float64)
+    scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    xi = tl.randn(seed, offset + index)  # (T > 0 only: at T = 0 torch's fused SGD steps)
+    b = b + scale * xi.to(tl.float64)
     kept = b
     if NARROW:  # the buffer in the parameter's dtype, through float32
         kept = b.to(tl.float32)
@@ -213,7 +213,6 @@ def launch(group: Mapping[str, Any], inputs: FusedInput) -> Mapping[str, list[Te
                 DECAY=weight_decay != 0,
                 FIRST=first,
                 NESTEROV=bool(group["nesterov"]),
-                NOISE=temperature > 0,
                 **here.flags(),
             )
     return {"momentum_buffer": buffers}

@@ -8,8 +8,9 @@ as ``torch.optim.SGD(fused=True)`` rounds it) and :math:`c = \sqrt{2T/(N\,lr)}`,
     \theta \leftarrow \theta - lr\,(g' - c\,\xi), \qquad \xi = \texttt{tl.randn}(seed,
     \text{global index}),
 
-in float64 and rounded once (torch's fused SGD computes :math:`\theta - lr\,g'` so); at
-:math:`T = 0` no noise is drawn and the step is torch's fused SGD step. It reads
+in float64 and rounded once. The kernel runs at :math:`T > 0`; at :math:`T = 0` the
+launch hands the step to torch's own fused SGD op (``_fused_launch.torch_fused_sgd``),
+``SGD(fused=True)`` bit for bit. It reads
 :math:`\theta` and :math:`g` once and writes :math:`\theta` once; nothing is written
 when the step's flag (the largest absolute gradient) is not finite. Small tensors share
 launches (``_fused_launch.launch_tensors``), each with its own noise key: the numbers of
@@ -18,8 +19,9 @@ one launch per tensor.
 Mixed precision (``_fused_launch``'s module docstring): with a GradScaler scale
 :math:`s` the gradient is read as :math:`g/s` (float64 division, rounded once to the
 position's dtype); a float16/bfloat16 parameter with a float32 master steps on the
-master, as a float32 parameter would, and receives its rounding to nearest; one without
-master (temperature 0) is computed in float32 and stored, with its state, in its dtype.
+master, as a float32 parameter would, and receives its rounding to nearest. (One
+without a master exists at temperature 0 only, where torch's op steps it: the kernel's
+``NARROW`` branch is reached by no call of ``launch``.)
 """
 
 from __future__ import annotations
@@ -68,7 +70,6 @@ def _sgld(
     MULTI: constexpr,  # noqa: N803
     MAXIMIZE: constexpr,  # noqa: N803
     DECAY: constexpr,  # noqa: N803
-    NOISE: constexpr,  # noqa: N803
     UNSCALE: constexpr,  # noqa: N803
     MASTER: constexpr,  # noqa: N803
     NARROW: constexpr,  # noqa: N803
@@ -109,10 +110,9 @@ def _sgld(
         decay = decay_bits.to(tl.int64).to(tl.float64, bitcast=True)
         g = (g.to(tl.float64) + decay * p.to(tl.float64)).to(p.dtype)
     direction = g.to(tl.float64)
-    if NOISE:
-        scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
-        xi = tl.randn(seed, offset + index)
-        direction = direction - scale * xi.to(tl.float64)
+    scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    xi = tl.randn(seed, offset + index)  # (T > 0 only: at T = 0 torch's fused SGD steps)
+    direction = direction - scale * xi.to(tl.float64)
     new = (p.to(tl.float64) - lr * direction).to(p.dtype)
     if MASTER or NARROW:  # the parameter: the position rounded to nearest (even)
         half = new
@@ -152,7 +152,6 @@ def launch(group: Mapping[str, Any], inputs: FusedInput) -> Mapping[str, list[Te
             do_not_specialize=_VARYING,
             MAXIMIZE=bool(group["maximize"]),
             DECAY=weight_decay != 0,
-            NOISE=temperature > 0,
             **part.flags(),
         )
     return {}
