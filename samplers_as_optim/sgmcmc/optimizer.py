@@ -837,7 +837,7 @@ class SamplerOptimizer(ChainOptimizer):
         fields, states = self._ready_state(
             group, params, tensors, lr=lr, temperature=temperature, foreach=foreach
         )
-        buffers = [[state.get(name) for state in states] for name in fields]
+        buffers: list[list[Any]] = [[state.get(name) for state in states] for name in fields]
         exact = self.definition.zero_temperature_step
         if exact is not None and temperature == 0 and keep is None:
             inputs = UpdateInput(tensors, grads, dict(zip(fields, buffers, strict=True)), None)
