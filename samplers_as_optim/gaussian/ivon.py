@@ -132,6 +132,7 @@ from ._ivon_checks import (
 from ._ivon_kernel import STATISTIC, accumulate_, perturb_, update_
 from ._ivon_noise import DrawRequest, Prefetcher, draw_key, fill_normals, next_training_draws
 from ._ivon_posterior import draw_samples, posterior
+from ._ivon_state_checks import check_saved_groups, check_saved_state
 
 __all__ = ["IVON"]
 
@@ -339,7 +340,9 @@ class IVON(ChainOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by :meth:`state_dict`: the run continues bit for bit.
 
-        Everything is checked before anything changes.
+        Everything is checked before anything changes: the groups' hyperparameters, seed
+        and counters, and each parameter's state (``_ivon_state_checks``: its entries,
+        their shapes, finite values, hess + weight_decay > 0).
 
         Raises:
             ValueError: the state is not an IVON optimizer's, or holds an invalid value.
@@ -347,16 +350,11 @@ class IVON(ChainOptimizer):
         """
         self._refuse_inside_draw("load_state_dict()")
         groups = state_dict.get("param_groups", [])
-        needed = (*COUNTERS, *HYPERPARAMETERS)
-        if not (self._hold_chain_state(groups) and all(k in g for g in groups for k in needed)):
-            raise ValueError(
-                "Invalid state_dict: its param groups lack IVON's hyperparameters or its "
-                "'seed', 'step', 'train_draws' and 'eval_draws' (expected the state_dict() of "
-                "an IVON optimizer)"
-            )
+        check_saved_groups(groups)
         self._check_saved_chain(state_dict)
         for index, group in enumerate(groups):
             self.check_hyperparameters(group, where=at_group(index))
+        check_saved_state(self.param_groups, state_dict)
         super().load_state_dict(state_dict)
         self._restore_noise_keys(state_dict)
 
