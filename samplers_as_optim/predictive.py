@@ -71,13 +71,22 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from .core.validation import check_choice, check_positive, check_positive_int
-from .regression import HeteroscedasticGaussian
+from ._predictive_checks import Reduction, apply_reduction, check_tensor, compute_dtype
+from ._predictive_regression import (
+    RegressionPrediction,
+    RegressionScores,
+    gaussian_regression,
+    heteroscedastic_regression,
+    regression,
+    regression_nll,
+    regression_scores,
+)
+from .core.validation import check_positive_int
 from .samples.ranks import average_ranks, sort_rows
 
 __all__ = [
@@ -101,9 +110,6 @@ __all__ = [
     "total_variation",
 ]
 
-Reduction = Literal["mean", "sum", "none"]
-_REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")
-
 
 class ClassificationPrediction(NamedTuple):
     """Bayesian model average of a classifier and its uncertainty (see :func:`classification`).
@@ -123,41 +129,11 @@ class ClassificationPrediction(NamedTuple):
     epistemic: Tensor
 
 
-class RegressionPrediction(NamedTuple):
-    """Mean and variance of a Gaussian-mixture predictive (see :func:`regression`).
-
-    Attributes:
-        mean: ``[B, ...]`` predictive mean.
-        total: ``[B, ...]`` predictive variance, ``aleatoric + epistemic``.
-        aleatoric: ``[B, ...]`` mean of the per-sample noise variances.
-        epistemic: ``[B, ...]`` variance of the per-sample means (over samples, ddof 0).
-    """
-
-    mean: Tensor
-    total: Tensor
-    aleatoric: Tensor
-    epistemic: Tensor
-
-
 # --------------------------------------------------------------------------- validation
 
 
-def _check_tensor(name: str, value: object, *, min_dim: int, layout: str) -> Tensor:
-    if not isinstance(value, Tensor):
-        raise TypeError(
-            f"Invalid {name}: {type(value).__name__} (expected a torch.Tensor {layout})"
-        )
-    if not value.is_floating_point():
-        raise TypeError(f"Invalid {name}: dtype {value.dtype} (expected a floating tensor)")
-    if value.dim() < min_dim or value.numel() == 0:
-        raise ValueError(
-            f"Invalid {name}: shape {tuple(value.shape)} (expected a non-empty tensor {layout})"
-        )
-    return value
-
-
 def _check_probs(name: str, probs: object) -> Tensor:
-    probs = _check_tensor(name, probs, min_dim=1, layout="[B, ..., K] of probabilities")
+    probs = check_tensor(name, probs, min_dim=1, layout="[B, ..., K] of probabilities")
     if bool(((probs < 0) | (probs > 1) | probs.isnan()).any()):
         raise ValueError(
             f"Invalid {name}: values outside [0, 1] (expected probabilities, e.g. "
@@ -191,20 +167,6 @@ def _check_same_shape(first: Tensor, second: Tensor, names: tuple[str, str]) -> 
             f"Invalid {names[1]}: shape {tuple(second.shape)} (expected the shape of "
             f"{names[0]}, {tuple(first.shape)})"
         )
-
-
-def _reduce(values: Tensor, reduction: str) -> Tensor:
-    check_choice("reduction", reduction, _REDUCTIONS)
-    if reduction == "mean":
-        return values.mean()
-    if reduction == "sum":
-        return values.sum()
-    return values
-
-
-def _compute_dtype(tensor: Tensor) -> Tensor:
-    """Half precision is averaged in float32; float32 and float64 are kept."""
-    return tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
 
 
 def _plogp(probs: Tensor, log_probs: Tensor) -> Tensor:
@@ -251,14 +213,14 @@ def classification(logits: Tensor) -> ClassificationPrediction:
         >>> p.probs, bool(p.epistemic > p.aleatoric)
         (tensor([[0.5000, 0.5000]]), True)
     """
-    logits = _check_tensor("logits", logits, min_dim=2, layout="[samples, ..., classes] of logits")
+    logits = check_tensor("logits", logits, min_dim=2, layout="[samples, ..., classes] of logits")
     if logits.dim() == 2:
         raise ValueError(
             f"Invalid logits: shape {tuple(logits.shape)} (expected [samples, batch, ..., "
             "classes]: a 2-D tensor is ambiguous; for one model's logits [B, C] use "
             "logits.unsqueeze(0), for S samples of one input [S, C] use logits.unsqueeze(1))"
         )
-    log_p = torch.log_softmax(_compute_dtype(logits), dim=-1)
+    log_p = torch.log_softmax(compute_dtype(logits), dim=-1)
     # A class that every sample rules out (-inf throughout) stays at -inf; it is kept out of
     # logsumexp, whose gradient there would be exp(-inf - (-inf)) = NaN.
     impossible = torch.isneginf(log_p).all(dim=0)
@@ -277,75 +239,14 @@ def classification(logits: Tensor) -> ClassificationPrediction:
     return ClassificationPrediction(log_mean, probs, total, aleatoric, epistemic)
 
 
-def regression(means: Tensor, variances: Tensor | float) -> RegressionPrediction:
-    r"""Mean and variance of the Gaussian-mixture BMA, split by the law of total variance.
-
-    .. math::
-        \bar\mu = \tfrac{1}{S}\textstyle\sum_s \mu_s, \qquad
-        \sigma^2 = \tfrac{1}{S}\textstyle\sum_s \sigma_s^2
-        + \tfrac{1}{S}\textstyle\sum_s (\mu_s - \bar\mu)^2
-
-    Args:
-        means: ``[S, B, ...]`` per-sample predictive means.
-        variances: per-sample noise variances ``[S, B, ...]``, or anything that broadcasts
-            to ``means`` (``[B, ...]``, a scalar tensor or a float: a known noise variance).
-            Must be >= 0.
-
-    Returns:
-        :class:`RegressionPrediction` ``(mean, total, aleatoric, epistemic)``, each
-        ``[B, ...]``.
-
-    Raises:
-        TypeError: ``means`` is not a floating tensor or ``variances`` not a number/tensor.
-        ValueError: ``means`` without a sample dimension, ``variances`` that do not
-            broadcast, are negative or NaN.
-
-    Example:
-        >>> import torch
-        >>> from samplers_as_optim import predictive
-        >>> means = torch.tensor([[1.0, 0.0], [3.0, 0.0]])        # S=2 samples, B=2
-        >>> prediction = predictive.regression(means, 0.5)
-        >>> prediction.mean, prediction.epistemic, prediction.total
-        (tensor([2., 0.]), tensor([1., 0.]), tensor([1.5000, 0.5000]))
-    """
-    means = _compute_dtype(
-        _check_tensor("means", means, min_dim=1, layout="[samples, B, ...] of means")
-    )
-    variances = _check_variances(variances, means)
-    mean = means.mean(dim=0)
-    epistemic = (means - mean).square().mean(dim=0)
-    aleatoric = variances.expand_as(means).mean(dim=0)
-    return RegressionPrediction(mean, aleatoric + epistemic, aleatoric, epistemic)
-
-
-def _check_variances(variances: object, means: Tensor, *, positive: bool = False) -> Tensor:
-    if isinstance(variances, bool) or not isinstance(variances, (Tensor, int, float)):
-        raise TypeError(
-            f"Invalid variances: {type(variances).__name__} (expected a tensor or a number)"
-        )
-    variances = torch.as_tensor(variances, dtype=means.dtype, device=means.device)
-    try:
-        torch.broadcast_shapes(variances.shape, means.shape)  # type: ignore[no-untyped-call]
-    except RuntimeError:
-        raise ValueError(
-            f"Invalid variances: shape {tuple(variances.shape)} (expected a shape that "
-            f"broadcasts to the means' {tuple(means.shape)})"
-        ) from None
-    bad = variances.isnan() | (variances <= 0 if positive else variances < 0)
-    if bool(bad.any()):
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"Invalid variances: values not {bound} (expected variances {bound})")
-    return variances
-
-
 # --------------------------------------------------------------------------- closed-form links
 
 
 def _check_gaussian_logits(mean: object, spread: object, name: str, extra: int) -> Tensor:
     """``mean`` [B, ..., K] and a ``spread`` of its shape (+ K when ``extra`` is 1)."""
-    mean = _check_tensor("mean", mean, min_dim=1, layout="[B, ..., K] of logit means")
+    mean = check_tensor("mean", mean, min_dim=1, layout="[B, ..., K] of logit means")
     layout = "[B, ..., K, K] of the logits' covariances" if extra else "[B, ..., K] of variances"
-    spread = _check_tensor(name, spread, min_dim=1 + extra, layout=layout)
+    spread = check_tensor(name, spread, min_dim=1 + extra, layout=layout)
     expected = (*mean.shape, mean.shape[-1]) if extra else tuple(mean.shape)
     if tuple(spread.shape) != expected:
         raise ValueError(
@@ -502,9 +403,9 @@ def accuracy(probs: Tensor, targets: Tensor, *, reduction: Reduction = "mean") -
         >>> predictive.accuracy(torch.tensor([[0.9, 0.1], [0.2, 0.8]]), torch.tensor([0, 0]))
         tensor(0.5000)
     """
-    probs = _check_tensor("probs", probs, min_dim=1, layout="[B, ..., K] of probabilities")
+    probs = check_tensor("probs", probs, min_dim=1, layout="[B, ..., K] of probabilities")
     targets = _check_targets(targets, probs)
-    return _reduce((probs.argmax(dim=-1) == targets).to(probs.dtype), reduction)
+    return apply_reduction((probs.argmax(dim=-1) == targets).to(probs.dtype), reduction)
 
 
 def nll(log_probs: Tensor, targets: Tensor, *, reduction: Reduction = "mean") -> Tensor:
@@ -533,7 +434,7 @@ def nll(log_probs: Tensor, targets: Tensor, *, reduction: Reduction = "mean") ->
         >>> predictive.nll(log_probs, torch.tensor([0, 1]), reduction="none")
         tensor([0.6931, 0.2877])
     """
-    log_probs = _check_tensor(
+    log_probs = check_tensor(
         "log_probs", log_probs, min_dim=1, layout="[B, ..., K] of log-probabilities"
     )
     if bool((log_probs > 0).any() | log_probs.isnan().any()):
@@ -543,7 +444,7 @@ def nll(log_probs: Tensor, targets: Tensor, *, reduction: Reduction = "mean") ->
         )
     targets = _check_targets(targets, log_probs)
     picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return _reduce(-picked, reduction)
+    return apply_reduction(-picked, reduction)
 
 
 def brier(probs: Tensor, targets: Tensor, *, reduction: Reduction = "mean") -> Tensor:
@@ -574,7 +475,7 @@ def brier(probs: Tensor, targets: Tensor, *, reduction: Reduction = "mean") -> T
     probs = _check_probs("probs", probs)
     targets = _check_targets(targets, probs)
     one_hot = torch.nn.functional.one_hot(targets, probs.shape[-1]).to(probs.dtype)
-    return _reduce((probs - one_hot).square().sum(dim=-1), reduction)
+    return apply_reduction((probs - one_hot).square().sum(dim=-1), reduction)
 
 
 def ece(probs: Tensor, targets: Tensor, *, num_bins: int = 15) -> Tensor:
@@ -620,60 +521,6 @@ def ece(probs: Tensor, targets: Tensor, *, num_bins: int = 15) -> Tensor:
     return (gap.abs().sum() / confidence.numel()).to(probs.dtype)
 
 
-def regression_nll(
-    means: Tensor,
-    variances: Tensor | float,
-    targets: Tensor,
-    *,
-    reduction: Reduction = "mean",
-) -> Tensor:
-    r"""Negative log density of the targets under the Gaussian-mixture BMA (nats).
-
-    .. math::
-        -\log \tfrac{1}{S}\textstyle\sum_s N(y \mid \mu_s, \sigma_s^2)
-        = -\operatorname{logsumexp}_s\Big[-\tfrac12\log(2\pi\sigma_s^2)
-          - \tfrac{(y-\mu_s)^2}{2\sigma_s^2}\Big] + \log S
-
-    This is the exact BMA likelihood, not that of a Gaussian with the mixture's moments.
-
-    Args:
-        means: ``[S, B, ...]`` per-sample predictive means.
-        variances: per-sample noise variances broadcasting to ``means`` (a float for a
-            known noise variance); must be > 0.
-        targets: ``[B, ...]`` observed values.
-        reduction: ``"mean"`` (default), ``"sum"`` or ``"none"``.
-
-    Returns:
-        The reduced NLL.
-
-    Raises:
-        TypeError: bad tensor types.
-        ValueError: shape mismatch, variances not > 0 or an unknown ``reduction``.
-
-    Example:
-        >>> import torch
-        >>> from samplers_as_optim import predictive
-        >>> predictive.regression_nll(torch.zeros(3, 1), 1.0, torch.zeros(1))  # log(2π)/2
-        tensor(0.9189)
-    """
-    means = _compute_dtype(
-        _check_tensor("means", means, min_dim=1, layout="[samples, B, ...] of means")
-    )
-    variances = _check_variances(variances, means, positive=True)
-    targets = _check_tensor("targets", targets, min_dim=0, layout="[B, ...] of targets")
-    if targets.shape != means.shape[1:]:
-        raise ValueError(
-            f"Invalid targets: shape {tuple(targets.shape)} (expected {tuple(means.shape[1:])},"
-            " the means' shape without the sample dimension)"
-        )
-    variances = variances.expand_as(means)
-    log_density = -0.5 * (
-        torch.log(2 * math.pi * variances) + (targets - means).square() / variances
-    )
-    log_mixture = torch.logsumexp(log_density, dim=0) - math.log(means.shape[0])
-    return _reduce(-log_mixture, reduction)
-
-
 def auroc(in_scores: Tensor, out_scores: Tensor) -> Tensor:
     r"""Area under the ROC curve for telling out-of-distribution inputs from any score.
 
@@ -706,8 +553,8 @@ def auroc(in_scores: Tensor, out_scores: Tensor) -> Tensor:
         >>> predictive.auroc(torch.tensor([0.1, 0.2, 0.4]), torch.tensor([0.3, 0.5]))
         tensor(0.8333, dtype=torch.float64)
     """
-    in_scores = _check_tensor("in_scores", in_scores, min_dim=0, layout="of scores")
-    out_scores = _check_tensor("out_scores", out_scores, min_dim=0, layout="of scores")
+    in_scores = check_tensor("in_scores", in_scores, min_dim=0, layout="of scores")
+    out_scores = check_tensor("out_scores", out_scores, min_dim=0, layout="of scores")
     dtype = torch.promote_types(in_scores.dtype, out_scores.dtype)
     pooled = torch.cat([in_scores.reshape(-1).to(dtype), out_scores.reshape(-1).to(dtype)])
     if bool(pooled.isnan().any()):
@@ -749,11 +596,11 @@ def agreement(probs: Tensor, other: Tensor, *, reduction: Reduction = "mean") ->
         >>> predictive.agreement(p, q)
         tensor(0.5000)
     """
-    probs = _check_tensor("probs", probs, min_dim=1, layout="[B, ..., K] of probabilities")
-    other = _check_tensor("other", other, min_dim=1, layout="[B, ..., K] of probabilities")
+    probs = check_tensor("probs", probs, min_dim=1, layout="[B, ..., K] of probabilities")
+    other = check_tensor("other", other, min_dim=1, layout="[B, ..., K] of probabilities")
     _check_same_shape(probs, other, ("probs", "other"))
     same = probs.argmax(dim=-1) == other.argmax(dim=-1)
-    return _reduce(same.to(probs.dtype), reduction)
+    return apply_reduction(same.to(probs.dtype), reduction)
 
 
 def total_variation(probs: Tensor, other: Tensor, *, reduction: Reduction = "mean") -> Tensor:
@@ -787,131 +634,4 @@ def total_variation(probs: Tensor, other: Tensor, *, reduction: Reduction = "mea
     probs = _check_probs("probs", probs)
     other = _check_probs("other", other)
     _check_same_shape(probs, other, ("probs", "other"))
-    return _reduce(0.5 * (probs - other).abs().sum(dim=-1), reduction)
-
-
-class RegressionScores(NamedTuple):
-    """Test scores of a regression predictive, per target value, in the targets' units."""
-
-    #: root mean squared error of the predictive mean
-    rmse: Tensor
-    #: mean log density of the targets under the predictive (nats per target value)
-    log_likelihood: Tensor
-
-
-def gaussian_regression(means: Tensor, noise_std: Tensor | float) -> RegressionPrediction:
-    r"""The BMA of samples of (means, σ) with a homoscedastic σ per sample.
-
-    :func:`regression` with :math:`\sigma_s^2` as the variances: ``noise_std`` may be
-    one σ per sample, shape ``[S]`` (e.g. ``samples["log_noise_std"].exp()`` of a
-    :class:`~samplers_as_optim.GaussianLikelihood` sampled with the weights), which is
-    aligned with the means' sample dimension; a float or 0-d tensor (a fixed σ); or
-    anything that broadcasts to ``means``.
-
-    Args:
-        means: ``[S, B, ...]`` per-sample predicted means.
-        noise_std: σ, as above (> 0).
-
-    Returns:
-        :class:`RegressionPrediction` ``(mean, total, aleatoric, epistemic)``.
-
-    Raises:
-        TypeError: ``means`` is not a floating tensor, or ``noise_std`` not a number/tensor.
-        ValueError: ``noise_std`` not > 0, or of a shape that fits neither rule.
-
-    Example:
-        >>> import torch
-        >>> from samplers_as_optim import predictive
-        >>> means = torch.tensor([[0.0], [2.0]])  # S = 2 samples, B = 1
-        >>> predictive.gaussian_regression(means, torch.tensor([1.0, 3.0])).aleatoric
-        tensor([5.])
-    """
-    means = _compute_dtype(
-        _check_tensor("means", means, min_dim=1, layout="[samples, B, ...] of means")
-    )
-    if isinstance(noise_std, bool) or not isinstance(noise_std, (Tensor, int, float)):
-        raise TypeError(
-            f"Invalid noise_std: {type(noise_std).__name__} (expected a tensor or a number)"
-        )
-    std = torch.as_tensor(noise_std, dtype=means.dtype, device=means.device)
-    if std.dim() == 1 and std.shape[0] == means.shape[0] and means.dim() > 1:
-        std = std.reshape(-1, *([1] * (means.dim() - 1)))
-    if bool((std.isnan() | (std <= 0)).any()):
-        raise ValueError("Invalid noise_std: values not > 0 (expected standard deviations > 0)")
-    return regression(means, std.square())
-
-
-def heteroscedastic_regression(
-    outputs: Tensor, head: HeteroscedasticGaussian
-) -> RegressionPrediction:
-    """The BMA of samples of a heteroscedastic head's outputs ``[S, B, 2D]``.
-
-    Each sample's outputs are split by ``head.mean_and_std`` (D means, D σ from the raw
-    scales) and the mixture is :func:`regression`'s.
-
-    Args:
-        outputs: ``[S, B, 2D]`` stacked outputs of a network trained with ``head``.
-        head: the :class:`~samplers_as_optim.HeteroscedasticGaussian` it was trained with.
-
-    Returns:
-        :class:`RegressionPrediction`, each field ``[B, D]``.
-
-    Raises:
-        TypeError: ``head`` is not a HeteroscedasticGaussian, or ``outputs`` not a tensor.
-        ValueError: ``outputs`` without a sample dimension or with an odd last dimension.
-
-    Example:
-        >>> import torch
-        >>> from samplers_as_optim import HeteroscedasticGaussian, predictive
-        >>> outputs = torch.zeros(3, 5, 2)  # S = 3, B = 5, D = 1
-        >>> predictive.heteroscedastic_regression(outputs, HeteroscedasticGaussian()).mean.shape
-        torch.Size([5, 1])
-    """
-    if not isinstance(head, HeteroscedasticGaussian):
-        raise TypeError(f"Invalid head: {type(head).__name__} (expected a HeteroscedasticGaussian)")
-    outputs = _check_tensor("outputs", outputs, min_dim=3, layout="[samples, B, 2D] of outputs")
-    mean, std = head.mean_and_std(outputs)
-    return regression(mean, std.square())
-
-
-def regression_scores(
-    means: Tensor,
-    variances: Tensor | float,
-    targets: Tensor,
-    *,
-    target_std: float = 1.0,
-) -> RegressionScores:
-    r"""Test RMSE and log-likelihood per target value, in the targets' original units.
-
-    A model trained on standardised targets :math:`\tilde y = (y - m)/s` predicts in
-    those units; with ``target_std`` = s the scores are those of the original y:
-    :math:`\mathrm{RMSE}_y = s\,\mathrm{RMSE}_{\tilde y}` and, since
-    :math:`p(y) = p(\tilde y)/s`, the log-likelihood per value is the standardised one
-    minus :math:`\log s`. The log-likelihood is that of the exact mixture
-    (:func:`regression_nll`), the RMSE that of the mixture's mean.
-
-    Args:
-        means: ``[S, B, ...]`` per-sample predicted means (standardised units).
-        variances: per-sample noise variances, as for :func:`regression_nll` (> 0).
-        targets: ``[B, ...]`` (standardised units).
-        target_std: s (default: 1.0, the scores in the units given; > 0).
-
-    Returns:
-        :class:`RegressionScores` ``(rmse, log_likelihood)``, 0-d tensors.
-
-    Raises:
-        TypeError, ValueError: as :func:`regression_nll`, and a bad ``target_std``.
-
-    Example:
-        >>> import torch
-        >>> from samplers_as_optim import predictive
-        >>> scores = predictive.regression_scores(
-        ...     torch.zeros(1, 2), 1.0, torch.tensor([1.0, -1.0]), target_std=2.0)
-        >>> scores.rmse, scores.log_likelihood  # 2 * 1; -(log(2π)/2 + 1/2) - log 2
-        (tensor(2.), tensor(-2.1121))
-    """
-    scale = check_positive("target_std", target_std)
-    nll_value = regression_nll(means, variances, targets)
-    mean = means.mean(dim=0).to(nll_value.dtype)
-    rmse = (mean - targets.to(nll_value.dtype)).square().mean().sqrt()
-    return RegressionScores(rmse * scale, -nll_value - math.log(scale))
+    return apply_reduction(0.5 * (probs - other).abs().sum(dim=-1), reduction)

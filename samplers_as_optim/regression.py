@@ -66,6 +66,11 @@ def _check_pair(output: Tensor, target: Tensor, expected: str) -> None:
             raise TypeError(f"Invalid {name}: {kind} (expected a floating-point tensor)")
     if output.dim() == 0:
         raise ValueError(f"Invalid output: shape () (expected {expected})")
+    if output.shape[0] == 0:
+        raise ValueError(
+            f"Invalid output: shape {tuple(output.shape)} (expected at least one example: the "
+            "loss is the mean over the batch)"
+        )
 
 
 def gaussian_nll(mean: Tensor, std: Tensor, target: Tensor) -> Tensor:
@@ -75,12 +80,13 @@ def gaussian_nll(mean: Tensor, std: Tensor, target: Tensor) -> Tensor:
         \ell_i = \sum_d \Big[\tfrac12\log(2\pi) + \log\sigma_{id}
         + \frac{(y_{id} - \mu_{id})^2}{2\sigma_{id}^2}\Big]
 
-    ``std`` broadcasts to ``mean`` (a 0-d tensor for a homoscedastic σ). No checks: the
-    classes below check their inputs.
+    ``std`` broadcasts to ``mean`` (a 0-d tensor for a homoscedastic σ); an empty batch
+    gives an empty tensor. No checks: the classes below check their inputs.
     """
     std = std.expand_as(mean)
     values = _HALF_LOG_2PI + std.log() + 0.5 * ((target - mean) / std).square()
-    return values.reshape(mean.shape[0], -1).sum(dim=1)
+    rows = mean.shape[0]
+    return values.reshape(rows, -1 if rows else 0).sum(dim=1)
 
 
 class GaussianLikelihood(nn.Module):
@@ -197,7 +203,9 @@ class GaussianLikelihood(nn.Module):
 
         Raises:
             TypeError: ``output`` or ``target`` is not a floating-point tensor.
-            ValueError: their shapes differ, or ``output`` is 0-d.
+            ValueError: their shapes differ, or ``output`` is 0-d or an empty batch (B = 0:
+                a mean over no examples is undefined; refused rather than a NaN loss that
+                a sampler's step would carry into the weights).
         """
         _check_pair(output, target, "(batch, ...) predicted means")
         if output.shape != target.shape:
@@ -281,7 +289,8 @@ class HeteroscedasticGaussian:
 
         Raises:
             TypeError: ``output`` or ``target`` is not a floating-point tensor.
-            ValueError: ``output`` is not ``(B, 2D)`` or ``target`` does not match it.
+            ValueError: ``output`` is not ``(B, 2D)`` with B >= 1 (a mean over no examples
+                is undefined) or ``target`` does not match it.
         """
         _check_pair(output, target, "(batch, 2D): D means, then D raw scales")
         if output.dim() != 2:

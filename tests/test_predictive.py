@@ -330,6 +330,20 @@ Y = torch.tensor([0, 1])
             r"Invalid variances: shape \(2,\) \(expected a shape that broadcasts to the means'",
         ),
         (
+            lambda: predictive.regression(torch.zeros(2, 3), torch.ones(4, 2, 3)),
+            ValueError,
+            r"Invalid variances: shape \(4, 2, 3\) \(expected a shape that broadcasts to the "
+            r"means' \(2, 3\)\)",
+        ),
+        (
+            lambda: predictive.regression_nll(
+                torch.zeros(2, 3), torch.ones(1, 2, 3), torch.zeros(3)
+            ),
+            ValueError,
+            r"Invalid variances: shape \(1, 2, 3\) \(expected a shape that broadcasts to the "
+            r"means' \(2, 3\)\)",
+        ),
+        (
             lambda: predictive.regression(torch.zeros(2, 3), "1"),
             TypeError,
             r"Invalid variances: str \(expected a tensor or a number\)",

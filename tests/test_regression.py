@@ -18,6 +18,7 @@ from samplers_as_optim import (
     ParallelEnsemble,
     predictive,
 )
+from samplers_as_optim.regression import gaussian_nll
 
 N = 40
 
@@ -194,12 +195,50 @@ def test_heteroscedastic_loss_is_the_gaussian_nll_with_a_softplus_scale():
             TypeError,
             "Invalid output: str (expected a floating-point tensor)",
         ),
+        (
+            lambda: GaussianLikelihood(num_data=N)(torch.zeros(0, 1), torch.zeros(0, 1)),
+            ValueError,
+            "Invalid output: shape (0, 1) (expected at least one example: the loss is the mean "
+            "over the batch)",
+        ),
+        (
+            lambda: GaussianLikelihood(learn=False)(torch.zeros(0), torch.zeros(0)),
+            ValueError,
+            "Invalid output: shape (0,) (expected at least one example",
+        ),
+        (
+            lambda: HeteroscedasticGaussian()(torch.zeros(0, 2), torch.zeros(0)),
+            ValueError,
+            "Invalid output: shape (0, 2) (expected at least one example: the loss is the mean "
+            "over the batch)",
+        ),
     ],
 )
 def test_refusals(call, error, message):
     with pytest.raises(error) as info:
         call()
     assert str(info.value).startswith(message)
+
+
+def test_an_empty_batch_is_refused_and_changes_nothing():
+    """A mean over no examples is undefined: refused, rather than a NaN loss (torch's own
+    losses give NaN) that a sampler's step would carry into the weights and σ."""
+    likelihood = GaussianLikelihood(0.5, num_data=N)
+    before = likelihood.log_noise_std.detach().clone()
+    output = torch.zeros(0, 3, requires_grad=True)
+    with pytest.raises(ValueError, match=r"Invalid output: shape \(0, 3\) \(expected at least"):
+        likelihood(output, torch.zeros(0, 3))
+    assert torch.equal(likelihood.log_noise_std.detach(), before)
+    assert likelihood.log_noise_std.grad is None and output.grad is None
+
+
+def test_gaussian_nll_of_an_empty_batch_is_empty():
+    """The per-example NLL is well defined on no examples: no values."""
+    for shape in ((0,), (0, 3), (0, 2, 2)):
+        got = gaussian_nll(torch.zeros(shape), torch.tensor(1.0), torch.zeros(shape))
+        assert got.shape == (0,)
+    full = gaussian_nll(torch.zeros(2, 3), torch.tensor(1.0), torch.zeros(2, 3))
+    assert torch.allclose(full, torch.full((2,), 3 * 0.5 * math.log(2 * math.pi)))
 
 
 # ------------------------------------------------------------------------------- ensemble
@@ -344,7 +383,40 @@ def test_regression_scores_in_the_original_units():
         (
             lambda: predictive.gaussian_regression(torch.zeros(2, 3), torch.ones(4)),
             ValueError,
-            "Invalid variances: shape (4,)",
+            "Invalid noise_std: shape (4,) (expected (), [S] = [2] (one per sample), or a "
+            "shape that broadcasts to the means' (2, 3))",
+        ),
+        (
+            lambda: predictive.gaussian_regression(torch.zeros(2, 3), torch.ones(5, 2, 3)),
+            ValueError,
+            "Invalid noise_std: shape (5, 2, 3) (expected (), [S] = [2] (one per sample), or "
+            "a shape that broadcasts to the means' (2, 3))",
+        ),
+        (
+            lambda: predictive.gaussian_regression(torch.zeros(2, 3), torch.ones(2, 1, 1)),
+            ValueError,
+            "Invalid noise_std: shape (2, 1, 1) (expected (), [S] = [2]",
+        ),
+        (
+            lambda: predictive.heteroscedastic_regression(
+                torch.zeros(2, 0, 2), HeteroscedasticGaussian()
+            ),
+            ValueError,
+            "Invalid outputs: shape (2, 0, 2) (expected a non-empty tensor [samples, B, 2D]",
+        ),
+        (
+            lambda: predictive.regression_scores(
+                torch.zeros(2, 3), torch.ones(4, 2, 3), torch.zeros(3)
+            ),
+            ValueError,
+            "Invalid variances: shape (4, 2, 3) (expected a shape that broadcasts to the means' "
+            "(2, 3))",
+        ),
+        (
+            lambda: predictive.regression_scores(torch.zeros(2, 3), 1.0, torch.zeros(2, 3)),
+            ValueError,
+            "Invalid targets: shape (2, 3) (expected (3,), the means' shape without the sample "
+            "dimension)",
         ),
         (
             lambda: predictive.heteroscedastic_regression(torch.zeros(2, 3, 2), "head"),

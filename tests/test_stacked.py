@@ -239,3 +239,63 @@ def test_an_entry_without_its_sample_dimension_is_an_error_naming_it():
         r"failed \(expected \[S, 3, 4\]: add the sample dimension",
     ):
         call_stacked(model, {"weight": torch.randn(3, 4)}, torch.randn(2, 4))
+
+
+def test_samples_of_another_model_are_refused_naming_the_parameter(members, device):
+    module = members[0]  # Linear(5, 16), ReLU, Linear(16, 3)
+    before = {name: (id(t), t.clone()) for name, t in module.named_parameters()}
+    x = torch.randn(2, 5, device=device)
+    torch.manual_seed(1)
+    other = [mlp(width=8).to(device) for _ in range(4)]
+    # one name: today torch's "mat1 and mat2 shapes cannot be multiplied"
+    with pytest.raises(
+        ValueError,
+        match=r"Invalid stacked parameters: '0.weight' has shape \(4, 8, 5\) \(expected "
+        r"\[S, 16, 5\]: S samples of Sequential's '0.weight', of shape \(16, 5\)\)$",
+    ):
+        call_stacked(module, {"0.weight": stack_modules(other)["0.weight"]}, x)
+    # every name: today a silent run of the other architecture
+    with pytest.raises(
+        ValueError,
+        match=r"Invalid stacked parameters: '0.weight' has shape \(4, 8, 5\) \(expected "
+        r"\[S, 16, 5\]: S samples of Sequential's '0.weight', of shape \(16, 5\); also "
+        r"mismatched: '0.bias', '2.weight'\)$",
+    ):
+        call_stacked(module, stack_modules(other), x)
+    with pytest.raises(
+        ValueError, match=r"'0.bias' has shape \(4, 8\) \(expected \[S, 16\]: S samples"
+    ):
+        call_stacked(module, {"0.bias": torch.zeros(4, 8, device=device)}, x)
+    with pytest.raises(ValueError, match=r"'2.bias' has shape \(4, 3, 1\) \(expected \[S, 3\]"):
+        call_stacked(module, {"2.bias": torch.zeros(4, 3, 1, device=device)}, x)
+    for name, tensor in module.named_parameters():  # a refused call changes nothing
+        assert id(tensor) == before[name][0] and torch.equal(tensor, before[name][1])
+    narrow = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3))).to(device)
+    wide = [nn.Sequential(*(nn.Linear(6, 6) for _ in range(3))).to(device) for _ in "ab"]
+    with pytest.raises(
+        ValueError,
+        match=r"'0.weight' has shape \(2, 6, 6\) \(expected \[S, 4, 4\]: S samples of "
+        r"Sequential's '0.weight', of shape \(4, 4\); also mismatched: '0.bias', "
+        r"'1.weight' and 3 more\)$",
+    ):
+        call_stacked(narrow, stack_modules(wide), torch.randn(2, 4, device=device))
+
+
+def test_the_shape_check_keeps_subsets_buffers_and_a_stacked_module(device):
+    """What the check must not refuse: a subset of names, stacked buffers (0-d ones
+    included), and a ``ParallelEnsemble``'s module with its own stacked tensors."""
+    from samplers_as_optim import ParallelEnsemble
+
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).to(device).eval() for _ in "ab"]
+    x = torch.randn(5, 3, device=device)
+    out = call_stacked(models[0], stack_modules(models), x)
+    assert_close(out[1], models[1](x))
+    assert call_stacked(models[0], {"0.bias": torch.zeros(2, 4, device=device)}, x).shape == (
+        2,
+        5,
+        4,
+    )
+    ensemble = ParallelEnsemble(mlp(), 3, seed=0).to(device)
+    x = torch.randn(2, 5, device=device)
+    assert_close(call_stacked(ensemble.module, ensemble.stacked(), x), ensemble(x))

@@ -43,6 +43,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 from torch.func import vmap
+from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..core.validation import check_bool, check_choice, check_chunk_size
@@ -197,7 +198,9 @@ def bind_stacked(module: nn.Module, stacked: Mapping[str, Tensor]) -> list[tuple
 
     Raises:
         KeyError: a name is not a parameter or buffer of ``module``.
-        ValueError: two names given are tied (the same tensor), which is ambiguous.
+        ValueError: two names given are tied (the same tensor), which is ambiguous; a
+            tensor is not ``[S, *shape]`` with the module's own shape (see
+            :func:`_check_shapes`).
     """
     names = list(stacked)
     slots = _tensor_slots(module)
@@ -207,6 +210,7 @@ def bind_stacked(module: nn.Module, stacked: Mapping[str, Tensor]) -> list[tuple
             f"Invalid stacked parameters: names {sorted(unknown)} are not parameters or "
             f"buffers of {type(module).__name__}"
         )
+    _check_shapes(module, stacked, slots)
     bound: list[tuple[_Table, str, str]] = []
     seen: dict[int, str] = {}
     for name in names:
@@ -219,6 +223,41 @@ def bind_stacked(module: nn.Module, stacked: Mapping[str, Tensor]) -> list[tuple
         seen[id(tensor)] = name
         bound.extend((table, key, name) for table, key in tensor_slots)
     return bound
+
+
+def _check_shapes(
+    module: nn.Module,
+    stacked: Mapping[str, Tensor],
+    slots: Mapping[str, tuple[Tensor, list[_Slot]]],
+) -> None:
+    """Refuse a stacked tensor that is not ``[S, *shape]`` of the module's own shape.
+
+    Samples of another model would otherwise reach the forward (torch's "mat1 and mat2
+    shapes cannot be multiplied") or, when every tensor is swapped, run the other
+    architecture silently. A tensor shaped exactly like the module's own passes: a
+    ``ParallelEnsemble``'s ``module`` holds stacked tensors, and ``ensemble.stacked()``
+    is shaped like them; otherwise it lacks its sample dimension, which the forward's
+    failure reports (:func:`_explain_missing_sample_dimension`). Uninitialised (lazy)
+    tensors have no shape yet and are not checked. One comparison of sizes per name.
+    """
+    wrong: list[str] = []
+    for name, tensor in stacked.items():
+        own = slots[name][0]
+        if is_lazy(own):
+            continue
+        if tensor.shape[1:] != own.shape and tensor.shape != own.shape:
+            wrong.append(name)
+    if not wrong:
+        return
+    name, own = wrong[0], slots[wrong[0]][0]
+    also = "; also mismatched: " + ", ".join(map(repr, wrong[1:3])) if wrong[1:] else ""
+    if len(wrong) > 3:
+        also += f" and {len(wrong) - 3} more"
+    raise ValueError(
+        f"Invalid stacked parameters: {name!r} has shape {tuple(stacked[name].shape)} "
+        f"(expected [S{''.join(f', {size}' for size in own.shape)}]: S samples of "
+        f"{type(module).__name__}'s {name!r}, of shape {tuple(own.shape)}{also})"
+    )
 
 
 def bind_all_tensors(module: nn.Module) -> tuple[dict[str, Tensor], list[tuple[_Table, str, str]]]:
@@ -402,9 +441,11 @@ def call_stacked(
     Raises:
         TypeError: ``module`` is not an ``nn.Module``.
         KeyError: a name in ``stacked`` is not a parameter or buffer of ``module``.
-        ValueError: inconsistent leading sizes, tied names given twice, a bad
-            ``chunk_size`` or ``randomness``, or (with ``per_sample_inputs``) an input
-            whose leading dimension is not S.
+        ValueError: inconsistent leading sizes, tied names given twice, a tensor that is
+            not ``[S, *shape]`` with the shape of the module's own (samples of another
+            model; the message names the first such tensor, its shape and the one
+            expected), a bad ``chunk_size`` or ``randomness``, or (with
+            ``per_sample_inputs``) an input whose leading dimension is not S.
 
     Example:
         >>> import torch
