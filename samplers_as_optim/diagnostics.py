@@ -95,23 +95,18 @@ Example:
 from __future__ import annotations
 
 import math
-import operator
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
 from .core.validation import (
-    check_bool,
     check_choice,
     check_chunk_size,
     check_finite,
     check_open_unit_interval,
-    check_positive_int,
-    refuse,
 )
 from .samples.ranks import sort_values
 from .samples.rhat_ess import (
@@ -122,8 +117,8 @@ from .samples.rhat_ess import (
     _rhat_names,
     _superchain_order,
 )
-from .sgmcmc.chain_temperature import ChainTemperatureReport, TemperatureSums, group_sums
-from .sgmcmc.optimizer import SamplerOptimizer
+from .sgmcmc.chain_temperature import ChainTemperatureReport
+from .sgmcmc.temperature_monitor import ChainTemperatureWarning, TemperatureMonitor
 
 __all__ = [
     "ChainTemperatureReport",
@@ -613,222 +608,3 @@ def function_space(
         worst = torch.where(flat.isnan(), -math.inf, flat).amax(dim=-1)
         per_input = torch.where(flat.isnan().all(dim=-1), math.nan, worst)
     return FunctionSpaceDiagnostics(values, per_input, summary(per_input, thresholds=thresholds))
-
-
-class ChainTemperatureWarning(UserWarning):
-    """A chain runs hotter than its target temperature (:class:`TemperatureMonitor`)."""
-
-
-class TemperatureMonitor:
-    r"""Follows an SG-MCMC chain's kinetic and configurational temperatures as it runs.
-
-    Hooks into ``optimizer``'s steps (``register_step_pre_hook`` and
-    ``register_step_post_hook``): before each step (one in ``stride``) it reduces
-    :math:`\theta`, ``p.grad`` (the gradient at that :math:`\theta`, the one the step
-    uses) and the momentum buffers to a few numbers per param group, which stay on the
-    device; every ``every`` steps it reads the window's averages to the host, appends
-    one :class:`ChainTemperatureReport` per param group (per member of a
-    ``ParallelEnsemble``'s stacked group) to :attr:`history` and starts a new window.
-    The estimates, their units for each sampler and their bands are
-    ``sgmcmc/chain_temperature``'s: :math:`T_{\text{kin}} = \tfrac1d\sum_i r_i^2/M_i`
-    (samplers with a momentum) and :math:`T_{\text{conf}} = \tfrac1d\sum_i\theta_i\,
-    \partial_i U` (every sampler), each with a band at ``level`` under the target (a
-    single step's, conservative for a window's average), over a fixed subset of at most
-    about ``coordinates`` coordinates per param group (per member), spread over every
-    tensor in proportion to its size (``sgmcmc/temperature_coordinates``): the
-    estimates stay unbiased and their bands exact for :math:`d` the subset's size, and
-    a reduced step costs the same whatever the model's size. With ``warn`` it warns once,
-    with a :class:`ChainTemperatureWarning`, the first time a chain reads hot beyond
-    its band. A group at temperature 0 has nothing to test and is skipped (its report
-    says so); a step of ``lr`` 0 (skipped by the sampler) is not counted; a change of a
-    group's temperature starts a new window.
-
-    The monitor never changes the chain: it writes nothing into the optimizer, its
-    state or its ``state_dict``. Between reads it adds no host synchronisation.
-
-    Args:
-        optimizer: an SG-MCMC sampler (``SamplerOptimizer``; every sampler of the
-            package declares its ``temperature_rule``).
-        every: steps per window: the estimates are read to the host every ``every``
-            steps (an integer >= 1).
-        level: the bands' two-sided probability under the target (in (0, 1)).
-        warn: warn once when a chain is hot.
-        stride: reduce one step in ``stride`` (an integer >= 1): the per-step cost
-            divided by ``stride``, for the same reads. A reduced step reads the subset
-            of :math:`\theta`, ``p.grad`` and the momentum (one dot product per tensor
-            on strided views; the first of a window also the terms' variance): with the
-            default ``coordinates``, a cost per tensor that does not grow with its size,
-            1.6-2.0% of an ``SGHMC.step()`` on one CPU thread for a 1.9M-parameter MLP
-            and 0.7-0.8% at 5.8M, against 9-11% reading every coordinate
-            (``benchmarks/bench_chain_temperature.py``). A small model's step is cheap
-            enough that this fixed cost shows: ``stride`` divides it.
-        coordinates: the coordinates read per param group (per member), at most about
-            this many (an integer >= 1; a group no larger is read whole), or None for
-            every coordinate. Each tensor gets a share proportional to its size (at
-            least one), every ``s``-th element with ``s`` coprime with its rows' length.
-            The band's half-width grows as :math:`1/\sqrt d`: at the default 4096 and
-            ``level=0.999`` the kinetic band flags a chain about 7.5% hotter than
-            :math:`T`, against 0.34% for all of a 1.9M-parameter model; minibatch
-            heating that matters (twice the variance) is far beyond either.
-
-    Attributes:
-        history: ``(step, reports)`` for each window read, ``step`` the optimizer steps
-            the monitor had seen.
-
-    Raises:
-        TypeError: ``optimizer`` is not a ``SamplerOptimizer``.
-        ValueError: a bad ``every``, ``level``, ``stride``, ``warn`` or
-            ``coordinates``, or a sampler without a ``temperature_rule``.
-
-    Example:
-        >>> import torch
-        >>> from samplers_as_optim import SGHMC, diagnostics
-        >>> model = torch.nn.Linear(20, 1)
-        >>> opt = SGHMC(model.parameters(), lr=1e-3, momentum=0.9, num_data=100, seed=0)
-        >>> monitor = diagnostics.TemperatureMonitor(opt, every=5, warn=False)
-        >>> for _ in range(10):
-        ...     opt.zero_grad()
-        ...     model(torch.randn(8, 20)).pow(2).mean().backward()
-        ...     opt.step()
-        >>> len(monitor.history), len(monitor.report())
-        (2, 1)
-    """
-
-    def __init__(
-        self,
-        optimizer: SamplerOptimizer,
-        *,
-        every: int = 10,
-        level: float = 0.999,
-        warn: bool = True,
-        stride: int = 1,
-        coordinates: int | None = 4096,
-    ) -> None:
-        if not isinstance(optimizer, SamplerOptimizer):
-            raise TypeError(
-                f"Invalid optimizer: {type(optimizer).__name__} (expected an SG-MCMC sampler, "
-                "a SamplerOptimizer)"
-            )
-        self.every = check_positive_int("every", every)
-        self.level = check_open_unit_interval("level", level)
-        self.warn = check_bool("warn", warn)
-        self.stride = check_positive_int("stride", stride)
-        self.coordinates = _check_coordinates(coordinates)
-        rule = optimizer.definition.temperature_rule
-        if rule is None:
-            raise ValueError(
-                f"Invalid optimizer: {type(optimizer).__name__} (expected a sampler whose "
-                "definition declares a temperature_rule)"
-            )
-        self.optimizer = optimizer
-        self.rule: str = rule
-        self.history: list[tuple[int, list[ChainTemperatureReport]]] = []
-        self.warned = False
-        self._steps = 0
-        self._window: dict[int, TemperatureSums] = {}
-        self._handles = (
-            optimizer.register_step_pre_hook(self._before_step),
-            optimizer.register_step_post_hook(self._after_step),
-        )
-
-    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._steps % self.stride:
-            return
-        for index, group in enumerate(self.optimizer.param_groups):
-            temperature = float(group["temperature"])
-            if temperature == 0 or float(group["lr"]) == 0:
-                continue
-            window = self._window.get(index)
-            if window is not None and window.temperature != temperature:
-                window = None  # a new temperature starts a new window
-            # the terms' spread (for the band) once per window, the means every step
-            spread = window is None or window.variance_steps == 0
-            step = group_sums(
-                self.rule,
-                group,
-                index,
-                self.optimizer.state,
-                spread=spread,
-                coordinates=self.coordinates,
-            )
-            if window is None:
-                window = TemperatureSums(index, temperature, step.members)
-                self._window[index] = window
-            window.add(step)
-
-    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._steps += 1
-        if self._steps % self.every == 0:
-            self._read()
-
-    def _read(self) -> list[ChainTemperatureReport]:
-        reports: list[ChainTemperatureReport] = []
-        for index, group in enumerate(self.optimizer.param_groups):
-            window = self._window.get(index)
-            if window is None:  # temperature 0 (or no step counted): the report says why
-                window = TemperatureSums(index, float(group["temperature"]), 1)
-            reports.extend(window.report(self.level))
-        self._window = {}
-        self.history.append((self._steps, reports))
-        hot = [report for report in reports if report.hot]
-        if self.warn and hot and not self.warned:
-            self.warned = True
-            warnings.warn(_hot_message(hot), ChainTemperatureWarning, stacklevel=4)
-        return reports
-
-    def report(self) -> list[ChainTemperatureReport]:
-        """The latest reports, one per param group (and member).
-
-        The window in progress, read now (a host read), if it has steps; else the last
-        window's; empty before any step.
-        """
-        if any(w.kinetic_steps or w.conf_steps for w in self._window.values()):
-            return self._read()
-        return self.history[-1][1] if self.history else []
-
-    def remove(self) -> None:
-        """Detach the monitor from the optimizer (its history is kept)."""
-        for handle in self._handles:
-            handle.remove()
-
-
-def _check_coordinates(value: Any) -> int | None:
-    """``coordinates``: None (every coordinate) or an integer >= 1 (bools refused)."""
-    expected = "None (every coordinate) or an integer >= 1"
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        refuse("coordinates", value, expected, "", TypeError)
-    try:
-        number = operator.index(value)
-    except TypeError:
-        refuse("coordinates", value, expected, "", TypeError)
-    if number < 1:
-        refuse("coordinates", value, expected, "")
-    return number
-
-
-def _hot_message(hot: Sequence[ChainTemperatureReport]) -> str:
-    """The warning for the hot reports: where, the estimate against its band, what to do."""
-    lines = []
-    for report in hot:
-        where = f"param group {report.group}" + (
-            "" if report.member is None else f" (member {report.member})"
-        )
-        for name, estimate in (
-            ("kinetic", report.kinetic),
-            ("configurational", report.configurational),
-        ):
-            if estimate is not None and estimate.hot:
-                lines.append(
-                    f"{where}: {name} temperature {estimate.value:.4g} above its "
-                    f"{report.level:g} band [{estimate.low:.4g}, {estimate.high:.4g}] "
-                    f"at T={report.temperature:g} over {report.steps} step(s)"
-                )
-    return (
-        "The chain runs hot: "
-        + "; ".join(lines)
-        + ". Its samples are over-dispersed (minibatch gradient noise or too large a step): "
-        "lower lr, raise the batch size, or raise the momentum; a chain that has not "
-        "reached stationarity yet reads hot too (warned once)."
-    )

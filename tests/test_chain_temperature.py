@@ -488,8 +488,8 @@ def test_the_monitor_reads_to_the_host_only_every_every_steps(monkeypatch, coord
     assert reads == {"tolist": 0, "item": 0, "report": 0}
     (window,) = monitor._window.values()
     # the first step had no momentum buffer yet
-    assert window.kinetic_steps == 3 and window.conf_steps == 4
-    assert isinstance(window.kinetic, torch.Tensor) and isinstance(window.conf, torch.Tensor)
+    assert window.read_kinetic == 3 and window.read_conf == 4
+    assert all(isinstance(step.sums.conf, torch.Tensor) for step in window.steps)
     step()
     assert reads["report"] == 1 and reads["tolist"] > 0
     assert len(monitor.history) == 1 and monitor.history[0][0] == 5

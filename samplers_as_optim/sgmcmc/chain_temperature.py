@@ -102,7 +102,6 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -110,6 +109,7 @@ from torch import Tensor
 
 from ..core.validation import check_open_unit_interval, refuse
 from ..names import member_dims
+from ._chi2 import chi2_quantile
 from .momentum_units import MOMENTUM_RATE
 from .sampling_preconditioner import pooled_second_moment
 from .temperature_coordinates import CoordinateSubset, coordinate_subsets
@@ -126,51 +126,6 @@ __all__ = [
 
 #: the rules by which a sampler's kinetic temperature and prior are read (module docstring)
 TEMPERATURE_RULES = ("sghmc", "sgnht", "baoa", "adamw_sghmc", "langevin")
-
-
-def chi2_quantile(probability: float, dof: int) -> float:
-    r"""The quantile of :math:`\chi^2_{\text{dof}}` at ``probability``.
-
-    Wilson & Hilferty's cube-root approximation, refined by safeguarded Newton steps on
-    the regularised incomplete gamma function :math:`P(\text{dof}/2, x/2)`
-    (``torch.special.gammainc``, float64 on the CPU) to a relative 1e-10. Cached: a
-    monitor's bands, whose ``dof`` is its fixed subset's size, cost nothing after the
-    first window.
-    """
-    if not 0.0 < probability < 1.0:
-        refuse("probability", probability, "a number in (0, 1)", "")
-    if dof < 1:
-        refuse("dof", dof, "an integer >= 1", "")
-    return _chi2_quantile(float(probability), dof)
-
-
-@lru_cache(maxsize=1024)
-def _chi2_quantile(probability: float, dof: int) -> float:
-    k = dof / 2.0
-    z = statistics.NormalDist().inv_cdf(probability)
-    c = 2.0 / (9.0 * dof)
-    x = dof * max(1.0 - c + z * math.sqrt(c), 1e-3) ** 3
-    low, high = 0.0, math.inf
-    log_norm = k * math.log(2.0) + math.lgamma(k)
-    for _ in range(100):
-        cdf = float(
-            torch.special.gammainc(
-                torch.tensor(k, dtype=torch.float64), torch.tensor(x / 2.0, dtype=torch.float64)
-            )
-        )
-        if cdf < probability:
-            low = x
-        else:
-            high = x
-        density = math.exp((k - 1.0) * math.log(x) - x / 2.0 - log_norm)
-        step = (cdf - probability) / density if density > 0 else math.inf
-        candidate = x - step
-        if not low < candidate < high:  # Newton left the bracket: bisect
-            candidate = (low + high) / 2.0 if math.isfinite(high) else 2.0 * x
-        if abs(candidate - x) <= 1e-12 * x:
-            return candidate
-        x = candidate
-    return x
 
 
 @dataclass(frozen=True)
@@ -561,6 +516,7 @@ def group_sums(
     configurational: bool = True,
     spread: bool = True,
     coordinates: int | None = None,
+    grad_scale: Tensor | None = None,
 ) -> TemperatureSums:
     r"""One step's sums of a param group, on its device (no host synchronisation).
 
@@ -574,6 +530,8 @@ def group_sums(
     ``coordinates``: read at most about that many coordinates per member, the fixed
     subset of :func:`~.temperature_coordinates.coordinate_subsets` (every tensor
     represented; :math:`d` is then the subset's size); None: every coordinate.
+    ``grad_scale``: the scale ``p.grad`` carries (``torch.amp.GradScaler``'s, 0-d on the
+    group's device), read as :math:`g/s` (exact for its powers of two); None: unscaled.
     """
     params: Iterable[Tensor] = group["params"]
     params = list(params)
@@ -607,6 +565,7 @@ def group_sums(
                 kinetic=kinetic,
                 configurational=configurational,
                 spread=spread,
+                grad_scale=grad_scale,
             )
         return sums
     with torch.no_grad():
@@ -632,7 +591,8 @@ def group_sums(
                     if decay != 0:
                         theta_theta.append(_dot(theta, theta, members))
                 else:
-                    terms = _conf_terms(group, theta, gradient, a)
+                    scaled = gradient if grad_scale is None else gradient / grad_scale
+                    terms = _conf_terms(group, theta, scaled, a)
                     term_sums.append(terms.sum(-1))
                     if spread:
                         term_squares.append(_dot(terms, terms, members))
@@ -642,6 +602,7 @@ def group_sums(
         first: Tensor | None = None
         if theta_grad:
             first = _total(theta_grad, members).mul_(sign)
+            first = first if grad_scale is None else first.div_(grad_scale)
             if theta_theta:
                 first = first.add_(_total(theta_theta, members), alpha=decay)
         if term_sums:
@@ -675,6 +636,7 @@ def _plain_sums(
     kinetic: bool,
     configurational: bool,
     spread: bool,
+    grad_scale: Tensor | None,
 ) -> None:
     """:func:`group_sums`' most common case, into ``sums``, in fewer operations.
 
@@ -707,7 +669,8 @@ def _plain_sums(
         if configurational and grad is not None:
             theta, gradient = subset.read(param, 1), subset.read(grad, 1)
             if spread:  # the terms themselves: their sum and their squares'
-                terms = _conf_terms(group, theta, gradient, None)
+                scaled = gradient if grad_scale is None else gradient / grad_scale
+                terms = _conf_terms(group, theta, scaled, None)
                 term_sums.append(terms.sum(-1))
                 term_squares.append(_dot(terms, terms, 1))
             else:
@@ -732,6 +695,7 @@ def _plain_sums(
     else:
         sign = -1.0 if group.get("maximize", False) else 1.0
         mean = torch.stack(products).sum(dtype=torch.float64).mul_(sign)
+        mean = mean if grad_scale is None else mean.div_(grad_scale)
         if squares:
             mean = mean.add_(torch.stack(squares).sum(dtype=torch.float64), alpha=decay)
         mean = mean.div_(conf_dof)
