@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ._wide_linalg import cholesky_ex, eigvalsh, wide_dtype
 from .flat import Treated
 from .kfac import KronCurvature
 from .likelihoods import Likelihood, Regression
@@ -49,6 +50,7 @@ from .likelihoods import Likelihood, Regression
 __all__ = [
     "DataSums",
     "FitTerms",
+    "curvature_rank",
     "curvature_scale",
     "data_term",
     "log_marginal_likelihood",
@@ -108,13 +110,13 @@ def _prior_term(mean: Tensor, prior: Tensor) -> Tensor:
     r""":math:`-\frac12\theta_*^\top\Lambda_0\theta_* + \frac12\log\det\Lambda_0`."""
     if prior.dim() == 2:
         cholesky = _cholesky(prior, "prior_precision")
-        return -0.5 * mean @ prior @ mean + cholesky.diagonal().log().sum()
+        return -0.5 * mean @ prior @ mean + cholesky.diagonal().log().sum().to(prior.dtype)
     return -0.5 * (prior * mean.square()).sum() + 0.5 * prior.log().sum()
 
 
 def _cholesky(matrix: Tensor, what: str) -> Tensor:
     cholesky: Tensor
-    cholesky, info = torch.linalg.cholesky_ex(matrix)
+    cholesky, info = cholesky_ex(matrix)  # float32 for a half-precision matrix
     if int(info) != 0:
         raise ValueError(
             f"Invalid {what}: the posterior precision is not positive definite in "
@@ -148,11 +150,47 @@ def posterior_logdet(
         return torch.log(prior + scale * treated.flatten(curvature)).sum()
     if scalar:  # delta I + c C: exact through C's eigenvalues, no factorisation per call
         if terms.eigenvalues is None:
-            terms.eigenvalues = torch.linalg.eigvalsh(curvature).clamp(min=0.0)
+            terms.eigenvalues = eigvalsh(curvature).clamp(min=0.0)
         return torch.log(prior[0] + scale * terms.eigenvalues).sum()
     matrix = prior if prior.dim() == 2 else torch.diag(prior)
-    posterior = matrix + scale * curvature
-    return 2.0 * _cholesky(posterior, "prior_precision").diagonal().log().sum()
+    wide = wide_dtype(curvature.dtype)  # float32 for a half-precision curvature
+    posterior = matrix.to(wide) + scale * curvature.to(wide)
+    logdet = 2.0 * _cholesky(posterior, "prior_precision").diagonal().log().sum()
+    return logdet.to(curvature.dtype)
+
+
+def _above_roundoff(values: Tensor, size: int) -> int:
+    """How many of ``values`` (>= 0) exceed round-off: ``size * eps`` times their largest."""
+    if values.numel() == 0:
+        return 0
+    top = values.max()
+    return int((values > top * size * torch.finfo(values.dtype).eps).sum()) if top > 0 else 0
+
+
+def curvature_rank(terms: FitTerms) -> int:
+    r"""The number of the stored curvature's eigenvalues above round-off.
+
+    Diagonal: the entries of each tensor; dense: the eigenvalues (computed once and kept,
+    as :func:`posterior_logdet` does); KFAC: per block the products
+    :math:`\lambda_{G,a}\lambda_{A,b}` of the factors' eigenvalues above round-off, plus
+    the diagonal part. "Above round-off": larger than ``size * eps`` times the largest
+    eigenvalue of their matrix (``size`` its dimension, ``eps`` its dtype's).
+    """
+    curvature = terms.curvature
+    if isinstance(curvature, KronCurvature):
+        count = sum(
+            _above_roundoff(block.g_eigenvalues, block.g_eigenvalues.numel())
+            * _above_roundoff(block.a_eigenvalues, block.a_eigenvalues.numel())
+            for block in curvature.blocks
+        )
+        return count + sum(
+            _above_roundoff(value.reshape(-1), 1) for value in curvature.diagonal.values()
+        )
+    if isinstance(curvature, dict):
+        return sum(_above_roundoff(value.reshape(-1), 1) for value in curvature.values())
+    if terms.eigenvalues is None:
+        terms.eigenvalues = eigvalsh(curvature).clamp(min=0.0)
+    return _above_roundoff(terms.eigenvalues, curvature.shape[0])
 
 
 def log_marginal_likelihood(

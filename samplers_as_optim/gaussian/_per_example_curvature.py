@@ -42,13 +42,13 @@ tests check one against the other.
 Examples must not interact (batch norm in training mode would make them): the wrappers
 run the model in eval mode while computing curvature.
 
-**Non-finite data.** Every path runs the batch through :func:`checked_forward`, which refuses
-(``ValueError``) a batch whose inputs, targets or model outputs hold NaN or ±inf: one NaN
-would otherwise turn every sum it enters into NaN (a NaN diagonal precision and NaN
-samples; a Kronecker factor whose eigendecomposition fails), and a target the curvature
-does not depend on (the GGN of a Gaussian or softmax likelihood) would pass unseen. What
-finite data can still overflow, the summed curvature, :func:`check_finite_curvature`
-refuses where the sums are complete.
+**Bad data.** Every path runs the batch through
+:func:`~samplers_as_optim.gaussian._data_checks.checked_forward`, which refuses
+(``ValueError``) a batch whose inputs, targets or model outputs hold NaN or ±inf, or whose
+targets the likelihood refuses (a class index out of range): one NaN would otherwise turn
+every sum it enters into NaN, and a target the curvature does not depend on (the GGN of a
+Gaussian or softmax likelihood) would pass unseen. What finite data can still overflow,
+the summed curvature, ``check_finite_curvature`` refuses where the sums are complete.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
+from ._data_checks import check_finite_batch, check_finite_curvature, checked_forward
 from .flat import Treated
 from .likelihoods import Likelihood
 
@@ -83,15 +84,6 @@ def batch_factor(likelihood: Likelihood, kind: str, output: Tensor, target: Tens
     if kind == "ef":
         return likelihood.output_grad(output, target).unsqueeze(-1)
     return likelihood.hessian_factor(output, target).to(output.dtype)
-
-
-def _check_output(output: object) -> Tensor:
-    if not isinstance(output, Tensor):
-        raise TypeError(
-            f"Invalid model output: {type(output).__name__} (expected a tensor with the batch "
-            "as its first dimension)"
-        )
-    return output
 
 
 def _rows_per_chunk(row_bytes: int) -> int:
@@ -283,85 +275,6 @@ def _generic_diag(
     out.update(totals)
 
 
-def _locate_non_finite(tensor: Tensor) -> str:
-    """``"2 non-finite values, the first (nan) in example 3 of 8"`` (host syncs)."""
-    bad = ~torch.isfinite(tensor)
-    count = int(bad.sum())
-    first = tensor.reshape(-1)[bad.reshape(-1).nonzero()[0, 0]].item()
-    values = "value" if count == 1 else "values"
-    where = f"{count} non-finite {values}, the first ({first})"
-    if tensor.dim() >= 1:
-        example = int(bad.reshape(bad.shape[0], -1).any(1).nonzero()[0, 0])
-        where += f" in example {example} of {tensor.shape[0]}"
-    return where
-
-
-def check_finite_batch(inputs: object, target: object, output: Tensor) -> None:
-    """Refuse a batch whose inputs, targets or model outputs hold NaN or ±inf.
-
-    Non-floating tensors (class indices, token ids) and non-tensors are not checked.
-    Costs one device synchronisation per batch (the entries are located only on failure).
-
-    Raises:
-        ValueError: naming which of the three is not finite, how many values, the first
-            one and its example.
-    """
-    checked = [
-        (what, value)
-        for what, value in (("inputs", inputs), ("targets", target), ("output", output))
-        if isinstance(value, Tensor) and (value.is_floating_point() or value.is_complex())
-    ]
-    if not checked:
-        return
-    finite = torch.stack([value.isfinite().all().to(output.device) for _, value in checked])
-    if bool(finite.all()):
-        return
-    for what, value in checked:
-        if bool(value.isfinite().all()):
-            continue
-        if what == "output":
-            raise ValueError(
-                f"Invalid model output: {_locate_non_finite(value)}, for finite inputs and "
-                "targets (expected finite outputs: check the weights for NaN or inf, and the "
-                f"forward pass for overflow in {value.dtype})"
-            )
-        raise ValueError(
-            f"Invalid batch: {what} contain {_locate_non_finite(value)} (expected finite "
-            "inputs and targets: drop or impute those examples)"
-        )
-
-
-def check_finite_curvature(parts: Iterable[Tensor], dtype: torch.dtype) -> None:
-    """Refuse a summed curvature (or the precision built from it) holding NaN or ±inf.
-
-    Every batch's inputs, targets and outputs passed :func:`check_finite_batch`, so this
-    is an overflow of the sums in ``dtype`` or a likelihood whose output gradient or
-    Hessian is not finite.
-
-    Raises:
-        ValueError: saying so, with the dtype.
-    """
-    finite = [part.isfinite().all() for part in parts]
-    if not finite or bool(torch.stack([flag.to(finite[0].device) for flag in finite]).all()):
-        return
-    raise ValueError(
-        f"Invalid curvature: the summed curvature holds NaN or inf in {dtype} although every "
-        "batch's inputs, targets and model outputs are finite (expected finite sums: it "
-        "overflowed, so rescale the inputs or fit in float64, or the likelihood's output "
-        "gradient or Hessian is not finite)"
-    )
-
-
-def checked_forward(model: nn.Module, x: Tensor, target: Tensor) -> Tensor:
-    """The model's output for a curvature pass, refused if it or the data are not finite.
-
-    See :func:`check_finite_batch`; every curvature path (diag, dense, kron) runs this.
-    """
-    output = _check_output(model(x))
-    check_finite_batch(x, target, output)
-    return output
-
-
 def diag_curvature(
     model: nn.Module,
     treated: Treated,
@@ -391,7 +304,7 @@ def diag_curvature(
     batch = x.shape[0]
     out: dict[str, Tensor] = {}
     with capture_layer_io(layers) as records, torch.set_grad_enabled(bool(layers)):
-        output = checked_forward(model, x, target)
+        output = checked_forward(model, x, target, likelihood)
     factor = batch_factor(likelihood, kind, output.detach(), target)
     usable = {
         module: entries
@@ -447,7 +360,7 @@ def _linear_dense_sum(
     """
     batch = x.shape[0]
     with capture_layer_io([module]) as records, torch.set_grad_enabled(True):
-        output = checked_forward(model, x, target)
+        output = checked_forward(model, x, target, likelihood)
     if not _usable(module, records.get(module, []), batch):
         return None
     factor = batch_factor(likelihood, kind, output.detach(), target)
@@ -585,7 +498,7 @@ def _generic_dense(
 ) -> Tensor:
     """Per-example ``vmap(vjp)`` rows, a chunk of examples at a time: sum of R^T R."""
     with torch.no_grad():
-        output = checked_forward(model, x, target)
+        output = checked_forward(model, x, target, likelihood)
     factor = batch_factor(likelihood, kind, output, target)
     current = dict(model.named_parameters())
     params = {name: current[name].detach() for name in treated.names}

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core.validation import check_positive
+from ._wide_linalg import cholesky_ex
 from .flat import Treated
 from .kfac import kron_layers
 
@@ -67,7 +68,7 @@ def _positive(value: Tensor) -> bool:
 def _dense_matrix(value: Tensor, size: int) -> Tensor:
     detached = value.detach()
     symmetric = bool(torch.allclose(detached, detached.T))
-    if not symmetric or torch.linalg.cholesky_ex(detached).info != 0:
+    if not symmetric or cholesky_ex(detached)[1] != 0:
         raise ValueError(
             f"Invalid prior_precision: a ({size}, {size}) matrix that is not symmetric "
             "positive definite (expected a precision matrix)"

@@ -68,9 +68,10 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from .. import predictive
+from ._data_checks import check_batch
 from ._evidence import FitTerms, curvature_scale
 from ._output_jacobians import input_chunks, output_jacobians
-from ._per_example_curvature import check_finite_batch
+from ._wide_linalg import eigh
 from .flat import Treated
 from .kfac import KronCurvature
 from .likelihoods import Likelihood, Regression
@@ -133,17 +134,11 @@ def _regression_nll(mean: Tensor, variance: Tensor, targets: Tensor) -> Tensor:
     return 0.5 * (torch.log(2 * math.pi * variance) + residual.square() / variance).sum((1, 2))
 
 
-def _check_outputs(likelihood: Likelihood, center: Tensor, targets: Tensor) -> None:
-    """Refuse, before any Jacobian, what the likelihood would refuse at the mean."""
-    if likelihood.name in ("classification", "regression"):
-        likelihood.nll(center, targets)  # raises the likelihood's own message
-
-
 def _monte_carlo_nll(
     likelihood: Likelihood, mean: Tensor, covariance: Tensor, noise: Tensor, targets: Tensor
 ) -> Tensor:
     r""":math:`-\sum_i\log\frac1S\sum_s p(y_i\mid\bar f_i + \mathrm{root}_i\,\xi_{is})`."""
-    values, vectors = torch.linalg.eigh(covariance)
+    values, vectors = eigh(covariance)  # in float32 for half precision
     root = vectors * values.clamp(min=0.0).sqrt().unsqueeze(-2)
     steps = torch.einsum("bij,sbj->sbi", root, noise)
     count = noise.shape[0]
@@ -182,8 +177,7 @@ def batch_scores(
                 f"shape {tuple(center.shape)} (expected a batch of inputs, the batch first "
                 "in both)"
             )
-        check_finite_batch(inputs, targets, center)
-        _check_outputs(likelihood, center, targets)
+        check_batch(inputs, targets, center, likelihood)  # before any Jacobian
         batch, outputs = center.shape[0], center[0].numel()
         noise = None
         if link_approx == "mc":

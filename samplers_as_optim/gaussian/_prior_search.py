@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from ..core.progress import ProgressBar, check_progress, progress_bar
 from ..core.validation import check_choice, check_learning_rate, check_positive, check_positive_int
-from ._evidence import FitTerms
+from ._evidence import FitTerms, curvature_rank
 from ._prior_forms import Groups, read_prior
 from ._prior_grid import CurvatureBasis, batch_scores
 from ._weight_gaussian import _batches_on, _evaluating
@@ -35,7 +35,13 @@ from .flat import Treated
 from .glm_predictive import LINK_APPROXIMATIONS
 from .likelihoods import Likelihood, Regression
 
-__all__ = ["HyperParameters", "grid_scores", "gridsearch", "marglik_search"]
+__all__ = [
+    "HyperParameters",
+    "check_residuals",
+    "grid_scores",
+    "gridsearch",
+    "marglik_search",
+]
 
 _STRUCTURES = ("scalar", "layerwise", "diag")
 
@@ -196,18 +202,75 @@ def evidence_steps(
     on: bool,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> Tensor:
-    """``num_steps`` Adam steps on ``-la.log_marginal_likelihood``; the last evidence."""
+    """``num_steps`` Adam steps on ``-la.log_marginal_likelihood``; the last evidence.
+
+    Raises:
+        ValueError: σ is tuned and the fit is exact (:func:`check_residuals`).
+    """
+    if hyper.log_noise is not None:
+        check_residuals(la._fitted_terms())
     optimizer = optimizer if optimizer is not None else torch.optim.Adam(hyper.parameters(), lr=lr)
     value = torch.tensor(float("nan"))
     with ProgressBar(on, num_steps, "optimize_prior_precision") as bar:
-        for _ in range(num_steps):
+        for step in range(num_steps):
             optimizer.zero_grad()
-            value = la.log_marginal_likelihood(hyper.prior(), hyper.noise())
+            noise = hyper.noise()
+            if noise is not None:
+                _check_noise_step(noise, step, None, la._fitted_terms())
+            value = la.log_marginal_likelihood(hyper.prior(), noise)
+            number = float(value.detach())
+            if noise is not None and not math.isfinite(number):
+                _check_noise_step(noise, step, number, la._fitted_terms())
             torch.autograd.backward(-value)
             optimizer.step()
             bar.update()
-            bar.set_postfix(log_marglik=float(value.detach()))
+            bar.set_postfix(log_marglik=number)
     return value.detach()
+
+
+def _check_noise_step(noise: Tensor, step: int, evidence: float | None, terms: FitTerms) -> None:
+    """Refuse a tuned σ that left the dtype's range (or whose evidence is not finite)."""
+    sigma = float(noise.detach())
+    if evidence is None and sigma > 0.0 and math.isfinite(sigma):
+        return
+    where = "" if evidence is None else f", where the evidence is {evidence}"
+    sse = float("nan") if terms.sse is None else float(terms.sse)
+    raise ValueError(
+        f"Invalid tune_noise: True for this fit (noise_std reached {sigma:.3g} after {step} "
+        f"evidence steps{where} in {noise.dtype}: the residuals, SSE = {sse:.3g}, are too "
+        "small for the evidence's maximiser in noise_std to be represented; expected "
+        "tune_noise=False with noise_std set to the targets' known noise, or float64)"
+    )
+
+
+def check_residuals(terms: FitTerms) -> None:
+    r"""Refuse to tune σ on an exact fit whose evidence has no maximiser in σ.
+
+    At SSE = 0 the evidence depends on σ through :math:`-NO\log\sigma - \tfrac12\sum_j
+    \log(\delta_j + (\sigma_0/\sigma)^2 c_j)` (GGN, :math:`c_j` the eigenvalues of the
+    stored curvature; the empirical Fisher vanishes with the residuals). Its derivative
+    is :math:`g(\sigma)/\sigma` with :math:`g(\sigma) = -NO + \sum_j c_j\sigma_0^2/
+    (\delta_j\sigma^2 + c_j\sigma_0^2)`, which decreases from :math:`-NO + r` (σ → 0;
+    r the number of nonzero :math:`c_j`, :func:`._evidence.curvature_rank`) to
+    :math:`-NO` (σ → ∞). With the exact GGN (``"dense"``) :math:`r \le NO` (C sums at
+    most NO rank-one terms), so g < 0 for every σ > 0: the evidence increases all the
+    way to σ = 0, and Adam would walk log σ down until σ underflows. Refused. A
+    diagonal or KFAC curvature can have r > NO (more nonzero entries than the GGN's
+    rank); its evidence then has a maximiser σ > 0, and the tuning runs.
+
+    Raises:
+        ValueError: the fit's summed squared residual is exactly 0 and r <= NO (with
+            the empirical Fisher, which vanishes there, always).
+    """
+    if terms.sse is None or bool(terms.sse > 0):
+        return
+    if terms.noise_power / 2 * curvature_rank(terms) <= terms.num_outputs:
+        raise ValueError(
+            "Invalid tune_noise: True for an exact fit (SSE = 0: the model reproduces every "
+            "target, so the evidence increases as noise_std decreases, all the way to 0, and "
+            "has no maximiser; expected tune_noise=False with noise_std set to the targets' "
+            "known noise, or data the model does not interpolate)"
+        )
 
 
 def _check_grid(grid: Sequence[float] | None) -> list[float]:

@@ -29,6 +29,8 @@ from ..core.validation import (
     check_temperature,
 )
 from ..samples.stacked import call_stacked
+from ._data_checks import split_batch
+from ._wide_linalg import solve_triangular
 from .flat import Treated
 from .function_space import FunctionSpaceGaussian, function_space_gaussian
 from .glm_predictive import LINK_APPROXIMATIONS, classification_predictive, regression_predictive
@@ -36,16 +38,8 @@ from .kfac import KronPrecision
 from .likelihoods import Likelihood
 
 Precision = float | Mapping[str, Tensor] | Tensor
+_split_batch = split_batch  # the name the EKF imports
 Fitted = dict[str, Tensor] | Tensor | KronPrecision
-
-
-def _split_batch(batch: Any) -> tuple[Tensor, Tensor]:
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    raise TypeError(
-        f"Invalid batch: {type(batch).__name__} (expected a pair (inputs, targets), as a "
-        "DataLoader over a TensorDataset yields)"
-    )
 
 
 @contextmanager
@@ -62,7 +56,7 @@ def _evaluating(model: nn.Module) -> Iterator[None]:
 def _batches_on(loader: Iterable[Any], device: torch.device) -> Iterator[tuple[Tensor, Tensor]]:
     """The ``(inputs, targets)`` pairs of ``loader``, moved to ``device``."""
     for batch in loader:
-        inputs, targets = _split_batch(batch)
+        inputs, targets = split_batch(batch)
         yield inputs.to(device), targets.to(device)
 
 
@@ -335,7 +329,7 @@ class _Gaussian(_WeightGaussian):
         if isinstance(precision, KronPrecision):
             return {name: self.temperature * value for name, value in precision.variances().items()}
         assert self._cholesky is not None
-        return self.temperature * torch.cholesky_inverse(self._cholesky)
+        return self.temperature * torch.cholesky_inverse(self._cholesky).to(self._reference().dtype)
 
     def sample(self, n: int, *, generator: torch.Generator | None = None) -> dict[str, Tensor]:
         r"""Draw n weight samples :math:`\theta_s = \theta_* + \sqrt{T}\,\Lambda^{-1/2}\xi_s`.
@@ -373,7 +367,7 @@ class _Gaussian(_WeightGaussian):
             )
         else:
             assert self._cholesky is not None
-            step = scale * torch.linalg.solve_triangular(self._cholesky.T, noise.T, upper=True).T
+            step = scale * solve_triangular(self._cholesky.T, noise.T, upper=True).T
         return self.treated.unflatten(flat_mean + step)
 
     def log_prob(self, params: Mapping[str, Tensor] | nn.Module) -> Tensor:
@@ -462,8 +456,8 @@ class _Gaussian(_WeightGaussian):
             diag = self.treated.flatten(precision)
             return (delta.square() * diag).sum(-1), diag.log().sum()
         assert self._cholesky is not None
-        quad = (delta @ self._cholesky).square().sum(-1)
-        return quad, 2.0 * self._cholesky.diagonal().log().sum()
+        quad = (delta.to(self._cholesky.dtype) @ self._cholesky).square().sum(-1)
+        return quad.to(delta.dtype), 2.0 * self._cholesky.diagonal().log().sum().to(delta.dtype)
 
     def _linearisation_point(self) -> dict[str, Tensor]:
         return self._fitted()[0]

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ._output_jacobians import input_chunks, output_jacobians
+from ._wide_linalg import solve_triangular
 from .flat import Treated
 from .kfac import KronPrecision
 
@@ -90,7 +91,7 @@ def covariance_factor(
     assert cholesky is not None
     # One solve with C*O right-hand sides (a batched solve would copy L per input).
     rows = flat.reshape(-1, flat.shape[-1])
-    solved: Tensor = torch.linalg.solve_triangular(cholesky, rows.T, upper=False)
+    solved = solve_triangular(cholesky, rows.T, upper=False)  # in the factor's dtype
     return solved.T.reshape(flat.shape)
 
 

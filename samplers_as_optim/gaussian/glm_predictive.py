@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from .. import predictive
+from ._wide_linalg import eigh
 from .function_space import FunctionSpaceGaussian
 
 __all__ = ["LINK_APPROXIMATIONS", "classification_predictive", "draw", "regression_predictive"]
@@ -68,7 +69,7 @@ def draw(
     :math:`\Sigma_f = U\mathrm{diag}(\lambda)U^\top` per input (``eigh``), λ clamped at 0.
     """
     mean, covariance = gaussian
-    values, vectors = torch.linalg.eigh(covariance)
+    values, vectors = eigh(covariance)  # in float32 for half precision
     root = vectors * values.clamp(min=0.0).sqrt().unsqueeze(-2)
     noise = torch.randn(
         num_samples,

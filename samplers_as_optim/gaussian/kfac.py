@@ -63,17 +63,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ._data_checks import check_finite_curvature, checked_forward
 from ._per_example_curvature import (
     batch_factor,
     capture_layer_io,
-    check_finite_curvature,
-    checked_forward,
     diag_curvature,
     fast_layers,
     layer_output_grads,
     recorded_input,
     unfold_input,
 )
+from ._wide_linalg import eigh
 from .flat import Treated
 from .likelihoods import Likelihood
 
@@ -156,11 +156,11 @@ def kron_curvature(
     Raises:
         ValueError: a layer is called more than once per forward, or on an input without
             the batch first (its Kronecker factors would be wrong); the batch's inputs,
-            targets or model outputs hold NaN or inf.
+            targets or model outputs hold NaN or inf, or the likelihood refuses its targets.
     """
     batch = x.shape[0]
     with capture_layer_io(layers) as records, torch.set_grad_enabled(bool(layers)):
-        output = checked_forward(model, x, target)
+        output = checked_forward(model, x, target, likelihood)
     factor = batch_factor(likelihood, kind, output.detach(), target)
     names = {module: name for name, module in model.named_modules()}
     for module in layers:
@@ -438,7 +438,7 @@ def decompose_curvature(
 
     Raises:
         ValueError: a factor or the diagonal is not finite (overflow; see
-            ``_per_example_curvature.check_finite_curvature``), before any
+            ``_data_checks.check_finite_curvature``), before any
             eigendecomposition fails on it.
     """
     factors = [
@@ -451,8 +451,8 @@ def decompose_curvature(
         check_finite_curvature(parts, parts[0].dtype)
     blocks = []
     for item, (g, a) in zip(sums, factors, strict=True):
-        g_values, g_vectors = torch.linalg.eigh(g)
-        a_values, a_vectors = torch.linalg.eigh(a)
+        g_values, g_vectors = eigh(g)  # in float32 for a half-precision model
+        a_values, a_vectors = eigh(a)
         out_features = g.shape[0]
         in_features = (
             math.prod(shapes[item.weight]) // out_features if item.weight is not None else 0

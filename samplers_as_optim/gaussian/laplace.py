@@ -101,8 +101,9 @@ from ._per_example_curvature import DenseSum, check_finite_curvature, diag_curva
 from ._prior_forms import block_priors, prior_groups, read_prior
 from ._prior_search import gridsearch, marglik_search
 from ._weight_gaussian import Precision, _batches_on, _evaluating, _Gaussian, select_subset
+from ._wide_linalg import factor_sum, wide_dtype
 from .kfac import KronCurvature, KronSums, decompose_curvature, kron_curvature, kron_layers
-from .likelihoods import Regression, make_likelihood
+from .likelihoods import Regression, check_noise_argument, check_noise_std, make_likelihood
 
 __all__ = ["Laplace"]
 
@@ -127,7 +128,8 @@ class Laplace(_Gaussian):
         model: the trained network; its output for a batch has the batch first.
         num_data: the number of training examples N (required, a positive integer).
         likelihood: ``"classification"`` (softmax cross-entropy on ``(batch, classes)``
-            logits; targets are class indices or probabilities), ``"regression"``
+            logits; targets are class indices of an integer dtype in ``[0, classes)``
+            or probabilities of the logits' shape), ``"regression"``
             (Gaussian with standard deviation ``noise_std``; targets shaped like the
             output) or a callable ``log_likelihood(output, target)`` returning one
             log-likelihood per example, shape ``(batch,)`` (its output Hessian, for the
@@ -143,7 +145,9 @@ class Laplace(_Gaussian):
             ``"kron"`` (KFAC: a Kronecker factor pair per ``nn.Linear``/``nn.Conv2d``
             layer, bias inside the factor, a diagonal for other parameters; memory
             :math:`O(\sum d_\text{in}^2 + d_\text{out}^2)`; see
-            :mod:`samplers_as_optim.gaussian.kfac`).
+            :mod:`samplers_as_optim.gaussian.kfac`). A float16/bfloat16 model's
+            factorisations run in float32, its results keep its dtype (see
+            :mod:`samplers_as_optim.gaussian._wide_linalg`).
         prior_precision: :math:`\Lambda_0` (default: 1.0). A finite number > 0 for the
             prior :math:`\mathcal N(0, 1/\Lambda_0)` on every weight, i.e. ``num_data *
             weight_decay``; a 1-d tensor with one value per treated tensor (the order of
@@ -213,7 +217,9 @@ class Laplace(_Gaussian):
         reference = self._reference()
         if self.structure == "dense":
             # the precision, its factor, a transient and the curvature kept for the evidence
-            check_dense_fits(self.treated.numel, reference.dtype, reference.device, copies=4)
+            # (counted in float32 for a half-precision model, whose factor is float32)
+            wide = wide_dtype(reference.dtype)
+            check_dense_fits(self.treated.numel, wide, reference.device, copies=4)
         self._groups = prior_groups(model, self.treated, self.structure)
         self._terms: FitTerms | None = None
         self._mean = None
@@ -254,17 +260,17 @@ class Laplace(_Gaussian):
 
     @property
     def noise_std(self) -> float | None:
-        """σ of ``likelihood="regression"`` (None otherwise); settable, rebuilds a fit."""
+        """σ of ``likelihood="regression"`` (None otherwise); settable, rebuilds a fit.
+
+        A finite number > 0 for regression (None is refused there: only the constructor
+        reads None as 1.0); None, which changes nothing, for the other likelihoods.
+        """
         return getattr(self.likelihood, "noise_std", None)
 
     @noise_std.setter
-    def noise_std(self, value: float) -> None:
-        if not isinstance(self.likelihood, Regression):
-            raise ValueError(
-                f"Invalid noise_std: {value!r} (expected None: it applies only to "
-                "likelihood='regression')"
-            )
-        self._set_hyperparameters(self._prior, value)
+    def noise_std(self, value: float | None) -> None:
+        if check_noise_std(self.likelihood, value) is not None:
+            self._set_hyperparameters(self._prior, value)
 
     def _set_hyperparameters(self, prior: Precision, noise_std: float | None) -> None:
         """Set the prior (and σ, if not None) together, checked first, rebuilt once.
@@ -312,10 +318,12 @@ class Laplace(_Gaussian):
             ``self``, so that ``Laplace(...).fit(loader)`` chains.
 
         Raises:
-            ValueError: a batch's inputs, targets or model outputs hold NaN or inf, or the
-                summed curvature overflowed (for every ``structure`` and ``subset``); the
-                loader yielded nothing; a dense precision is not positive definite. A
-                refused fit leaves the previous fit (or none) in place.
+            ValueError: a batch's inputs, targets or model outputs hold NaN or inf, targets
+                the likelihood refuses (a class index out of range, float class indices,
+                regression targets not shaped like the output), or the summed curvature
+                overflowed (for every ``structure`` and ``subset``); the loader yielded
+                nothing; a dense precision is not positive definite. A refused fit leaves
+                the previous fit (or none) in place.
         """
         batches = progress_bar(loader, progress, "Laplace.fit")
         if self.structure == "kron":
@@ -420,8 +428,7 @@ class Laplace(_Gaussian):
             self._cholesky = None
         else:
             matrix = prior if prior.dim() == 2 else torch.diag(prior)
-            precision = matrix + scale * curvature
-            cholesky, info = torch.linalg.cholesky_ex(precision)
+            precision, cholesky, info = factor_sum(matrix, scale, curvature)
             if info != 0:
                 raise ValueError(
                     "Invalid precision: the fitted dense precision is not positive definite "
@@ -500,30 +507,13 @@ class Laplace(_Gaussian):
             structure=self.structure,
             groups=self._groups,
         )
-        noise = self._check_noise(noise_std)
+        noise = check_noise_argument(self.likelihood, noise_std)
         blocks = None
         if isinstance(terms.curvature, KronCurvature):
             blocks = block_priors(prior, self.treated, self._groups)[: len(terms.curvature.blocks)]
         mean = self.treated.flatten(self._fitted()[0])
         scalar = form == "scalar"
         return log_marginal_likelihood(terms, self.treated, mean, prior, blocks, noise, scalar)
-
-    def _check_noise(self, noise_std: float | Tensor | None) -> Tensor | float | None:
-        if noise_std is None:
-            return self.noise_std
-        if not isinstance(self.likelihood, Regression):
-            raise ValueError(
-                f"Invalid noise_std: {noise_std!r} (expected None: it applies only to "
-                "likelihood='regression')"
-            )
-        if isinstance(noise_std, Tensor):
-            if noise_std.numel() != 1 or not _positive_finite(noise_std):
-                raise ValueError(
-                    f"Invalid noise_std: a tensor of shape {tuple(noise_std.shape)} (expected "
-                    "one finite value > 0)"
-                )
-            return noise_std.reshape(())
-        return check_positive("noise_std", noise_std)
 
     def optimize_prior_precision(
         self,
@@ -604,6 +594,9 @@ class Laplace(_Gaussian):
         Raises:
             RuntimeError: the approximation is not fitted.
             ValueError, TypeError: an argument outside what is listed above; for
+                ``"marglik"`` with ``tune_noise`` also a fit that reproduces every target
+                (SSE = 0) where the evidence increases all the way to ``noise_std`` = 0,
+                or a σ that leaves the dtype's range; for
                 ``"gridsearch"`` also a validation batch holding NaN or inf, targets the
                 likelihood refuses, a Jacobian holding NaN or inf, or a NaN score; nothing
                 changes then.
@@ -632,8 +625,3 @@ class Laplace(_Gaussian):
                 progress=progress,
             )
         return self
-
-
-def _positive_finite(value: Tensor) -> bool:
-    detached = value.detach()
-    return bool(torch.all(detached > 0) & detached.isfinite().all())

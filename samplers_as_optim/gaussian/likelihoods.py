@@ -29,7 +29,15 @@ from torch import Tensor
 
 from ..core.validation import check_positive
 
-__all__ = ["CallableLikelihood", "Classification", "Likelihood", "Regression", "make_likelihood"]
+__all__ = [
+    "CallableLikelihood",
+    "Classification",
+    "Likelihood",
+    "Regression",
+    "check_noise_argument",
+    "check_noise_std",
+    "make_likelihood",
+]
 
 
 class Likelihood:
@@ -52,6 +60,35 @@ class Likelihood:
         """``V`` of shape ``(B, O, K)`` with ``V[i] @ V[i].T`` the output Hessian of ``nll``."""
         raise NotImplementedError
 
+    def target_flag(self, output: Tensor, target: Tensor) -> Tensor | None:
+        """What can be checked of ``target`` on the host (raising), the rest as a flag.
+
+        Returns:
+            A 0-d boolean tensor on the targets' device, True where the targets pass the
+            checks that need their values, or None where there are none; computing it
+            does not synchronise, so a caller can fold it into another check's
+            synchronisation and call :meth:`check_targets` only when it is False.
+
+        Raises:
+            ValueError: targets refused by their dtype or shape.
+        """
+        return None
+
+    def check_targets(self, output: Tensor, target: Tensor) -> None:
+        """Refuse targets this likelihood cannot score against ``output`` (``ValueError``).
+
+        The one validator of every front end that feeds data to a likelihood (a fit's
+        pass, a validation grid, training): :meth:`target_flag`, then the message of the
+        value that fails it. The base class knows nothing to check (a callable
+        likelihood checks its own targets).
+        """
+        valid = self.target_flag(output, target)
+        if valid is not None and not bool(valid):
+            self._refuse_values(output, target)
+
+    def _refuse_values(self, output: Tensor, target: Tensor) -> None:
+        """Raise the message of the target values that :meth:`target_flag` refused."""
+
 
 class Classification(Likelihood):
     """Categorical likelihood with softmax link: ``nll = cross_entropy(logits, target)``."""
@@ -66,9 +103,49 @@ class Classification(Likelihood):
             )
 
     def nll(self, output: Tensor, target: Tensor) -> Tensor:
-        """Softmax cross-entropy per example (targets: class indices or probabilities)."""
+        """Softmax cross-entropy per example (targets: class indices or probabilities).
+
+        Class indices of any integer dtype are read as int64 (torch's cross-entropy takes
+        int64 and uint8 only); :meth:`check_targets` validates them.
+        """
         self._check(output)
+        if not (target.is_floating_point() or target.dtype in (torch.int64, torch.uint8)):
+            target = target.long()
         return F.cross_entropy(output, target, reduction="none")
+
+    def target_flag(self, output: Tensor, target: Tensor) -> Tensor | None:
+        """Class indices of an integer dtype in ``[0, classes)``, or probabilities.
+
+        Probabilities are floating targets of the output's shape ``(batch, classes)``
+        (not checked further); anything else must be ``(batch,)`` integers (not bool),
+        whose range is the flag.
+
+        Raises:
+            ValueError: naming the targets' dtype or shape and what is expected.
+        """
+        self._check(output)
+        batch, classes = output.shape
+        if target.is_floating_point() and target.shape == output.shape:
+            return None
+        expected = (
+            f"expected class indices of an integer dtype, shape ({batch},), in [0, "
+            f"{classes}), or class probabilities of the output's shape {tuple(output.shape)}"
+        )
+        if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+            raise ValueError(
+                f"Invalid targets: dtype {target.dtype} of shape {tuple(target.shape)} ({expected})"
+            )
+        if target.shape != (batch,):
+            raise ValueError(f"Invalid targets: shape {tuple(target.shape)} ({expected})")
+        return ((target >= 0) & (target < classes)).all()
+
+    def _refuse_values(self, output: Tensor, target: Tensor) -> None:
+        batch, classes = output.shape
+        example = int(((target < 0) | (target >= classes)).nonzero()[0, 0])
+        raise ValueError(
+            f"Invalid targets: class index {int(target[example])} in example {example} of "
+            f"{batch} (expected 0 <= targets < {classes}, the number of model outputs)"
+        )
 
     def hessian_factor(self, output: Tensor, target: Tensor) -> Tensor:
         """Columns ``sqrt(p_c) (e_c - p)``: ``V V^T = diag(p) - p p^T``."""
@@ -93,6 +170,11 @@ class Regression(Likelihood):
                 f"Invalid targets: shape {tuple(target.shape)} (expected the model output's "
                 f"shape {tuple(output.shape)} for likelihood='regression')"
             )
+
+    def target_flag(self, output: Tensor, target: Tensor) -> Tensor | None:
+        """Targets shaped like the output (``ValueError`` otherwise); no flag."""
+        self._check(output, target)
+        return None
 
     def nll(self, output: Tensor, target: Tensor) -> Tensor:
         """``0.5 * |y - f|^2 / noise_std^2 + (O / 2) log(2 pi noise_std^2)`` per example."""
@@ -153,6 +235,58 @@ class CallableLikelihood(Likelihood):
         eigenvalues, eigenvectors = torch.linalg.eigh(hessian)
         factor: Tensor = eigenvectors * eigenvalues.clamp(min=0.0).sqrt().unsqueeze(-2)
         return factor
+
+
+def check_noise_std(likelihood: Likelihood, value: object) -> float | None:
+    """A new ``noise_std`` for ``likelihood``: a finite number > 0 for regression, else None.
+
+    None is refused for regression: only the constructor reads None as its default 1.0,
+    and a later ``la.noise_std = None`` that kept σ as it was would look like a reset.
+
+    Raises:
+        ValueError, TypeError: naming the value and what the likelihood allows.
+    """
+    if not isinstance(likelihood, Regression):
+        if value is not None:
+            raise ValueError(
+                f"Invalid noise_std: {value!r} (expected None: it applies only to "
+                "likelihood='regression')"
+            )
+        return None
+    if value is None:
+        raise ValueError(
+            "Invalid noise_std: None (expected a finite number > 0 for "
+            "likelihood='regression'; None means 1.0 only at construction, so set "
+            "noise_std = 1.0 for that)"
+        )
+    return check_positive("noise_std", value)
+
+
+def check_noise_argument(
+    likelihood: Likelihood, noise_std: float | Tensor | None
+) -> float | Tensor | None:
+    """A ``noise_std`` argument of the evidence: None for the likelihood's current σ.
+
+    Otherwise (regression only) a finite number > 0 or a one-element tensor of one
+    (returned 0-d, differentiable).
+
+    Raises:
+        ValueError, TypeError: naming the value and what is allowed.
+    """
+    if noise_std is None:
+        return getattr(likelihood, "noise_std", None)
+    if not isinstance(likelihood, Regression):
+        check_noise_std(likelihood, noise_std)  # raises: only None applies there
+    if not isinstance(noise_std, Tensor):
+        return check_positive("noise_std", noise_std)
+    detached = noise_std.detach()
+    if noise_std.numel() != 1 or not bool(torch.all(detached > 0) & detached.isfinite().all()):
+        holding = f" holding {detached.item()!r}" if noise_std.numel() == 1 else ""
+        raise ValueError(
+            f"Invalid noise_std: a tensor of shape {tuple(noise_std.shape)}{holding} "
+            "(expected one finite value > 0)"
+        )
+    return noise_std.reshape(())
 
 
 def make_likelihood(

@@ -42,6 +42,7 @@ from ..core.validation import (
     check_num_data,
     check_positive_int,
 )
+from ._data_checks import check_loader
 from ._prior_forms import read_prior
 from ._prior_search import HyperParameters, check_tune_noise, evidence_steps
 from ._weight_gaussian import _batches_on
@@ -72,12 +73,26 @@ class MarglikResult:
 
 
 def _check_optimizer(optimizer: Any, model: nn.Module) -> torch.optim.Optimizer:
+    """``optimizer``: None (Adam), or an optimizer over the model's parameters.
+
+    Every parameter it updates must be one of ``model.parameters()`` (by identity); a
+    subset is allowed (e.g. the last layer only, the rest staying as they are).
+    """
     if optimizer is None:
         return torch.optim.Adam(model.parameters(), lr=1e-3)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"Invalid optimizer: {type(optimizer).__name__} (expected None or a "
             "torch.optim.Optimizer over the model's parameters)"
+        )
+    owned = {id(param) for param in model.parameters()}
+    updated = [param for group in optimizer.param_groups for param in group["params"]]
+    foreign = sum(id(param) not in owned for param in updated)
+    if foreign or not updated:
+        raise ValueError(
+            f"Invalid optimizer: {foreign} of {len(updated)} parameters it updates are not "
+            "the model's (expected a torch.optim.Optimizer over model.parameters() or a "
+            "subset of them: it would train another model's weights, not this one's)"
         )
     decays = [group.get("weight_decay", 0.0) for group in optimizer.param_groups]
     if any(decay != 0.0 for decay in decays):
@@ -86,6 +101,105 @@ def _check_optimizer(optimizer: Any, model: nn.Module) -> torch.optim.Optimizer:
             "prior penalty of the tuned prior precision replaces it)"
         )
     return optimizer
+
+
+def _check_rounds(num_epochs: int, frequency: int, burnin: int) -> list[int]:
+    rounds = [
+        epoch for epoch in range(1, num_epochs + 1) if epoch % frequency == 0 and epoch >= burnin
+    ]
+    if not rounds:
+        raise ValueError(
+            f"Invalid burnin: {burnin} (expected a tuning round within num_epochs="
+            f"{num_epochs} at every frequency={frequency}-th epoch from burnin on)"
+        )
+    return rounds
+
+
+class _Run:
+    """One ``marglik_training`` run: the epochs, the tuning rounds and the best round."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loader: Iterable[Any],
+        first: Laplace,
+        hyper: HyperParameters,
+        optimizer: torch.optim.Optimizer,
+        laplace: Callable[[Any, float | None], Laplace],
+    ) -> None:
+        self.model, self.loader, self.first, self.hyper = model, loader, first, hyper
+        self.optimizer, self.laplace = optimizer, laplace
+        self.hyper_optimizer: torch.optim.Optimizer | None = None
+        self.ref = first._reference()
+        params = dict(model.named_parameters())
+        self.trained = [params[name] for name in first.treated.names]
+        self.first_noise: float | None = first.noise_std
+        self.evidence: list[float] = []
+        self.losses: list[float] = []
+        self.best: tuple[float, dict[str, Any], Any, float | None] | None = None
+
+    def epoch(self, structure: str, num_data: int) -> None:
+        """One pass of the optimiser over the loader, the current prior as the penalty."""
+        first, hyper = self.first, self.hyper
+        with torch.no_grad():
+            delta, _ = read_prior(
+                hyper.prior().detach(),
+                first.treated,
+                self.ref,
+                structure=structure,
+                groups=first._groups,
+            )
+            noise = hyper.noise()
+            self.first_noise = first.noise_std if noise is None else float(noise)
+        if noise is not None:
+            first.noise_std = float(noise)
+        total, count = 0.0, 0
+        self.model.train()
+        for inputs, targets in _batches_on(self.loader, self.ref.device):
+            self.optimizer.zero_grad()
+            output = self.model(inputs)
+            theta = torch.cat([param.reshape(-1) for param in self.trained])
+            loss = (
+                first.likelihood.nll(output, targets).mean()
+                + 0.5 * (delta * theta.square()).sum() / num_data
+            )
+            loss.backward()  # type: ignore[no-untyped-call]
+            self.optimizer.step()
+            total += float(loss.detach()) * inputs.shape[0]
+            count += inputs.shape[0]
+        if count == 0:
+            raise ValueError("Invalid loader: it yielded no examples (expected one pass over data)")
+        self.losses.append(total / count)
+
+    def tune(self, hyper_steps: int, hyper_lr: float) -> float:
+        """A round: fit at the current weights, Adam on the evidence; its value."""
+        hyper = self.hyper
+        if self.hyper_optimizer is None:
+            self.hyper_optimizer = torch.optim.Adam(hyper.parameters(), lr=hyper_lr)
+        current = hyper.prior().detach().clone()
+        la = self.laplace(current, self.first_noise).fit(self.loader, progress=False)
+        evidence_steps(la, hyper, hyper_steps, hyper_lr, False, self.hyper_optimizer)
+        with torch.no_grad():
+            value = float(la.log_marginal_likelihood(hyper.prior(), hyper.noise()))
+        self.evidence.append(value)
+        if self.best is None or value > self.best[0]:
+            noise_now = hyper.noise()
+            self.best = (
+                value,
+                copy.deepcopy(self.model.state_dict()),
+                hyper.prior().detach().clone(),
+                None if noise_now is None else float(noise_now.detach()),
+            )
+        return value
+
+    def result(self) -> MarglikResult:
+        """Load the best round's weights and fit there with its hyperparameters."""
+        assert self.best is not None
+        value, state, prior, noise_best = self.best
+        self.model.load_state_dict(state)
+        final = self.laplace(prior, noise_best if noise_best is not None else self.first.noise_std)
+        final.fit(self.loader, progress=False)
+        return MarglikResult(final, state, self.evidence, self.losses, self.evidence.index(value))
 
 
 def marglik_training(
@@ -110,15 +224,22 @@ def marglik_training(
 ) -> MarglikResult:
     r"""Train ``model`` and tune its prior precision (and noise) by the Laplace evidence.
 
+    Before the first epoch every batch of ``loader`` is checked, as one pass yields
+    them: one forward per batch without grad, in eval mode, refusing inputs, targets or
+    outputs that hold NaN or inf and targets the likelihood refuses (a class index out
+    of range), so that no bad batch reaches the weights.
+
     Args:
-        model: the network; trained in place (train mode during the epochs), left at the
-            best round's weights.
+        model: the network; trained in place (train mode during the epochs; its training
+            flag is restored at the end, and on an error), left at the best round's
+            weights.
         loader: ``(inputs, targets)`` batches of the training set, one epoch per pass.
         num_data: N, the number of training examples (required).
         likelihood: ``"classification"``, ``"regression"`` or a callable, as for
             :class:`~samplers_as_optim.gaussian.laplace.Laplace`.
-        optimizer: a ``torch.optim.Optimizer`` over the model's parameters with
-            ``weight_decay=0`` (default: None, ``Adam(model.parameters(), lr=1e-3)``).
+        optimizer: a ``torch.optim.Optimizer`` with ``weight_decay=0`` over the model's
+            parameters or a subset of them (every parameter it updates must be one of
+            ``model.parameters()``; default: None, ``Adam(model.parameters(), lr=1e-3)``).
         num_epochs: epochs of training (default: 300; an integer >= 1).
         structure: the Laplace structure of every round (default: ``"kron"``).
         curvature: ``"ggn"`` (default) or ``"ef"``.
@@ -140,8 +261,13 @@ def marglik_training(
         round and the loss of each epoch.
 
     Raises:
-        ValueError, TypeError: an argument outside the above, or ``burnin``,
-            ``frequency`` and ``num_epochs`` that leave no round; nothing is trained then.
+        ValueError, TypeError: an argument outside the above (an optimizer that updates
+            a parameter that is not the model's), ``burnin``, ``frequency`` and
+            ``num_epochs`` that leave no round, or a batch of ``loader`` refused by the
+            check above (``Invalid loader: batch b ...``); nothing is trained then. With
+            ``tune_noise``, a round whose fit reproduces every target exactly (see
+            :meth:`Laplace.optimize_prior_precision
+            <samplers_as_optim.gaussian.laplace.Laplace.optimize_prior_precision>`).
     """
     num_data = check_num_data(num_data)
     num_epochs = check_positive_int("num_epochs", num_epochs)
@@ -151,14 +277,7 @@ def marglik_training(
     hyper_lr = check_learning_rate(hyper_lr)
     if not hyper_lr > 0.0:
         raise ValueError(f"Invalid hyper_lr: {hyper_lr!r} (expected a finite number > 0)")
-    rounds = [
-        epoch for epoch in range(1, num_epochs + 1) if epoch % frequency == 0 and epoch >= burnin
-    ]
-    if not rounds:
-        raise ValueError(
-            f"Invalid burnin: {burnin} (expected a tuning round within num_epochs="
-            f"{num_epochs} at every frequency={frequency}-th epoch from burnin on)"
-        )
+    rounds = _check_rounds(num_epochs, frequency, burnin)
     check_choice("prior_structure", prior_structure, ("scalar", "layerwise", "diag"))
     on = check_progress(progress)
 
@@ -177,68 +296,17 @@ def marglik_training(
     tune = check_tune_noise(first, tune_noise)
     hyper = HyperParameters(first, prior_structure, tune, None)
     optimizer = _check_optimizer(optimizer, model)
-    hyper_optimizer = torch.optim.Adam(hyper.parameters(), lr=hyper_lr)
-    ref = first._reference()
-    params = dict(model.named_parameters())
-    trained = [params[name] for name in first.treated.names]
-
-    evidence: list[float] = []
-    losses: list[float] = []
-    best: tuple[float, dict[str, Any], Any, float | None] | None = None
-    with ProgressBar(on, num_epochs, "marglik_training") as bar:
-        for epoch in range(1, num_epochs + 1):
-            with torch.no_grad():
-                delta, _ = read_prior(
-                    hyper.prior().detach(),
-                    first.treated,
-                    ref,
-                    structure=structure,
-                    groups=first._groups,
-                )
-                noise = hyper.noise()
-                first_noise = first.noise_std if noise is None else float(noise)
-            if noise is not None:
-                first.noise_std = float(noise)
-            total, count = 0.0, 0
-            model.train()
-            for inputs, targets in _batches_on(loader, ref.device):
-                optimizer.zero_grad()
-                output = model(inputs)
-                theta = torch.cat([param.reshape(-1) for param in trained])
-                loss = (
-                    first.likelihood.nll(output, targets).mean()
-                    + 0.5 * (delta * theta.square()).sum() / num_data
-                )
-                loss.backward()  # type: ignore[no-untyped-call]
-                optimizer.step()
-                total += float(loss.detach()) * inputs.shape[0]
-                count += inputs.shape[0]
-            if count == 0:
-                raise ValueError(
-                    "Invalid loader: it yielded no examples (expected one pass over data)"
-                )
-            losses.append(total / count)
-            bar.update()
-            if epoch not in rounds:
-                continue
-            current = hyper.prior().detach().clone()
-            la = laplace(current, first_noise).fit(loader, progress=False)
-            evidence_steps(la, hyper, hyper_steps, hyper_lr, False, hyper_optimizer)
-            with torch.no_grad():
-                value = float(la.log_marginal_likelihood(hyper.prior(), hyper.noise()))
-            evidence.append(value)
-            bar.set_postfix(log_marglik=value)
-            if best is None or value > best[0]:
-                noise_now = hyper.noise()
-                best = (
-                    value,
-                    copy.deepcopy(model.state_dict()),
-                    hyper.prior().detach().clone(),
-                    None if noise_now is None else float(noise_now.detach()),
-                )
-    assert best is not None
-    _, state, prior, noise_best = best
-    model.load_state_dict(state)
-    final = laplace(prior, noise_best if noise_best is not None else first.noise_std)
-    final.fit(loader, progress=False)
-    return MarglikResult(final, state, evidence, losses, evidence.index(best[0]))
+    check_loader(model, loader, first.likelihood, first._reference().device)
+    training = model.training
+    try:
+        run = _Run(model, loader, first, hyper, optimizer, laplace)
+        with ProgressBar(on, num_epochs, "marglik_training") as bar:
+            for epoch in range(1, num_epochs + 1):
+                run.epoch(structure, num_data)
+                bar.update()
+                if epoch in rounds:
+                    value = run.tune(hyper_steps, hyper_lr)
+                    bar.set_postfix(log_marglik=value)
+        return run.result()
+    finally:
+        model.train(training)
