@@ -54,6 +54,50 @@ from samplers_as_optim import (
 DATA_DIR = Path(__file__).with_name("data")
 GOLDEN_JSON = DATA_DIR / "golden_trajectories.json"
 GOLDEN_CHECKPOINTS = DATA_DIR / "golden_checkpoints.pt"
+#: the recordings of CPUs that round differently from the one ``GOLDEN_JSON`` was made on,
+#: one file per :func:`rounding_probe` (same commit, same cases, same checkpoints loaded)
+MACHINE_DIR = DATA_DIR / "golden_machines"
+
+
+def rounding_probe() -> str:
+    """A fingerprint of how this CPU's torch build rounds the golden cases' kind of math.
+
+    torch's vectorised CPU kernels round some elements differently on different
+    processors (the SIMD width and FMA decide where a tensor's tail is computed and
+    whether ``a + alpha*b`` is rounded once or twice), so one commit's golden numbers
+    differ by an ulp or so between machines while every machine is deterministic. The
+    probe runs torch's own optimizers (no code of this package) on tensors of the cases'
+    awkward sizes, float64 and float32, single-tensor and foreach, with seeded noise, and
+    hashes the bits: machines with one probe round the cases alike.
+    """
+    import hashlib
+
+    digest = hashlib.sha256()
+    for dtype in (torch.float64, torch.float32):
+        for foreach in (False, True):
+            generator = torch.Generator().manual_seed(3)
+            params = [torch.randn(n, generator=generator, dtype=dtype) for n in (6, 2, 2, 10)]
+            params = [nn.Parameter(p) for p in params]
+            optimizers = [
+                torch.optim.SGD(params, lr=LR, foreach=foreach),
+                torch.optim.SGD(
+                    params, lr=LR, momentum=0.9, weight_decay=WEIGHT_DECAY, foreach=foreach
+                ),
+                torch.optim.RMSprop(params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=foreach),
+                torch.optim.AdamW(params, lr=LR, foreach=foreach),
+            ]
+            for opt in optimizers:
+                for _ in range(3):
+                    for param in params:
+                        noise = torch.randn(param.shape, generator=generator, dtype=dtype)
+                        param.grad = param.detach() * (1 / NUM_DATA) + noise.mul(
+                            math.sqrt(2 * LR / NUM_DATA)
+                        )
+                    opt.step()
+            for param in params:
+                digest.update(" ".join(v.hex() for v in numbers(param)).encode())
+    return digest.hexdigest()[:16]
+
 
 NUM_DATA = 13  # not a power of two, nor BATCH: a reordered product or quotient shows
 BATCH = 5

@@ -83,7 +83,52 @@ def _check_builtins_only(path: Path) -> None:
     torch.load(path, weights_only=True)
 
 
+def record_machine() -> None:
+    """Record this CPU's numbers beside the first machine's: ``--machine``.
+
+    For a CPU whose :func:`golden_cases.rounding_probe` differs from the recording's (its
+    torch kernels round some elements differently, so the recorded commit's own numbers
+    differ by an ulp here): run it in a clean clone of the commit the JSON records, the
+    same cases; the continuations resume the recorded checkpoints (``GOLDEN_CHECKPOINTS``,
+    as the test does), which stay the one file. Writes ``MACHINE_DIR/<probe>.json``.
+    """
+    dirty = _git("status", "--porcelain", "--", "samplers_as_optim") not in ("", "unknown")
+    probe = golden_cases.rounding_probe()
+    golden: dict[str, Any] = {
+        "about": (
+            "Golden trajectories of samplers_as_optim on CPUs with this rounding probe "
+            "(tests/golden_cases.py rounding_probe), recorded by tests/data/make_golden.py "
+            "--machine; the continuations resume tests/data/golden_checkpoints.pt."
+        ),
+        "recorded_from": {
+            "commit": _git("log", "-1", "--format=%h"),
+            "commit_date": _git("log", "-1", "--format=%cs"),
+            "uncommitted_changes_in_package": dirty,
+            "torch": torch.__version__.split("+")[0],
+            "rounding_probe": probe,
+        },
+        "trajectories": {},
+        "continuations": {},
+    }
+    seed = golden_cases.RECORD_GLOBAL_SEED
+    for name in golden_cases.TRAJECTORY_CASES:
+        golden["trajectories"][name] = golden_cases.to_hex(golden_cases.run_trajectory(name, seed))
+    checkpoints = torch.load(golden_cases.GOLDEN_CHECKPOINTS, weights_only=True)
+    for name in golden_cases.CHECKPOINT_CASES:
+        continuation = golden_cases.resume_checkpoint(
+            name, checkpoints[name], golden_cases.TEST_GLOBAL_SEED
+        )
+        golden["continuations"][name] = golden_cases.to_hex(continuation)
+    golden_cases.MACHINE_DIR.mkdir(exist_ok=True)
+    path = golden_cases.MACHINE_DIR / f"{probe}.json"
+    path.write_text(_dumps(golden))
+    print(f"recorded {REPO} at {golden['recorded_from']['commit']} for probe {probe}: {path}")
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--machine"]:
+        record_machine()
+        return
     dirty = _git("status", "--porcelain", "--", "samplers_as_optim") not in ("", "unknown")
     golden: dict[str, Any] = {
         "about": (
