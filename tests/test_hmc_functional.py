@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -232,9 +233,15 @@ def test_loss_fn_errors() -> None:
         opt.step(loss_fn=lambda ps: 1.0)
     with pytest.raises(ValueError, match=r"shape \(3,\) \(one loss per member\) but a parameter"):
         opt.step(loss_fn=lambda ps: ps[0] * 2)
-    opt.step(loss_fn=_loss_fn(x, y))
+    calls = [0]
+
+    def changing(ps: Any) -> Tensor:  # a scalar at the start, then one loss per "member"
+        calls[0] += 1
+        value = ps[0].sum()
+        return value if calls[0] == 1 else value * torch.ones(5, dtype=value.dtype)
+
     with pytest.raises(ValueError, match=r"shape \(5,\) \(expected a scalar"):
-        opt.step(loss_fn=lambda ps: ps[0].sum() * torch.ones(5, dtype=ps[0].dtype))
+        opt.step(loss_fn=changing)
     with pytest.raises(TypeError, match="Invalid compile: 'yes' \\(expected True or False\\)"):
         HMC(params, lr=0.01, num_steps=2, num_data=N, compile="yes")
 
@@ -592,8 +599,10 @@ def _compile_closure_optimizer(params, **extra) -> HMC:
 
 def test_carried_start_is_used_only_at_the_parameters_it_was_made_at() -> None:
     """With compile=True the state_dict carries the next step's start (loss, gradients
-    and a digest of the parameters): loaded at the same parameters it is used (the first
-    step evaluates no start), at any other parameters it is evaluated again."""
+    and a digest of the parameters). The first step after loading evaluates its target's
+    start (which target the carried one is of is not saved) and uses the carried bits
+    instead where they were made at the same parameters and agree with that evaluation up
+    to rounding; elsewhere (other parameters, another target) its own evaluation."""
     x, y = _data()
     params = _params()
     opt = _compile_closure_optimizer(params)
@@ -606,10 +615,17 @@ def test_carried_start_is_used_only_at_the_parameters_it_was_made_at() -> None:
     assert (
         "start" not in HMC(_params(), lr=0.05, num_steps=3, num_data=N).state_dict()["state"]["hmc"]
     )  # only with compile=True
-    for shift, calls_expected in ((0.0, 3), (1e-3, 4)):
+    without = copy.deepcopy(saved)
+    del without["state"]["hmc"]["start"]
+    rounded, wrong = copy.deepcopy(saved), copy.deepcopy(saved)
+    loss = saved["state"]["hmc"]["start"]["loss"]
+    rounded["state"]["hmc"]["start"]["loss"] = loss * (1 + 2**-45)  # 128 ulps off
+    wrong["state"]["hmc"]["start"]["loss"] = loss * 1.01  # another target's
+
+    def resumed_step(state: dict, shift: float) -> tuple:
         other_params = [torch.nn.Parameter(p.detach() + shift) for p in params]
         other = _compile_closure_optimizer(other_params)
-        other.load_state_dict(saved)
+        other.load_state_dict(copy.deepcopy(state))
         calls = [0]
         closure = _closure(other, other_params, x, y)
 
@@ -619,8 +635,18 @@ def test_carried_start_is_used_only_at_the_parameters_it_was_made_at() -> None:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            other.step(counted)
-        assert calls[0] == calls_expected
+            loss = other.step(counted)
+        assert calls[0] == 4  # the start's evaluation and 3 leapfrog steps
+        return loss, [p.detach().clone() for p in other_params], other.diagnostics
+
+    for shift in (0.0, 1e-3):
+        plain = resumed_step(without, shift)
+        energy_error = plain[2]["energy_error"]
+        # the carried start, off by rounding: used at its parameters, not at others
+        used = resumed_step(rounded, shift)[2]["energy_error"]
+        assert torch.equal(used, energy_error) == (shift != 0.0)
+        # a carried start that does not agree with the evaluation: never used
+        _assert_same([resumed_step(wrong, shift)], [plain])
     bad = copy.deepcopy(saved)
     bad["state"]["hmc"]["start"] = {"params": [0], "loss": 1.0}
     with pytest.raises(ValueError, match=r"Invalid state_dict: its 'hmc' entry's 'start' is"):

@@ -43,6 +43,7 @@ __all__ = [
     "compiled_transition",
     "evaluate_start",
     "frozen_parameters",
+    "functional_start",
     "pack_parameters",
     "parameter_names",
     "run_transition",
@@ -133,6 +134,13 @@ def evaluate_start(
     loss, grads = value_and_gradients(loss_fn, names, positions, None, fixed=fixed, check=False)
     members = dynamics.members_of(loss, chain, "loss_fn") if loss.dim() == 1 else None
     return chain, loss, grads, members
+
+
+def functional_start(
+    loss_fn: Callable[[Any], Any], param_groups: Sequence[dict[str, Any]]
+) -> Start:
+    """:func:`evaluate_start` as a :class:`~.start.Start` (no cached energy)."""
+    return Start(*evaluate_start(loss_fn, param_groups), None)
 
 
 def value_and_gradients(

@@ -39,6 +39,7 @@ from .transition_draws import TransitionDraws
 __all__ = [
     "NOT_COMPILED",
     "closure_loss",
+    "closure_start",
     "closure_step_sizes",
     "closure_trajectory",
     "closure_transition",
@@ -150,6 +151,12 @@ def evaluate_closure(
             raise TypeError(f"HMC does not support sparse gradients (shape {tuple(p.shape)})")
         grads.append(p.grad)
     return chain, loss, grads, members
+
+
+def closure_start(closure: Callable[[], Any], params: Sequence[Tensor]) -> Start:
+    """The start of a transition by closure: the closure's chain, loss and gradients (copies)."""
+    chain, loss, fresh, members = evaluate_closure(closure, params, None, None)
+    return Start(chain, loss, [g.clone() for g in fresh], members, None)
 
 
 def reevaluate_closure(

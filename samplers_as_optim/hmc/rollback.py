@@ -68,7 +68,8 @@ class Rollback:
         #: the parameters whose state holds no noise key yet, and whether they have a state
         self.keyless = [(p, p in state) for p in self._params if NOISE_KEY not in state.get(p, ())]
         self.end: End | None = start.end
-        #: whether the last step's end is still the parameters' state (the step reuses it)
+        #: whether the last step's end is still the parameters' state (reused if of the
+        #: step's target)
         self.start_valid = start.valid(self._params)
         self.energy: Energy | None = start.energy
         self.loaded = start.loaded
@@ -109,7 +110,7 @@ class Rollback:
             group["step"] = step
         end = self.end
         if end is not None and self.start_valid:  # still the start (the versions moved on)
-            end = (end[0], versions_of(self._params, end[0]), end[2], end[3])
+            end = end._replace(versions=versions_of(self._params, end.ids))
         self._start.end = end
         self._start.energy = self.energy
         self._start.loaded = self.loaded

@@ -66,7 +66,7 @@ from ..core.streams import NoiseStream
 from ..core.validation import check_positive_int
 from . import _functional
 from .rollback import Rollback
-from .start import Start, TransitionStart
+from .start import TransitionStart
 from .transition_draws import TransitionDraws, draw_transitions
 
 __all__ = ["CHUNK", "CHUNK_ELEMENTS", "HMCRun", "chain_chunk", "chunk_capacity", "run_chain"]
@@ -440,7 +440,7 @@ def _run_steps(
             end = optimizer._next.end
             assert end is not None  # (the step just left it)
             by_id = {id(p): p for p in optimizer._params()}
-            chain = [by_id[i] for i in end[0]]
+            chain = [by_id[i] for i in end.ids]
             draws = _Draws(chain, _sample_names(optimizer, chain), num_draws, loss)
         for value, p in zip(draws.samples.values(), chain, strict=True):
             value[index] = p
@@ -462,9 +462,8 @@ def _run_chunks(
     """After the warm-up: the transitions chunk by chunk, then the optimizer's new state."""
     groups, hmc = optimizer.param_groups, optimizer._hmc_state
     params = optimizer._params()
-    start = optimizer._next.take(params, valid=valid, functional=True)
-    if start is None:
-        start = Start(*_functional.evaluate_start(loss_fn, groups), None)
+    evaluate = lambda: _functional.functional_start(loss_fn, groups)  # noqa: E731
+    start = optimizer._next.take(params, loss_fn, valid=valid, evaluate=evaluate)
     chain, members = start.chain, start.members
     keys = optimizer._noise_keys(chain)
     first = groups[0]
@@ -544,7 +543,7 @@ def _run_chunks(
     optimizer._record_noise_keys(chain)
     for group in groups:
         group["step"] += total
-    optimizer._next.remember(params, chain, loss, list(gradients))
+    optimizer._next.remember(params, chain, loss, list(gradients), loss_fn)
     return draws.result()
 
 

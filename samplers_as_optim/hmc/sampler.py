@@ -107,7 +107,7 @@ from .arguments import (
     check_one_of,
     check_whole,
 )
-from .closure_transition import NOT_COMPILED, closure_transition, evaluate_closure
+from .closure_transition import NOT_COMPILED, closure_start, closure_transition
 from .rollback import Rollback
 from .run import HMCRun, run_chain
 from .start import START_KEY, Start, TransitionStart, check_start
@@ -128,7 +128,7 @@ class HMC(ChainOptimizer):
     the module docstring for the derivation of the units and of exactness). The closure
     zeroes the gradients, computes the full-batch mean loss, calls ``backward()`` and
     returns the loss, as for ``torch.optim.LBFGS``; it is called ``num_steps`` times per
-    step (plus once when the parameters were changed from outside since the last step).
+    step (plus once for its start unless it reuses the last step's end, see :meth:`step`).
     After a step each parameter holds the chain's new state and ``.grad`` the gradient of
     the mean loss there (exactly the values before the step when it was rejected). A step
     that raises (a failing closure or loss function, an interrupt) changes nothing at all.
@@ -362,9 +362,10 @@ class HMC(ChainOptimizer):
 
         Each parameter's state holds the key its momentum is drawn with (``"noise_key"``,
         see ``samplers_as_optim.core.chain``). With ``compile=True`` the ``"hmc"`` entry
-        also carries the start of the next step (``"start"``: the loss and its gradient at
-        the current parameters, with a digest of them; see ``start``), so that a resumed
-        compiled chain goes on from the same bits as the uninterrupted one.
+        also carries the start of the next step (``"start"``: the loss and gradient at the
+        current parameters, with their digest), so that a resumed compiled chain goes on
+        from the same bits as the uninterrupted one (taken where the first step's own
+        evaluation of its target agrees with it up to rounding, see ``start``).
         """
         state_dict = super().state_dict()
         state = dict(state_dict["state"])
@@ -447,10 +448,14 @@ class HMC(ChainOptimizer):
             TypeError: a ``closure`` or ``loss_fn`` that is not callable, or a closure
                 that returns something other than a loss (such as None).
 
-        A step that raises -- whatever the exception, ``KeyboardInterrupt`` included, and
-        wherever in the trajectory -- leaves everything as it was before the step, bit for
-        bit: the parameters, their ``.grad``, the optimizer's state (the random counters
-        among it: a retried step draws the same momentum) and the diagnostics.
+        The start, the loss and its gradient at the current parameters, is the last step's
+        end (not evaluated again) when this step gets the same ``closure`` or ``loss_fn``
+        object (a bound method: of the same object) and nothing wrote into the parameters
+        since; otherwise (another target, the first step after loading a state) it is
+        evaluated first. A step that raises -- whatever the exception, ``KeyboardInterrupt``
+        included, and wherever in the trajectory -- leaves everything as it was before the
+        step, bit for bit: the parameters, their ``.grad``, the optimizer's state (the random
+        counters among it: a retried step draws the same momentum) and the diagnostics.
         """
         check_one_of(
             closure,
@@ -462,11 +467,7 @@ class HMC(ChainOptimizer):
         )
         self._check_groups()
         undo = Rollback(
-            self.param_groups,
-            self.state,
-            self._hmc_state,
-            self._next,
-            clone_grads=closure is not None,
+            self.param_groups, self.state, self._hmc_state, self._next, clone_grads=loss_fn is None
         )
         try:
             if loss_fn is not None:
@@ -510,10 +511,8 @@ class HMC(ChainOptimizer):
     def _closure_step(self, closure: Callable[[], Any], undo: Rollback) -> Tensor:
         """:meth:`step` by closure (see ``closure_transition``), moving the parameters."""
         params = self._params()
-        start = self._next.take(params, valid=undo.start_valid, functional=False)
-        if start is None:
-            chain, loss, fresh, members = evaluate_closure(closure, params, None, None)
-            start = Start(chain, loss, [g.clone() for g in fresh], members, None)
+        evaluate = lambda: closure_start(closure, params)  # noqa: E731
+        start = self._next.take(params, closure, valid=undo.start_valid, evaluate=evaluate)
         draws = self._draw(start)
         if self.param_groups[0].get("compile", False) and not self._warned_compile:
             self._warned_compile = True
@@ -523,21 +522,20 @@ class HMC(ChainOptimizer):
         loss, raw, diagnostics, self._next.energy = closure_transition(
             closure, self.param_groups, start, draws, start_values
         )
-        return self._finish(start, diagnostics, loss, raw)
+        return self._finish(start, diagnostics, loss, raw, closure)
 
     def _loss_fn_step(self, loss_fn: Callable[[Any], Tensor], undo: Rollback) -> Tensor:
         """:meth:`step` by loss function (see ``_functional``), then moving the parameters."""
         from . import _functional  # the functional path, loaded on first use
 
-        start = self._next.take(self._params(), valid=undo.start_valid, functional=True)
-        if start is None:
-            start = Start(*_functional.evaluate_start(loss_fn, self.param_groups), None)
+        evaluate = lambda: _functional.functional_start(loss_fn, self.param_groups)  # noqa: E731
+        start = self._next.take(self._params(), loss_fn, valid=undo.start_valid, evaluate=evaluate)
         result = _functional.run_transition(loss_fn, self.param_groups, start, self._draw(start))
         undo.keep_values(start.chain)
         for p, new, g in zip(start.chain, result.positions, result.gradients, strict=True):
             p.copy_(new)
             p.grad = g.clone()
-        return self._finish(start, result.diagnostics, result.loss, result.gradients)
+        return self._finish(start, result.diagnostics, result.loss, result.gradients, loss_fn)
 
     def _draw(self, start: Start) -> TransitionDraws:
         """This transition's step multiplier and random numbers (see ``transition_draws``)."""
@@ -547,7 +545,12 @@ class HMC(ChainOptimizer):
         )
 
     def _finish(
-        self, start: Start, diagnostics: dict[str, Tensor], loss: Tensor, raw: list[Tensor]
+        self,
+        start: Start,
+        diagnostics: dict[str, Tensor],
+        loss: Tensor,
+        raw: list[Tensor],
+        target: Callable[..., Any],
     ) -> Tensor:
         """After a transition: diagnostics, adaptation, noise keys, counters, next start."""
         hmc = self._hmc_state
@@ -560,7 +563,7 @@ class HMC(ChainOptimizer):
         self._record_noise_keys(start.chain)  # the keys the momenta were drawn with
         for group in self.param_groups:
             group["step"] += 1
-        self._next.remember(self._params(), start.chain, loss, raw)
+        self._next.remember(self._params(), start.chain, loss, raw, target)
         return loss
 
     # ------------------------------------------------------------------ warm-up
@@ -620,9 +623,6 @@ class HMC(ChainOptimizer):
                 "before end_warmup())"
             )
         with ProgressBar(show, num_steps, "HMC warm-up") as bar:
-            if loss_fn is None:
-                step = lambda: self.step(closure)  # noqa: E731
-            else:
-                step = lambda: self.step(loss_fn=loss_fn)  # noqa: E731
+            step = lambda: self.step(closure, loss_fn=loss_fn)  # noqa: E731 (one of them)
             adaptation.run_warmup(hmc, num_steps, step, self.update_mass, bar)
         self.end_warmup()
