@@ -1,5 +1,6 @@
 """Test configuration: deterministic hypothesis, and the device every test runs on."""
 
+import importlib.util
 import os
 
 import pytest
@@ -20,6 +21,21 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # Scripts that made reference data with a peer library (which the suite does not
 # install): not test modules, and --doctest-modules must not import them.
 collect_ignore_glob = ["data/*"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In CI (``CI`` set) the fused kernels' interpreter tests must run, not skip.
+
+    Triton is the ``fused`` extra, apart from ``test`` (about 1 GB): without it
+    ``tests/test_fused*.py`` skip on a user's machine, but CI installs it (``.ci/run``),
+    and a CI run without it is an error rather than a quietly smaller suite.
+    """
+    if os.environ.get("CI") and importlib.util.find_spec("triton") is None:
+        raise pytest.UsageError(
+            "CI is set but triton is not installed: the fused kernels' tests would skip "
+            '(pip install -e ".[fused]")'
+        )
+
 
 # Under pytest-xdist (-n auto) every core runs a worker: one torch thread each, so the
 # workers do not oversubscribe the cores. Results do not depend on the thread count.
