@@ -503,31 +503,51 @@ def test_raise_refuses_the_step_at_the_next_call_and_nothing_changed(cls, temper
     assert all(torch.equal(p, q) for (_, p), (_, q) in zip(params, twins, strict=True))
 
 
+SKIPPED = {"first": (0, 1.0), "freeze": (1, 1.0), "frozen": (3, 1.0), "temperature-0": (1, 0.0)}
+
+
+@pytest.mark.parametrize("verdict", ["skip", "scaler"])
+@pytest.mark.parametrize("case", SKIPPED)
 @pytest.mark.parametrize("cls", [PSGLD, AdamWSGHMC], ids=lambda c: c.__name__)
-def test_skip_leaves_every_buffer_and_freezes_the_moment_before_the_step(cls):
-    """A skipped step writes no parameter or buffer; its step count advances (as the
-    unfused step's does), and when it is the step that freezes the preconditioner, what
-    is frozen is the preconditioner of the second moment it leaves, finite."""
+def test_a_skipped_step_is_the_run_without_it(cls, case, verdict):
+    """A step skipped by ``nonfinite="skip"`` (a NaN) or by a GradScaler's ``found_inf``
+    (an infinity) writes no parameter or buffer and puts back what it advanced on the
+    host, as the unfused step does: the step counts, the freeze mark and what it froze.
+    The chain is then, bit for bit, the run without that step, whose noise index moves
+    on as the skip's does (warm-up 2: the second step freezes). At temperature 0 the
+    step is torch's fused RMSprop or AdamW, told of the skip by ``found_inf``."""
+    at, temperature = SKIPPED[case]
+    kwargs = {"lr": 0.01, "num_data": N, "seed": 2, "fused": True, "temperature": temperature}
+    kwargs["preconditioner_warmup"] = 2
     params = named(torch.float32)
-    grads = gradients(params, 2)
-    kwargs = {"lr": 0.01, "num_data": N, "seed": 2, "fused": True, "nonfinite": "skip"}
-    opt = cls(params, preconditioner_warmup=2, **kwargs)
-    run(opt, params, grads[:1])
-    moment = "square_avg" if cls is PSGLD else "exp_avg_sq"
-    before = [p.detach().clone() for _, p in params] + [
-        opt.state[p][moment].clone() for _, p in params
-    ]
-    bad = [g.clone() for g in grads[1]]
-    bad[0][1, 2, 3] = math.inf
-    run(opt, params, [bad])
-    after = [p.detach() for _, p in params] + [opt.state[p][moment] for _, p in params]
-    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    twins = twins_of(params)
+    grads = gradients(params, 4)
+    bad = [g.clone() for g in grads[at]]
+    bad[0][1, 2, 3] = math.nan if verdict == "skip" else math.inf
+    scale = 2.0**6
+    if verdict == "skip":
+        opt = cls(params, nonfinite="skip", **kwargs)
+        run(opt, params, [*grads[:at], bad, *grads[at:]])
+    else:
+        opt = cls(params, **kwargs)
+        scaler = torch.amp.GradScaler(DEVICE.type, init_scale=scale)
+        scaler.scale(torch.ones((), device=DEVICE))  # (creates its scale)
+        for step in [*grads[:at], bad, *grads[at:]]:
+            for (_, p), g in zip(params, step, strict=True):
+                p.grad = g * scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+        assert scaler.get_scale() == scale / 2
     assert int(opt.param_groups[0]["skipped_steps"]) == 1
-    for _, p in params:
-        assert float(opt.state[p]["step"]) == 2
-        assert float(opt.state[p]["preconditioner_step"]) == 2
-        frozen = opt.state[p]["preconditioner"]
-        assert bool(torch.isfinite(frozen).all())
-        correction = 1.0 if cls is PSGLD else 1 - 0.999
-        expected = pooled_second_moment(opt.state[p][moment] / correction, "factored").sqrt()
-        torch.testing.assert_close(frozen, expected.add(1e-8).view_as(frozen))
+    reference = cls(twins, **kwargs)
+    run(reference, twins, grads[:at])
+    reference.param_groups[0]["step"] += 1  # the noise index the skipped step consumed
+    run(reference, twins, grads[at:])
+    assert opt.param_groups[0]["step"] == reference.param_groups[0]["step"]
+    for (_, p), (_, q) in zip(params, twins, strict=True):
+        assert torch.equal(p, q)
+        assert opt.state[p].keys() == reference.state[q].keys()
+        for name, value in reference.state[q].items():
+            assert torch.equal(opt.state[p][name], value), name
+    if temperature > 0:
+        assert float(opt.state[params[0][1]]["preconditioner_step"]) == 2

@@ -105,15 +105,41 @@ def test_a_fused_overflow_halves_the_scale_and_changes_nothing(cls, kwargs, nonf
     state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
     iteration(2, poison=True)
     assert scaler.get_scale() == SCALE / 2
-    host = set(opt.host_state)
     for p, old, saved in zip(params, before, state, strict=True):
         assert torch.equal(p.detach(), old)
-        for key, value in saved.items():
-            if key not in host:
-                assert torch.equal(opt.state[p][key], value), key
+        assert opt.state[p].keys() == saved.keys()
+        for key, value in saved.items():  # the host counts (PSGLD, AdamWSGHMC) included
+            assert torch.equal(opt.state[p][key], value), key
     assert int(opt.param_groups[0]["skipped_steps"]) == 1
     iteration(3)  # no deferred refusal raised, the chain goes on
     assert not all(torch.equal(p.detach(), old) for p, old in zip(params, before, strict=True))
+
+
+def test_fused_adamw_sghmc_at_temperature_zero_is_fused_adamw_under_the_scaler():
+    """At temperature 0 the fused step is ``torch.optim.AdamW(fused=True)``'s, which a
+    GradScaler hands its scale and verdict as it hands them to the sampler: an overflow
+    leaves both alike, step counts included (torch's fused Adam takes its count back,
+    the sampler puts back its host count)."""
+    ours, theirs = parameters(torch.float32), parameters(torch.float32)
+    opt = AdamWSGHMC(ours, lr=1e-2, num_data=N, temperature=0.0, fused=True)
+    adamw = torch.optim.AdamW(theirs, lr=1e-2, fused=True)
+    scalers = [torch.amp.GradScaler(DEVICE.type, init_scale=SCALE) for _ in range(2)]
+    for scaler in scalers:
+        scaler.scale(torch.ones((), device=DEVICE))  # (creates its scale)
+    for step in range(5):
+        for params, optimizer, scaler in ((ours, opt, scalers[0]), (theirs, adamw, scalers[1])):
+            for i, p in enumerate(params):
+                p.grad = representable(p.shape, 10 * step + i, torch.bfloat16) * scaler.get_scale()
+            if step in (0, 2):
+                params[1].grad[3] = float("inf")
+            scaler.step(optimizer)
+            scaler.update()
+    assert scalers[0].get_scale() == scalers[1].get_scale() == SCALE / 4
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p, q)
+        assert float(opt.state[p]["step"]) == 3
+        for name, value in adamw.state[q].items():
+            assert torch.equal(opt.state[p][name].to(value.device), value), name
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -30,7 +30,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("the SG-MCMC family and the cyclical schedule", ("sgmcmc",)),
     ("Hamiltonian Monte Carlo", ("hmc",)),
-    ("samples and what uses them", ("samples", "predictive", "diagnostics")),
+    (
+        "samples and what uses them",
+        ("samples", "predictive", "_predictive_checks", "_predictive_regression", "diagnostics"),
+    ),
     ("Gaussian approximations and their curvature", ("gaussian", "curvature")),
     ("the public faces", ("transforms", "__init__")),
 ]

@@ -8,7 +8,9 @@ and, when it is not, reads and writes nothing, as torch's fused optimizers do wi
 ``found_inf``. Nothing is read back to Python:
 
 - ``nonfinite="skip"``: the step is a no-op, counted in ``group["skipped_steps"]`` (a
-  0-d integer tensor on the group's device), as the unfused step counts it;
+  0-d integer tensor on the group's device), as the unfused step counts it, and what it
+  advanced on the host (the step counts of PSGLD and AdamWSGHMC) is put back as the
+  unfused step's is (``_skipped_host``);
 - ``nonfinite="raise"``: the error needs the flag on the host, so it comes later: the
   per-tensor maxima are copied to the host without waiting (:class:`DeferredRefusal`),
   and the next ``step()`` or ``state_dict()`` reads them (the copy finished long

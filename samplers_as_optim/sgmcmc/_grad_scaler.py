@@ -13,8 +13,10 @@ optimizers). A sampler's step then
   :func:`found_inf_flags` for the fused kernels' flag), without a host synchronisation
   and without ``FloatingPointError`` whatever ``nonfinite`` says: an overflow is the
   scaler's business, which halves its scale and goes on. Such a step is counted in
-  ``group["skipped_steps"]`` and advances the step counter (and the host counts), as
-  ``nonfinite="skip"`` does.
+  ``group["skipped_steps"]`` and advances the chain's step counter (the noise index), as
+  ``nonfinite="skip"`` does; the host counts it advanced (``StateField.host``: RMSprop's
+  and AdamW's step counts) are put back (``_skipped_host``), as torch's fused Adam takes
+  its count back.
 """
 
 from __future__ import annotations

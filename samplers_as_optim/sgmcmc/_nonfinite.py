@@ -5,7 +5,10 @@ naming the parameter, before anything changes; ``"skip"`` makes that step a no-o
 selected on the device (``torch.where`` against the old values), counted in
 ``group["skipped_steps"]``, with no host synchronisation (``docs/design.md``,
 "Refusals"). Under ``torch.amp.GradScaler`` its ``found_inf`` decides instead, whatever
-the policy (``_grad_scaler``): such a step is skipped and counted the same way.
+the policy (``_grad_scaler``): such a step is skipped and counted the same way. The
+chain's step counter (the noise index) advances; what the step advanced on the host (the
+step counts of PSGLD and AdamWSGHMC) is put back once the verdict reaches the host
+(``_skipped_host``).
 """
 
 from __future__ import annotations

@@ -156,10 +156,10 @@ def refused_step_fallback(
     A step whose gradients are not finite writes nothing (the device flag ``largest``);
     if it was to freeze the preconditioner, what is frozen must not come from those
     gradients. Where the flag is not finite this gives :math:`\sqrt{\bar V/c} +
-    \epsilon` of the second moment ``square`` the refused step leaves (with
-    ``nonfinite="skip"`` the step count still advances, so the preconditioner freezes
-    at the moment's value before the step; with ``"raise"`` the freeze is undone).
-    Selected on the device (``torch.where``), without a host synchronisation.
+    \epsilon` of the second moment ``square`` the refused step leaves, so that the state
+    stays finite until the verdict reaches the host, which then undoes the freeze with
+    the step's host record (skipped or refused alike: ``_skipped_host``). Selected on
+    the device (``torch.where``), without a host synchronisation.
     """
     old = sampling_preconditioner(
         square, correction=correction, eps=eps, how=how, inplace=False, members=member_dims(param)

@@ -138,7 +138,9 @@ class StateField:
             its step counters, restored on the CPU in its saved dtype when a state is
             loaded; the transformation keeps it as a Python float. The update reads it
             with ``float(...)`` (no device synchronisation) and returns the same kind.
-            A step that ``nonfinite="skip"`` turns into a no-op still advances it.
+            A step the device skips (``nonfinite="skip"``, a GradScaler's
+            ``found_inf``) advances it in the update, and the Optimizer puts it back once
+            the verdict is on the host (``_skipped_host``): a skipped step is not counted.
         legacy: for a field added after transformation states could be saved without it
             (it then comes after every older field): its value in such a state, from
             the old state's fields by name (``legacy(old) -> tuple``), so that a state

@@ -5,7 +5,8 @@ constructor (with the declared signature), its documentation and its hooks come 
 :class:`~.definition.SamplerDefinition`. This base class owns the step every sampler
 takes: param-group validation (at construction, on ``add_param_group`` and at every
 step, since a schedule may move any hyperparameter), gathering parameters with a
-gradient, the non-finite policy (``_nonfinite``), the lr re-expression of the state, the
+gradient, the non-finite policy (``_nonfinite``; what a skipped or refused step puts back
+on the host, ``_skipped_host``), the lr re-expression of the state, the
 noise (``_group_noise``, drawn ahead by ``_prefetch``), the CPU update in chunks
 (``_chunked_update``), the fused step (``fused``: one Triton kernel per tensor, its
 non-finite check on the device, ``_fused_nonfinite``), ``torch.amp.GradScaler``'s
@@ -29,7 +30,7 @@ that hold such a number as a float are migrated on load.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,6 +84,13 @@ from ._half_precision import (
 )
 from ._nonfinite import describe_parameter, finite_flags, kept, refuse_non_finite_gradients
 from ._prefetch import NoisePrefetcher, NoiseRequest
+from ._skipped_host import (
+    exact_step_unless_skipped,
+    host_record,
+    put_back_if_skipped,
+    rescale_gate,
+    settle_skipped,
+)
 from .arguments import PARAMS_DOC
 from .chain_temperature import ChainTemperatureReport, temperature_reports
 from .definition import (
@@ -249,7 +257,11 @@ class SamplerOptimizer(ChainOptimizer):
         self._runtime["agreed"] = False
 
     def __getstate__(self) -> dict[str, Any]:
-        """``torch.optim.Optimizer``'s state (the whole chain) plus the runtime options."""
+        """``torch.optim.Optimizer``'s state (the whole chain) plus the runtime options.
+
+        A skipped step's host record waiting for its verdict is put back first.
+        """
+        settle_skipped(self._runtime)
         return {
             **super().__getstate__(),
             "_overlap_noise": self._overlap_noise,
@@ -356,8 +368,8 @@ class SamplerOptimizer(ChainOptimizer):
         (scaled), unlike after ``scaler.unscale_``. ``found_inf > 0`` makes the step a
         no-op decided on the device (unfused: ``torch.where`` against the old values;
         fused: the kernels' flag), with no ``FloatingPointError`` whatever
-        ``nonfinite`` says; it advances the step counter and the host counts and adds 1
-        to ``param_group["skipped_steps"]``, as ``nonfinite="skip"`` does.
+        ``nonfinite`` says; as with ``nonfinite="skip"`` the step counter advances, 1 is
+        added to ``param_group["skipped_steps"]`` and host counts are put back (``_skipped_host``).
 
         float16/bfloat16 parameters: from a parameter's first step at T > 0 on, the
         update runs on its float32 master ``state["master_param"]`` with float32
@@ -367,7 +379,8 @@ class SamplerOptimizer(ChainOptimizer):
         ``torch.optim.SGD`` does, in its own dtype.
 
         Under ``torch.compile`` the step is one graph (the noise draw is one custom op,
-        ``samplers_as_optim.core.noise_op``) when built with ``nonfinite="skip"``; with
+        ``samplers_as_optim.core.noise_op``) when built with ``nonfinite="skip"`` (but
+        PSGLD's and AdamWSGHMC's, which read host counts); with
         ``"raise"`` the check of the gradients reads a value back to Python, which
         splits the graph there, exactly as in eager mode. (The fused step is not traced:
         ``fused=None`` takes the unfused step there.)
@@ -399,13 +412,7 @@ class SamplerOptimizer(ChainOptimizer):
             for group in self.param_groups:
                 group["step"] += 1
             return loss
-        keep = None
-        if scaler.found_inf is not None:  # the scaler's verdict, on the device
-            keep = keep_flags(gathered, scaler.found_inf)
-        elif self._nonfinite == "raise":
-            refuse_non_finite_gradients(type(self).__name__, gathered)
-        else:
-            keep = finite_flags(gathered)
+        keep, record = self._unfused_verdict(gathered, scaler)
         prefetcher = None if compiling else self._prefetcher
         if prefetcher is not None:
             prefetcher.wait()
@@ -429,6 +436,7 @@ class SamplerOptimizer(ChainOptimizer):
                 self._record_noise_keys(params)
         for group in self.param_groups:
             group["step"] += 1
+        put_back_if_skipped(self._runtime, record, keep)  # (off the CPU: by the next call)
         if prefetcher is not None:
             prefetcher.submit(self._next_noise_requests())
         return loss
@@ -455,6 +463,7 @@ class SamplerOptimizer(ChainOptimizer):
                 ``temperature_rule``, or a param group mixes stacked members.
         """
         check_open_unit_interval("level", level)
+        settle_skipped(self._runtime)  # (a skipped step's frozen preconditioner goes)
         rule = self.definition.temperature_rule
         if rule is None:
             raise ValueError(
@@ -555,10 +564,9 @@ class SamplerOptimizer(ChainOptimizer):
         which can then put back what this step recorded on the host. Under a
         ``GradScaler`` (``scaler.found_inf`` given) its ``found_inf`` is the flag
         (:func:`~._grad_scaler.found_inf_flags`): no check of the gradients, no refusal.
+        A skipped step's host record is put back as the unfused step's (``_skipped_host``).
         """
-        rollback = None
-        check = None
-        finite_where = None
+        rollback = check = None
         if scaler.found_inf is not None:
             largest = found_inf_flags(gathered, scaler.found_inf)
         else:
@@ -567,8 +575,11 @@ class SamplerOptimizer(ChainOptimizer):
             if self._nonfinite == "skip":
                 count_skipped(gathered, largest)
             else:
-                rollback = self._host_record(gathered)
-                finite_where = largest
+                rollback = host_record(
+                    self.state, self.param_groups, gathered, self.host_state, counters=True
+                )
+        record = self._skip_record(gathered) if rollback is None else None
+        finite_where = None if rollback is None and record is None else largest
         for _, group, params, grads in gathered:
             if not params:
                 continue
@@ -591,53 +602,43 @@ class SamplerOptimizer(ChainOptimizer):
         if rollback is not None and check is not None:
             steps = {id(group): int(group["step"]) for group in self.param_groups}
             self._runtime["refusal"] = DeferredRefusal(check, steps=steps, rollback=rollback)
+        if record is not None:
+            kept = {device: flag.isfinite().reshape(()) for device, flag in largest.items()}
+            put_back_if_skipped(self._runtime, record, kept)
 
-    def _host_record(self, gathered: list[Any]) -> Any:
-        """A function that puts back the step counters and per-parameter state entries.
+    def _unfused_verdict(
+        self, gathered: list[Any], scaler: ScalerInput
+    ) -> tuple[dict[torch.device, Tensor] | None, Callable[[], None] | None]:
+        """The unfused step's verdict, and the host record a skip puts back.
 
-        As they are now: entries added later are removed, entries replaced (a buffer
-        widened to float32 with a new master, ``_half_precision``) take back their
-        tensors, and the host numbers (``StateField.host``: the step counts the kernel
-        modules advance in Python) take back their values; tensors written in place on
-        the device are not its business (a refused fused step writes none).
+        Per device, a boolean, False where the step is skipped (a ``GradScaler``'s
+        ``found_inf``, or ``nonfinite="skip"``), or None: ``nonfinite="raise"`` refused
+        a non-finite gradient here already, before anything changed.
         """
-        steps = [(group, group["step"]) for group in self.param_groups]
-        entries = [
-            (param, dict(self.state[param]) if param in self.state else None)
-            for _, _, params, _ in gathered
-            for param in params
-        ]
-        numbers = [
-            (self.state[param], name, value.clone() if isinstance(value, Tensor) else value)
-            for _, _, params, _ in gathered
-            for param in params
-            if param in self.state
-            for name, value in self.state[param].items()
-            if name in self.host_state
-        ]
+        keep = None
+        if scaler.found_inf is not None:  # the scaler's verdict, on the device
+            keep = keep_flags(gathered, scaler.found_inf)
+        elif self._nonfinite == "raise":
+            refuse_non_finite_gradients(type(self).__name__, gathered)
+        else:
+            keep = finite_flags(gathered)
+        return keep, None if keep is None else self._skip_record(gathered)
 
-        def rollback() -> None:
-            for group, step in steps:
-                group["step"] = step
-            for param, keys in entries:
-                if keys is None:
-                    self.state.pop(param, None)
-                    continue
-                state = self.state[param]
-                state.clear()
-                state.update(keys)
-            for state, name, value in numbers:
-                state[name] = value
-
-        return rollback
+    def _skip_record(self, gathered: list[Any]) -> Callable[[], None] | None:
+        """What a skipped step puts back on the host (``_skipped_host``); None if nothing."""
+        if not self.host_state:
+            return None
+        return host_record(self.state, self.param_groups, gathered, self.host_state, counters=False)
 
     def _raise_deferred_refusal(self) -> None:
         """Raise the refusal of the last fused step (``nonfinite="raise"``), if refused.
 
         Reads the verdict the step copied to the host (waiting, at most, for that copy,
         queued at the end of the step), puts back what the step recorded on the host
-        and raises; the kernels changed no parameter or buffer.
+        and raises; the kernels changed no parameter or buffer. First, a skipped step's
+        host record waiting for its verdict is put back if skipped (``_skipped_host``).
         """
+        settle_skipped(self._runtime)
         refusal = self._runtime.pop("refusal", None)
         if refusal is None:
             return
@@ -834,14 +835,22 @@ class SamplerOptimizer(ChainOptimizer):
         foreach = group["foreach"]
         if foreach is None:  # under compile, whole tensors (both paths: the same numbers)
             foreach = torch.compiler.is_compiling() or default_foreach(params)
+        gate = rescale_gate(keep, self.host_state)  # (where a skip puts back the rate)
         fields, states = self._ready_state(
-            group, params, tensors, lr=lr, temperature=temperature, foreach=foreach
+            group,
+            params,
+            tensors,
+            lr=lr,
+            temperature=temperature,
+            foreach=foreach,
+            unless_nonfinite=gate,
         )
         buffers: list[list[Any]] = [[state.get(name) for state in states] for name in fields]
         exact = self.definition.zero_temperature_step
-        if exact is not None and temperature == 0 and keep is None:
+        if exact is not None and temperature == 0:
             inputs = UpdateInput(tensors, grads, dict(zip(fields, buffers, strict=True)), None)
-            if exact({**group, "lr": lr, "temperature": 0.0}, inputs, foreach=foreach):
+            at_zero = {**group, "lr": lr, "temperature": 0.0}
+            if exact_step_unless_skipped(exact, at_zero, inputs, foreach, keep, self.host_state):
                 return
         noise_of = None
         if temperature > 0:
@@ -877,29 +886,13 @@ class SamplerOptimizer(ChainOptimizer):
             return
         noise = None if noise_of is None else [noise_of.whole(i) for i in range(len(params))]
         old = None
-        marks: dict[str, list[float]] = {}
         if keep is not None:  # the kernels update buffers in place
             old = [[None if b is None else b.clone() for b in field] for field in buffers]
-            marks = {
-                name: [float(b) for b in field]
-                for name, field in zip(fields, buffers, strict=True)
-                if name in self.host_state and name != "step" and None not in field
-            }
         directions, new_buffers = self._kernel(
             group, tensors, grads, buffers, noise, foreach=foreach, **kwargs
         )
-        if (
-            keep is not None
-            and marks
-            and _marks_moved(marks, fields, new_buffers)
-            and _skipped(keep, tensors)
-        ):
-            # A host mark moved (a preconditioner frozen at this step) in a step that the
-            # device skipped: the mark and what it froze go back, and the next step
-            # freezes from the kept state. Read to the host once, at the freeze only.
-            new_buffers = _undo_marks(marks, fields, new_buffers, old)
         for f, (name, field) in enumerate(zip(fields, new_buffers, strict=True)):
-            host = name in self.host_state  # a count on the CPU: advanced even when skipped
+            host = name in self.host_state  # put back if skipped (``_skipped_host``)
             for i, (state, value) in enumerate(zip(states, field, strict=True)):
                 if value is None:  # not created yet: torch.optim keeps tensors only
                     state.pop(name, None)
@@ -1116,54 +1109,6 @@ if not COMPILED_DRAW:
     SamplerOptimizer.step = torch.compiler.disable(  # type: ignore[method-assign,no-untyped-call]
         SamplerOptimizer.step
     )
-
-
-def _marks_moved(
-    marks: dict[str, list[float]], fields: Sequence[str], new_buffers: Sequence[Sequence[Any]]
-) -> bool:
-    """Whether a host mark (a float read in Python: the step of a freeze) changed."""
-    for name, before in marks.items():
-        after = new_buffers[fields.index(name)]
-        if any(a is not None and float(a) != b for a, b in zip(after, before, strict=True)):
-            return True
-    return False
-
-
-def _skipped(keep: dict[torch.device, Tensor], tensors: Sequence[Tensor]) -> bool:
-    """Whether the device skipped this step (one read back to the host)."""
-    devices = {tensor.device for tensor in tensors}
-    return not all(bool(keep[device]) for device in devices if device in keep)
-
-
-def _undo_marks(
-    marks: dict[str, list[float]],
-    fields: Sequence[str],
-    new_buffers: Sequence[Sequence[Any]],
-    old: Sequence[Sequence[Tensor | None]] | None,
-) -> list[list[Any]]:
-    """``new_buffers`` with the moved marks put back.
-
-    A buffer the step created (None before it) is dropped; one it replaced is restored
-    by ``kept`` afterwards, as for any skipped step.
-    """
-    undone = [list(field) for field in new_buffers]
-    for name, before in marks.items():
-        f = fields.index(name)
-        for i, value in enumerate(undone[f]):
-            if value is not None and float(value) != before[i]:
-                undone[f][i] = (
-                    torch.tensor(before[i], dtype=value.dtype)
-                    if isinstance(value, Tensor)
-                    else before[i]
-                )
-    if old is not None:
-        for f, field in enumerate(old):
-            if fields[f] in marks or fields[f] == "step":
-                continue
-            for i, before_value in enumerate(field):
-                if before_value is None:
-                    undone[f][i] = None
-    return undone
 
 
 #: param-group entries that are not hyperparameters (the chain's state, counters)
