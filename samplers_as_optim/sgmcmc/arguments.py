@@ -209,7 +209,10 @@ NONFINITE = Hyperparameter(
             break under ``torch.compile``); ``"skip"`` makes that step a no-op (parameters
             and state keep their values, the step counter advances) and counts it in
             ``param_group["skipped_steps"]`` (a 0-d integer tensor), without any
-            synchronisation, so ``torch.compile(opt.step)`` is one graph.""",
+            synchronisation, so ``torch.compile(opt.step)`` is one graph. (PSGLD and
+            AdamWSGHMC keep host step counts that a skipped step must not advance: off
+            the CPU they read the step's verdict back at the next call, and their
+            compiled step is not one graph.)""",
     transform=False,
 )
 
