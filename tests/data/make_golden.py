@@ -125,9 +125,48 @@ def record_machine() -> None:
     print(f"recorded {REPO} at {golden['recorded_from']['commit']} for probe {probe}: {path}")
 
 
+def record_pipeline() -> None:
+    """Record ``tests/golden_pipeline_cases.py``: ``--pipeline``.
+
+    Into ``golden_pipeline_cases.PIPELINE_DIR/<rounding probe>.json``, the fused cases
+    through Triton's interpreter where there is no CUDA (they need Triton installed).
+    """
+    import golden_pipeline_cases
+
+    dirty = _git("status", "--porcelain", "--", "samplers_as_optim") not in ("", "unknown")
+    probe = golden_cases.rounding_probe()
+    golden: dict[str, Any] = {
+        "about": (
+            "Golden trajectories of the paths the step pipeline (issue #35) moves, recorded "
+            "by tests/data/make_golden.py --pipeline from tests/golden_pipeline_cases.py "
+            "and checked bit for bit by tests/test_golden_pipeline.py."
+        ),
+        "recorded_from": {
+            "commit": _git("log", "-1", "--format=%h"),
+            "commit_date": _git("log", "-1", "--format=%cs"),
+            "uncommitted_changes_in_package": dirty,
+            "torch": torch.__version__.split("+")[0],
+            "rounding_probe": probe,
+            "cuda": torch.cuda.is_available(),
+        },
+        "trajectories": {},
+    }
+    seed = golden_cases.RECORD_GLOBAL_SEED
+    for name in golden_pipeline_cases.PIPELINE_CASES:
+        record = golden_pipeline_cases.run_pipeline_case(name, seed)
+        golden["trajectories"][name] = golden_cases.to_hex(record)
+    golden_pipeline_cases.PIPELINE_DIR.mkdir(exist_ok=True)
+    path = golden_pipeline_cases.PIPELINE_DIR / f"{probe}.json"
+    path.write_text(_dumps(golden))
+    print(f"recorded {REPO} at {golden['recorded_from']['commit']} for probe {probe}: {path}")
+
+
 def main() -> None:
     if sys.argv[1:] == ["--machine"]:
         record_machine()
+        return
+    if sys.argv[1:] == ["--pipeline"]:
+        record_pipeline()
         return
     dirty = _git("status", "--porcelain", "--", "samplers_as_optim") not in ("", "unknown")
     golden: dict[str, Any] = {
