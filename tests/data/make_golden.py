@@ -58,6 +58,18 @@ def _git(*args: str) -> str:
     return result.stdout.strip()
 
 
+def _recorded_from(**extra: Any) -> dict[str, Any]:
+    """The commit recorded, whether the package had uncommitted changes, torch's version."""
+    dirty = _git("status", "--porcelain", "--", "samplers_as_optim") not in ("", "unknown")
+    return {
+        "commit": _git("log", "-1", "--format=%h"),
+        "commit_date": _git("log", "-1", "--format=%cs"),
+        "uncommitted_changes_in_package": dirty,
+        "torch": torch.__version__.split("+")[0],
+        **extra,
+    }
+
+
 def _dumps(golden: dict[str, Any]) -> str:
     """JSON with one line per recorded list (diffable, about one line per entry)."""
 
@@ -92,7 +104,6 @@ def record_machine() -> None:
     same cases; the continuations resume the recorded checkpoints (``GOLDEN_CHECKPOINTS``,
     as the test does), which stay the one file. Writes ``MACHINE_DIR/<probe>.json``.
     """
-    dirty = _git("status", "--porcelain", "--", "samplers_as_optim") not in ("", "unknown")
     probe = golden_cases.rounding_probe()
     golden: dict[str, Any] = {
         "about": (
@@ -100,13 +111,7 @@ def record_machine() -> None:
             "(tests/golden_cases.py rounding_probe), recorded by tests/data/make_golden.py "
             "--machine; the continuations resume tests/data/golden_checkpoints.pt."
         ),
-        "recorded_from": {
-            "commit": _git("log", "-1", "--format=%h"),
-            "commit_date": _git("log", "-1", "--format=%cs"),
-            "uncommitted_changes_in_package": dirty,
-            "torch": torch.__version__.split("+")[0],
-            "rounding_probe": probe,
-        },
+        "recorded_from": _recorded_from(rounding_probe=probe),
         "trajectories": {},
         "continuations": {},
     }
@@ -133,7 +138,6 @@ def record_pipeline() -> None:
     """
     import golden_pipeline_cases
 
-    dirty = _git("status", "--porcelain", "--", "samplers_as_optim") not in ("", "unknown")
     probe = golden_cases.rounding_probe()
     golden: dict[str, Any] = {
         "about": (
@@ -141,14 +145,7 @@ def record_pipeline() -> None:
             "by tests/data/make_golden.py --pipeline from tests/golden_pipeline_cases.py "
             "and checked bit for bit by tests/test_golden_pipeline.py."
         ),
-        "recorded_from": {
-            "commit": _git("log", "-1", "--format=%h"),
-            "commit_date": _git("log", "-1", "--format=%cs"),
-            "uncommitted_changes_in_package": dirty,
-            "torch": torch.__version__.split("+")[0],
-            "rounding_probe": probe,
-            "cuda": torch.cuda.is_available(),
-        },
+        "recorded_from": _recorded_from(rounding_probe=probe, cuda=torch.cuda.is_available()),
         "trajectories": {},
     }
     seed = golden_cases.RECORD_GLOBAL_SEED
@@ -168,7 +165,6 @@ def main() -> None:
     if sys.argv[1:] == ["--pipeline"]:
         record_pipeline()
         return
-    dirty = _git("status", "--porcelain", "--", "samplers_as_optim") not in ("", "unknown")
     golden: dict[str, Any] = {
         "about": (
             "Golden trajectories of samplers_as_optim, recorded by tests/data/make_golden.py "
@@ -176,12 +172,7 @@ def main() -> None:
             "Numbers are float.hex() strings. Regenerate only for a deliberate, documented "
             "change of behaviour."
         ),
-        "recorded_from": {
-            "commit": _git("log", "-1", "--format=%h"),
-            "commit_date": _git("log", "-1", "--format=%cs"),
-            "uncommitted_changes_in_package": dirty,
-            "torch": torch.__version__.split("+")[0],
-        },
+        "recorded_from": _recorded_from(),
         "trajectories": {},
         "continuations": {},
     }
@@ -206,7 +197,7 @@ def main() -> None:
     )
     print(
         f"recorded {REPO} at {golden['recorded_from']['commit']}"
-        f"{' with uncommitted changes' if dirty else ''}: "
+        f"{' with uncommitted changes' if golden['recorded_from']['uncommitted_changes_in_package'] else ''}: "
         f"{len(golden['trajectories'])} trajectory cases, {len(checkpoints)} checkpoint cases, "
         f"{count} numbers; {golden_cases.GOLDEN_JSON.stat().st_size} bytes of JSON, "
         f"{golden_cases.GOLDEN_CHECKPOINTS.stat().st_size} bytes of checkpoints"
