@@ -1,0 +1,145 @@
+"""The package's size budgets, read from the code: a ratchet toward issue #35's targets.
+
+Each test holds one measure at most where it stood when the step pipeline (issue #35) was
+started (2026-12-02, after #34), so that no change makes it worse, and names the target
+#35 sets. A change that meets a target lowers its ceiling here to the target, in the same
+commit; none raises one. The measures:
+
+- modules over 600 lines (target: none);
+- functions over 80 lines (target: none in ``sgmcmc/``, at most 8 in the package);
+- modules in one folder (target: at most 15);
+- the modules and lines SGHMC's step imports, directly or not, inside the package
+  (target: at most 16 modules and 4,000 lines; torch's SGD reads about 1,600);
+- private names imported across folders (target: none).
+
+The import graph is ``tests/test_layers.py``'s (every import of the package's modules,
+function-local ones included).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from pathlib import Path
+
+from test_layers import GRAPH, ROOT, modules
+
+MODULES = modules()
+
+#: the modules over 600 lines and their sizes when the ratchet was set (target: none)
+LONG_MODULES = {
+    "diagnostics": 610,
+    "gaussian._weight_gaussian": 613,
+    "gaussian.ivon": 729,
+    "gaussian.laplace": 627,
+    "hmc.sampler": 628,
+    "predictive": 637,
+    "samples.ensemble": 616,
+    "sgmcmc.chain_temperature": 716,
+    "sgmcmc.optimizer": 1136,
+    "sgmcmc.psgld": 767,
+}
+#: functions over 80 lines when the ratchet was set (target: none in sgmcmc, 8 in all)
+LONG_FUNCTIONS = 27
+LONG_FUNCTIONS_IN_SGMCMC = 16
+#: the most modules in one folder (target: 15)
+MODULES_PER_FOLDER = {"sgmcmc": 42, "gaussian": 28, "": 15, "hmc": 10, "samples": 10, "core": 9}
+#: SGHMC's import closure inside the package (target: 16 modules, 4,000 lines)
+SGHMC_CLOSURE_MODULES = 34
+SGHMC_CLOSURE_LINES = 8318
+#: private names imported from a module of another folder (target: none)
+PRIVATE_ACROSS_FOLDERS = 18
+
+
+def lines(name: str) -> int:
+    return len(MODULES[name].read_text().splitlines())
+
+
+def folder(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def long_functions() -> list[tuple[str, str, int]]:
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                if size > 80:
+                    found.append((name, node.name, size))
+    return found
+
+
+def private_imports_across_folders() -> list[str]:
+    """``from .x import _name`` where module ``x`` lies in another folder than the importer."""
+    found = []
+    for name, path in MODULES.items():
+        base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level and node.module):
+                continue
+            anchor = base[: len(base) - (node.level - 1)]
+            target = ".".join([*anchor, *node.module.split(".")])
+            if target not in MODULES or folder(target) == folder(name):
+                continue
+            found.extend(
+                f"{name} <- {target}.{alias.name}"
+                for alias in node.names
+                if alias.name.startswith("_")
+            )
+    return found
+
+
+def closure(start: str) -> set[str]:
+    seen: set[str] = set()
+    stack = [start]
+    while stack:
+        name = stack.pop()
+        if name not in seen:
+            seen.add(name)
+            stack.extend(GRAPH.get(name, ()))
+    return seen
+
+
+def test_no_module_passes_600_lines_but_those_that_did_and_none_grows():
+    long = {name: lines(name) for name in MODULES if lines(name) > 600}
+    new = sorted(set(long) - set(LONG_MODULES))
+    grown = sorted(
+        name for name in long if name in LONG_MODULES and long[name] > LONG_MODULES[name]
+    )
+    assert (new, grown) == ([], [])
+
+
+def test_functions_over_80_lines_do_not_multiply():
+    found = long_functions()
+    assert len(found) <= LONG_FUNCTIONS, sorted(found)
+    in_sgmcmc = [f for f in found if f[0].startswith("sgmcmc.")]
+    assert len(in_sgmcmc) <= LONG_FUNCTIONS_IN_SGMCMC, sorted(in_sgmcmc)
+
+
+def test_no_folder_gains_modules():
+    counts = Counter(folder(name) for name in MODULES)
+    over = {f: n for f, n in counts.items() if n > MODULES_PER_FOLDER.get(f, 15)}
+    assert over == {}
+
+
+def test_sghmcs_import_closure_does_not_grow():
+    reached = closure("sgmcmc.sghmc")
+    assert len(reached) <= SGHMC_CLOSURE_MODULES, sorted(reached)
+    assert sum(lines(name) for name in reached) <= SGHMC_CLOSURE_LINES
+
+
+def test_private_names_imported_across_folders_do_not_multiply():
+    found = private_imports_across_folders()
+    assert len(found) <= PRIVATE_ACROSS_FOLDERS, found
+
+
+def test_the_measures_see_the_code():
+    """Not vacuous: known long modules and functions, a known closure member."""
+    assert lines("sgmcmc.sghmc") > 100
+    assert ("sgmcmc.psgld", "psgld_direction") in {(m, f) for m, f, _ in long_functions()}
+    assert "core.keyed_normal" in closure("sgmcmc.sghmc")
+    assert any(
+        "curvature <- gaussian.curvature_vectors._" in f for f in private_imports_across_folders()
+    )
+    assert Path(ROOT, "sgmcmc", "sghmc.py").is_file()
