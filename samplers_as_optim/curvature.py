@@ -57,18 +57,18 @@ from torch.func import functional_call, jvp, vjp
 
 from .core.validation import check_nonnegative, check_positive_int
 from .gaussian.curvature_vectors import (
-    _AnyVector,
-    _axpy,
-    _breakdown,
-    _check_b,
-    _conform,
-    _dot,
-    _exponent,
-    _kind,
-    _nonfinite,
-    _nonfinite_vector,
-    _scale,
-    _tensors,
+    AnyVector,
+    breakdown_error,
+    check_rhs,
+    conform_vector,
+    describe_nonfinite,
+    describe_nonfinite_vector,
+    kind_of,
+    scale_by_power_of_two,
+    vector_axpy,
+    vector_dot,
+    vector_exponent,
+    vector_tensors,
 )
 from .gaussian.flat import Treated
 from .gaussian.likelihoods import Classification, Likelihood, Regression, make_likelihood
@@ -109,7 +109,7 @@ def _as_params(
         value = v[name]
         if not isinstance(value, Tensor):
             raise TypeError(
-                f"Invalid v: {name!r} is {_kind(value)} (expected a tensor of shape "
+                f"Invalid v: {name!r} is {kind_of(value)} (expected a tensor of shape "
                 f"{tuple(shape)}, like the parameter: numbers are not broadcast)"
             )
         _check_real_v(value, name)
@@ -132,7 +132,7 @@ def _check_real_v(value: Tensor, name: str | None) -> None:
 
 
 def _check_finite_v(value: Tensor, name: str | None) -> None:
-    kinds = _nonfinite(value)
+    kinds = describe_nonfinite(value)
     if kinds:
         subject = f"{name!r} has non-finite values" if name is not None else "non-finite values"
         raise ValueError(f"Invalid v: {subject} ({kinds}) (expected finite numbers)")
@@ -186,7 +186,7 @@ def _check_targets(like: Likelihood, out: Tensor, targets: object) -> None:
             )
     else:
         return
-    kinds = _nonfinite(targets)
+    kinds = describe_nonfinite(targets)
     if kinds:
         raise ValueError(f"Invalid targets: non-finite values ({kinds}) (expected finite numbers)")
 
@@ -228,7 +228,7 @@ def _result(
 ) -> Tensor | dict[str, Tensor]:
     """The product in v's form; a non-finite one is refused, naming its cause."""
     out = {name: grads[name].detach() for name in treated.names}
-    if _nonfinite_vector(out):
+    if describe_nonfinite_vector(out):
         _explain_nonfinite(function, out, model, inputs, targets)
     return treated.flatten(out) if flat else out
 
@@ -242,19 +242,19 @@ def _explain_nonfinite(
         (("buffer", name, t) for name, t in model.named_buffers()),
     )
     for kind, name, tensor in named:
-        kinds = _nonfinite(tensor.detach())
+        kinds = describe_nonfinite(tensor.detach())
         if kinds:
             raise ValueError(
                 f"Invalid model: {kind} {name!r} has non-finite values ({kinds}) (expected "
                 f"finite parameters and buffers: {function} linearizes the model at them)"
             )
     for arg, value in (("inputs", inputs), ("targets", targets)):
-        kinds = _nonfinite(value) if isinstance(value, Tensor) else ""
+        kinds = describe_nonfinite(value) if isinstance(value, Tensor) else ""
         if kinds:
             raise ValueError(
                 f"Invalid {arg}: non-finite values ({kinds}) (expected finite numbers)"
             )
-    kinds = _nonfinite_vector(out)
+    kinds = describe_nonfinite_vector(out)
     dtype = next(iter(out.values())).dtype
     raise ValueError(
         f"Non-finite {function}: the product has {kinds} values although v, the model's "
@@ -420,36 +420,36 @@ def conjugate_gradient(
             f"Invalid matvec: {type(matvec).__name__} (expected a callable v -> A v returning "
             "the structure of v)"
         )
-    operator = cast(Callable[[_AnyVector], object], matvec)
-    rhs = _check_b(b)
-    size = sum(t.numel() for t in _tensors(rhs))
+    operator = cast(Callable[[AnyVector], object], matvec)
+    rhs = check_rhs(b)
+    size = sum(t.numel() for t in vector_tensors(rhs))
     maxiter = check_positive_int("maxiter", max(size, 1) if maxiter is None else maxiter)
     tol = check_nonnegative("tol", tol)
-    start: _AnyVector | None = None
+    start: AnyVector | None = None
     if x0 is None:
         r = rhs
     else:
-        start = _conform(x0, rhs, "x0", "", "")
-        product = _conform(
+        start = conform_vector(x0, rhs, "x0", "", "")
+        product = conform_vector(
             operator(start),
             rhs,
             "matvec",
             " for A x0",
             ": x0 is finite, so the operator produced them",
         )
-        r = _axpy(-1.0, product, rhs)
-        kinds = _nonfinite_vector(r)
+        r = vector_axpy(-1.0, product, rhs)
+        kinds = describe_nonfinite_vector(r)
         if kinds:
             raise ValueError(
                 f"Invalid x0: the residual b - A x0 overflows b's dtype ({kinds}) (expected a "
                 "starting point at the scale of the solution)"
             )
     # Solve A d = r for the correction d = x - x0 with r scaled by 2^-e_r to unit size.
-    e_r = _exponent(r)
-    r = _scale(r, -e_r)
-    e_b = e_r if start is None else _exponent(rhs)
-    unit_b = r if start is None else _scale(rhs, -e_b)
-    norm_b = math.sqrt(float(_dot(unit_b, unit_b)))  # ||b|| / 2^e_b
+    e_r = vector_exponent(r)
+    r = scale_by_power_of_two(r, -e_r)
+    e_b = e_r if start is None else vector_exponent(rhs)
+    unit_b = r if start is None else scale_by_power_of_two(rhs, -e_b)
+    norm_b = math.sqrt(float(vector_dot(unit_b, unit_b)))  # ||b|| / 2^e_b
     if tol == 0 or norm_b == 0:
         threshold = 0.0
     else:
@@ -458,31 +458,31 @@ def conjugate_gradient(
         except OverflowError:
             bound = math.inf
         threshold = bound * bound
-    d: _AnyVector = (
+    d: AnyVector = (
         torch.zeros_like(r)
         if isinstance(r, Tensor)
         else {k: torch.zeros_like(t) for k, t in r.items()}
     )
     p = r
-    rr_t = _dot(r, r)
+    rr_t = vector_dot(r, r)
     rr = float(rr_t)
-    dtype = ", ".join(sorted({str(t.dtype) for t in _tensors(rhs)}))
+    dtype = ", ".join(sorted({str(t.dtype) for t in vector_tensors(rhs)}))
     for iteration in range(1, maxiter + 1):
         if rr <= threshold:
             break
-        ap = _conform(
+        ap = conform_vector(
             operator(p),
             rhs,
             "matvec",
             f" for A p at iteration {iteration}",
             ": p is finite, so the operator produced them",
         )
-        curvature_t = _dot(p, ap)
+        curvature_t = vector_dot(p, ap)
         curvature = float(curvature_t)
         if not math.isfinite(curvature):
-            raise _breakdown(iteration, "p^T A p", curvature, dtype)
+            raise breakdown_error(iteration, "p^T A p", curvature, dtype)
         if not (curvature > 0):
-            norm_p = float(_dot(p, p))
+            norm_p = float(vector_dot(p, p))
             rayleigh = curvature / norm_p if norm_p > 0 else curvature
             raise ValueError(
                 f"Invalid matvec: p^T A p / p^T p = {rayleigh:.3g} <= 0 for the search "
@@ -491,22 +491,22 @@ def conjugate_gradient(
             )
         alpha = rr_t / curvature_t
         if not math.isfinite(float(alpha)):
-            raise _breakdown(iteration, "the step r^T r / p^T A p", float(alpha), dtype)
-        d = _axpy(alpha, p, d)
-        r = _axpy(-alpha, ap, r)
-        rr_new_t = _dot(r, r)
+            raise breakdown_error(iteration, "the step r^T r / p^T A p", float(alpha), dtype)
+        d = vector_axpy(alpha, p, d)
+        r = vector_axpy(-alpha, ap, r)
+        rr_new_t = vector_dot(r, r)
         rr_new = float(rr_new_t)
         if not math.isfinite(rr_new):
-            raise _breakdown(iteration, "the residual's r^T r", rr_new, dtype)
+            raise breakdown_error(iteration, "the residual's r^T r", rr_new, dtype)
         beta = rr_new_t / rr_t
         if not math.isfinite(float(beta)):
-            raise _breakdown(iteration, "the ratio r_new^T r_new / r^T r", float(beta), dtype)
-        p = _axpy(beta, p, r)
+            raise breakdown_error(iteration, "the ratio r_new^T r_new / r^T r", float(beta), dtype)
+        p = vector_axpy(beta, p, r)
         rr_t, rr = rr_new_t, rr_new
-    x = _scale(d, e_r)
+    x = scale_by_power_of_two(d, e_r)
     if start is not None:
-        x = _axpy(1.0, x, start)
-    kinds = _nonfinite_vector(x)
+        x = vector_axpy(1.0, x, start)
+    kinds = describe_nonfinite_vector(x)
     if kinds:
         raise ValueError(
             f"Invalid matvec: the solution x of A x = b overflows b's dtype ({kinds}) "

@@ -110,12 +110,12 @@ from .core.validation import (
 )
 from .samples.ranks import sort_values
 from .samples.rhat_ess import (
-    _check_samples,
-    _combine_rhat,
-    _compute,
-    _linear_quantile,
-    _rhat_names,
-    _superchain_order,
+    check_samples,
+    combine_rhat,
+    compute,
+    linear_quantile,
+    rhat_names,
+    superchain_order,
 )
 from .sgmcmc.chain_temperature import ChainTemperatureReport
 from .sgmcmc.temperature_monitor import ChainTemperatureWarning, TemperatureMonitor
@@ -268,10 +268,10 @@ def rhat(samples: Tensor, *, method: RhatMethod = "rank", chunk_size: int | None
 
 
 def _rhat(samples: object, method: str, chunk_size: object, *, name: str) -> Tensor:
-    samples = _check_samples(samples, min_chains=2, purpose="R-hat", name=name)
+    samples = check_samples(samples, min_chains=2, purpose="R-hat", name=name)
     check_choice("method", method, _RHAT_METHODS)
-    results = _compute(samples, _rhat_names(method), chunk_size=check_chunk_size(chunk_size))
-    return _combine_rhat(results, method)
+    results = compute(samples, rhat_names(method), chunk_size=check_chunk_size(chunk_size))
+    return combine_rhat(results, method)
 
 
 def nested_rhat(
@@ -318,13 +318,13 @@ def nested_rhat(
         >>> bool((diagnostics.nested_rhat(y, 8) > 1.1).all())
         True
     """
-    samples = _check_samples(samples, min_chains=2, purpose="nested R-hat")
+    samples = check_samples(samples, min_chains=2, purpose="nested R-hat")
     check_choice("method", method, _RHAT_METHODS)
-    nested = _superchain_order(superchains, samples.shape[0], samples.device)
-    results = _compute(
-        samples, _rhat_names(method), nested=nested, chunk_size=check_chunk_size(chunk_size)
+    nested = superchain_order(superchains, samples.shape[0], samples.device)
+    results = compute(
+        samples, rhat_names(method), nested=nested, chunk_size=check_chunk_size(chunk_size)
     )
-    return _combine_rhat(results, method)
+    return combine_rhat(results, method)
 
 
 def ess(
@@ -369,11 +369,11 @@ def ess(
         >>> bool(diagnostics.ess(iid) > 3000), bool(diagnostics.ess(sticky) < 100)
         (True, True)
     """
-    samples = _check_samples(samples, min_chains=1, purpose="ESS")
+    samples = check_samples(samples, min_chains=1, purpose="ESS")
     check_choice("method", method, _ESS_METHODS)
     prob = check_open_unit_interval("prob", prob)
     name = f"ess_{method}"
-    return _compute(samples, {name}, prob=prob, chunk_size=check_chunk_size(chunk_size))[name]
+    return compute(samples, {name}, prob=prob, chunk_size=check_chunk_size(chunk_size))[name]
 
 
 def diagnose(samples: Tensor, *, prob: float = 0.05, chunk_size: int | None = None) -> Diagnostics:
@@ -404,11 +404,11 @@ def diagnose(samples: Tensor, *, prob: float = 0.05, chunk_size: int | None = No
         >>> bool((result.rhat < 1.01).all()), bool((result.ess_bulk > 400).all())
         (True, True)
     """
-    samples = _check_samples(samples, min_chains=2, purpose="R-hat")
+    samples = check_samples(samples, min_chains=2, purpose="R-hat")
     prob = check_open_unit_interval("prob", prob)
     wanted = {"rhat_bulk", "rhat_folded", "ess_bulk", "ess_tail"}
-    results = _compute(samples, wanted, prob=prob, chunk_size=check_chunk_size(chunk_size))
-    return Diagnostics(_combine_rhat(results, "rank"), results["ess_bulk"], results["ess_tail"])
+    results = compute(samples, wanted, prob=prob, chunk_size=check_chunk_size(chunk_size))
+    return Diagnostics(combine_rhat(results, "rank"), results["ess_bulk"], results["ess_tail"])
 
 
 def summary(
@@ -481,7 +481,7 @@ def summary(
         max=float(ordered[0, -1]),
         # NaN can only come from inf - inf when interpolating towards an infinite R-hat.
         quantiles={
-            level: float(_linear_quantile(ordered, level)[0].nan_to_num(nan=math.inf))
+            level: float(linear_quantile(ordered, level)[0].nan_to_num(nan=math.inf))
             for level in levels
         },
         fraction_above={t: n / count for t, n in count_above.items()},

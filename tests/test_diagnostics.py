@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from samplers_as_optim import diagnostics
 from samplers_as_optim.samples import ranks as _ranks
+from samplers_as_optim.samples import rhat_ess
 
 RHAT_METHODS = {"rank": "rank", "bulk": "z_scale", "folded": "folded", "split": "split"}
 TOL = 1e-6
@@ -588,5 +589,5 @@ def test_linear_quantile_reproduces_numpy_bit_for_bit(dtype):
     rng = np.random.default_rng(9)
     x = np.sort(rng.standard_normal((200, 37)).astype(dtype), axis=-1)
     for prob in (0.05, 0.3, 0.5, 0.95, 0.999):
-        ours = diagnostics._linear_quantile(torch.from_numpy(x), prob).numpy()
+        ours = rhat_ess.linear_quantile(torch.from_numpy(x), prob).numpy()
         np.testing.assert_array_equal(ours, np.quantile(x, prob, axis=-1))

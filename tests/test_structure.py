@@ -10,7 +10,7 @@ commit; none raises one. The measures:
 - modules in one folder (target: at most 15);
 - the modules and lines SGHMC's step imports, directly or not, inside the package
   (target: at most 16 modules and 4,000 lines; torch's SGD reads about 1,600);
-- private names imported across folders (target: none).
+- private names imported across folders (target: none; met, and held at none).
 
 The import graph is ``tests/test_layers.py``'s (every import of the package's modules,
 function-local ones included).
@@ -47,8 +47,8 @@ MODULES_PER_FOLDER = {"sgmcmc": 42, "gaussian": 28, "": 15, "hmc": 10, "samples"
 #: SGHMC's import closure inside the package (target: 16 modules, 4,000 lines)
 SGHMC_CLOSURE_MODULES = 34
 SGHMC_CLOSURE_LINES = 8318
-#: private names imported from a module of another folder (target: none)
-PRIVATE_ACROSS_FOLDERS = 18
+#: private names imported from a module of another folder (target met: none)
+PRIVATE_ACROSS_FOLDERS = 0
 
 
 def lines(name: str) -> int:
@@ -70,17 +70,17 @@ def long_functions() -> list[tuple[str, str, int]]:
     return found
 
 
-def private_imports_across_folders() -> list[str]:
+def private_imports_across_folders(mods: dict[str, Path] = MODULES) -> list[str]:
     """``from .x import _name`` where module ``x`` lies in another folder than the importer."""
     found = []
-    for name, path in MODULES.items():
+    for name, path in mods.items():
         base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         for node in ast.walk(ast.parse(path.read_text())):
             if not (isinstance(node, ast.ImportFrom) and node.level and node.module):
                 continue
             anchor = base[: len(base) - (node.level - 1)]
             target = ".".join([*anchor, *node.module.split(".")])
-            if target not in MODULES or folder(target) == folder(name):
+            if target not in mods or folder(target) == folder(name):
                 continue
             found.extend(
                 f"{name} <- {target}.{alias.name}"
@@ -134,12 +134,18 @@ def test_private_names_imported_across_folders_do_not_multiply():
     assert len(found) <= PRIVATE_ACROSS_FOLDERS, found
 
 
-def test_the_measures_see_the_code():
-    """Not vacuous: known long modules and functions, a known closure member."""
+def test_the_measures_see_the_code(tmp_path: Path):
+    """Not vacuous: known long modules and functions, a known closure member, and a
+    private name imported across folders in a package made for the test."""
     assert lines("sgmcmc.sghmc") > 100
     assert ("sgmcmc.psgld", "psgld_direction") in {(m, f) for m, f, _ in long_functions()}
     assert "core.keyed_normal" in closure("sgmcmc.sghmc")
-    assert any(
-        "curvature <- gaussian.curvature_vectors._" in f for f in private_imports_across_folders()
-    )
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "x.py").write_text("from ..b.y import _hidden, shown\nfrom ._z import _ok\n")
+    (tmp_path / "a" / "_z.py").write_text("_ok = 1\n")
+    (tmp_path / "b" / "y.py").write_text("_hidden = shown = 1\n")
+    made = {"a.x": tmp_path / "a" / "x.py", "a._z": tmp_path / "a" / "_z.py"}
+    made["b.y"] = tmp_path / "b" / "y.py"
+    assert private_imports_across_folders(made) == ["a.x <- b.y._hidden"]
     assert Path(ROOT, "sgmcmc", "sghmc.py").is_file()

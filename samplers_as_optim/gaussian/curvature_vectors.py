@@ -17,15 +17,31 @@ from typing import cast
 import torch
 from torch import Tensor
 
-_AnyVector = Tensor | dict[str, Tensor]
+__all__ = [
+    "AnyVector",
+    "breakdown_error",
+    "check_rhs",
+    "conform_vector",
+    "describe_nonfinite",
+    "describe_nonfinite_vector",
+    "kind_of",
+    "scale_by_power_of_two",
+    "vector_axpy",
+    "vector_dot",
+    "vector_exponent",
+    "vector_tensors",
+]
+
+#: a vector of the curvature products: a tensor, or a dict name -> tensor
+AnyVector = Tensor | dict[str, Tensor]
 
 
-def _kind(value: object) -> str:
+def kind_of(value: object) -> str:
     """How a message names a value's type: ``None`` or the type's name."""
     return "None" if value is None else type(value).__name__
 
 
-def _nonfinite(tensor: Tensor) -> str:
+def describe_nonfinite(tensor: Tensor) -> str:
     """``""`` when every value is finite, else which kinds occur: "nan", "inf", "nan and inf"."""
     if not (tensor.is_floating_point() or tensor.is_complex()):
         return ""
@@ -42,17 +58,18 @@ def _nonfinite(tensor: Tensor) -> str:
     return " and ".join(kinds)
 
 
-def _nonfinite_vector(vector: _AnyVector) -> str:
-    """:func:`_nonfinite` of a tensor or of all the tensors of a dict together."""
+def describe_nonfinite_vector(vector: AnyVector) -> str:
+    """:func:`describe_nonfinite` of a tensor or of all the tensors of a dict together."""
     tensors = [vector] if isinstance(vector, Tensor) else list(vector.values())
     if bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()):
         return ""
     return " and ".join(
-        kind for kind in ("nan", "inf") if any(kind in _nonfinite(t) for t in tensors)
+        kind for kind in ("nan", "inf") if any(kind in describe_nonfinite(t) for t in tensors)
     )
 
 
-def _tensors(vector: _AnyVector) -> list[Tensor]:
+def vector_tensors(vector: AnyVector) -> list[Tensor]:
+    """The vector's tensors: itself, or a dict's values in order."""
     return [vector] if isinstance(vector, Tensor) else list(vector.values())
 
 
@@ -62,7 +79,7 @@ def _flat(tensor: Tensor) -> Tensor:
     return flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
 
 
-def _dot(a: _AnyVector, b: _AnyVector) -> Tensor:
+def vector_dot(a: AnyVector, b: AnyVector) -> Tensor:
     """``a^T b``; both have the same structure (checked by the callers)."""
     if isinstance(a, Tensor):
         return torch.dot(_flat(a), _flat(cast(Tensor, b)))
@@ -71,7 +88,7 @@ def _dot(a: _AnyVector, b: _AnyVector) -> Tensor:
     return torch.stack(parts).sum()
 
 
-def _axpy(alpha: Tensor | float, x: _AnyVector, y: _AnyVector) -> _AnyVector:
+def vector_axpy(alpha: Tensor | float, x: AnyVector, y: AnyVector) -> AnyVector:
     """``y + alpha * x``."""
     if isinstance(x, Tensor):
         return cast(Tensor, y) + alpha * x
@@ -79,14 +96,14 @@ def _axpy(alpha: Tensor | float, x: _AnyVector, y: _AnyVector) -> _AnyVector:
     return {k: y_dict[k] + alpha * x[k] for k in x}
 
 
-def _exponent(vector: _AnyVector) -> int:
-    """The exponent e with max |vector| in [2^(e-1), 2^e) (0 for a zero vector)."""
-    maxima = [t.detach().abs().max() for t in _tensors(vector) if t.numel()]
+def vector_exponent(vector: AnyVector) -> int:
+    """The exponent e with ``max |vector|`` in [2^(e-1), 2^e) (0 for a zero vector)."""
+    maxima = [t.detach().abs().max() for t in vector_tensors(vector) if t.numel()]
     largest = float(torch.stack(maxima).max()) if maxima else 0.0
     return math.frexp(largest)[1] if largest > 0 else 0
 
 
-def _scale(vector: _AnyVector, exponent: int) -> _AnyVector:
+def scale_by_power_of_two(vector: AnyVector, exponent: int) -> AnyVector:
     """``vector * 2**exponent``, exactly (in steps whose factor the dtype represents)."""
 
     def one(tensor: Tensor) -> Tensor:
@@ -105,7 +122,7 @@ def _scale(vector: _AnyVector, exponent: int) -> _AnyVector:
     return {k: one(t) for k, t in vector.items()}
 
 
-def _check_b(b: object) -> _AnyVector:
+def check_rhs(b: object) -> AnyVector:
     """``b``: a floating-point tensor or a non-empty dict of them, finite (a dict is copied)."""
     expected = "a tensor or a dict name -> tensor, floating-point and finite"
     if isinstance(b, Tensor):
@@ -118,7 +135,7 @@ def _check_b(b: object) -> _AnyVector:
         items = []
         for key, value in b.items():
             if not isinstance(value, Tensor):
-                raise TypeError(f"Invalid b: {key!r} is {_kind(value)} (expected {expected})")
+                raise TypeError(f"Invalid b: {key!r} is {kind_of(value)} (expected {expected})")
             items.append((key, value))
     else:
         raise TypeError(f"Invalid b: {type(b).__name__} (expected {expected})")
@@ -129,7 +146,7 @@ def _check_b(b: object) -> _AnyVector:
                 f"Invalid b: {subject}dtype {value.dtype} (expected {expected}: the solution "
                 "has b's dtype)"
             )
-        kinds = _nonfinite(value)
+        kinds = describe_nonfinite(value)
         if kinds:
             raise ValueError(
                 f"Invalid b: {subject}non-finite values ({kinds}) (expected finite numbers)"
@@ -137,7 +154,7 @@ def _check_b(b: object) -> _AnyVector:
     return b if isinstance(b, Tensor) else {cast(str, key): value for key, value in items}
 
 
-def _conform(value: object, like: _AnyVector, name: str, context: str, hint: str) -> _AnyVector:
+def conform_vector(value: object, like: AnyVector, name: str, context: str, hint: str) -> AnyVector:
     """``value`` (x0 or a matvec result) checked to have the structure of ``like`` (b).
 
     Same type, keys and shapes, real dtypes and finite values; converted to b's dtypes and
@@ -148,13 +165,13 @@ def _conform(value: object, like: _AnyVector, name: str, context: str, hint: str
     if isinstance(like, Tensor):
         if not isinstance(value, Tensor):
             raise TypeError(
-                f"Invalid {name}: {returned}{_kind(value)}{context} (expected a tensor "
+                f"Invalid {name}: {returned}{kind_of(value)}{context} (expected a tensor "
                 f"of shape {tuple(like.shape)}, like b)"
             )
         return _conform_tensor(value, like, name, returned, context, hint, None)
     if not isinstance(value, Mapping):
         raise TypeError(
-            f"Invalid {name}: {returned}{_kind(value)}{context} (expected a dict with "
+            f"Invalid {name}: {returned}{kind_of(value)}{context} (expected a dict with "
             f"the keys of b, {list(like)})"
         )
     missing = [key for key in like if key not in value]
@@ -172,7 +189,7 @@ def _conform(value: object, like: _AnyVector, name: str, context: str, hint: str
         entry = value[key]
         if not isinstance(entry, Tensor):
             raise TypeError(
-                f"Invalid {name}: {returned}{key!r} as {_kind(entry)}{context} "
+                f"Invalid {name}: {returned}{key!r} as {kind_of(entry)}{context} "
                 f"(expected a tensor of shape {tuple(tensor.shape)}, like b[{key!r}])"
             )
         conformed[key] = _conform_tensor(entry, tensor, name, returned, context, hint, key)
@@ -200,7 +217,7 @@ def _conform_tensor(
             f"Invalid {name}: {returned}{of}dtype {value.dtype}{context} (expected a real "
             f"tensor, converted to the dtype of {target}, {like.dtype})"
         )
-    kinds = _nonfinite(value)
+    kinds = describe_nonfinite(value)
     if kinds:
         where = "" if key is None else f" in {key!r}"
         raise ValueError(
@@ -210,7 +227,8 @@ def _conform_tensor(
     return value.to(dtype=like.dtype, device=like.device)
 
 
-def _breakdown(iteration: int, what: str, value: float, dtype: str) -> ValueError:
+def breakdown_error(iteration: int, what: str, value: float, dtype: str) -> ValueError:
+    """The error of conjugate gradients broken down at ``iteration`` (``what`` = ``value``)."""
     return ValueError(
         f"Invalid matvec: conjugate gradient broke down at iteration {iteration}: {what} = "
         f"{value:.3g} is not finite in {dtype} (expected a symmetric positive-definite "

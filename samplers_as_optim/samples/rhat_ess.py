@@ -18,6 +18,15 @@ from torch import Tensor
 
 from .ranks import normal_scores, sort_values
 
+__all__ = [
+    "check_samples",
+    "combine_rhat",
+    "compute",
+    "linear_quantile",
+    "rhat_names",
+    "superchain_order",
+]
+
 _MIN_DRAWS = 4  # two draws per half-chain, as ArviZ requires
 _CHUNK_ELEMENTS = 2**21  # draws per chunk and thread when chunk_size is None (8-16 MB a buffer)
 _LAG_STAGES = (4, 8, 16)  # lags computed directly, for fewer quantities each time, before FFT
@@ -27,9 +36,10 @@ _RESOLUTION = float(torch.finfo(torch.float64).resolution)  # ArviZ's "constant"
 # --------------------------------------------------------------------------- validation
 
 
-def _check_samples(
+def check_samples(
     samples: object, *, min_chains: int, purpose: str, name: str = "samples"
 ) -> Tensor:
+    """``samples`` as a real tensor ``[chains, draws, *quantities]``, or a clear error."""
     if not isinstance(samples, Tensor):
         raise TypeError(
             f"Invalid {name}: {type(samples).__name__} (expected a torch.Tensor laid out "
@@ -59,7 +69,7 @@ def _check_samples(
     return samples
 
 
-def _superchain_order(superchains: object, chains: int, device: torch.device) -> tuple[Tensor, int]:
+def superchain_order(superchains: object, chains: int, device: torch.device) -> tuple[Tensor, int]:
     """Split-chain permutation grouping superchains contiguously, and their number."""
     if isinstance(superchains, bool):
         raise TypeError(
@@ -259,7 +269,7 @@ def _ess_statistic(
     return result
 
 
-def _linear_quantile(sorted_values: Tensor, prob: float) -> Tensor:
+def linear_quantile(sorted_values: Tensor, prob: float) -> Tensor:
     """NumPy's default ("linear") quantile of sorted rows, with NumPy's rounding."""
     n = sorted_values.shape[-1]
     virtual = (n - 1) * prob
@@ -276,7 +286,7 @@ def _linear_quantile(sorted_values: Tensor, prob: float) -> Tensor:
 # --------------------------------------------------------------------------- engine
 
 
-def _compute(
+def compute(
     samples: Tensor,
     wanted: set[str],
     *,
@@ -365,7 +375,7 @@ def _compute(
             ordered = ordered.to(device)
             tails = []
             for p in (prob, 1.0 - prob):
-                indicator = (split <= _linear_quantile(ordered, p).view(q, 1, 1)).to(dtype)
+                indicator = (split <= linear_quantile(ordered, p).view(q, 1, 1)).to(dtype)
                 stats = _chain_stats(indicator)
                 fraction = stats.mean.mean(dim=-1)  # an indicator is constant iff 0 or 1
                 constant = (fraction == 0) | (fraction == 1)
@@ -379,7 +389,8 @@ def _compute(
     return {name: value.reshape(trailing) for name, value in results.items()}
 
 
-def _rhat_names(method: str) -> set[str]:
+def rhat_names(method: str) -> set[str]:
+    """The statistics :func:`compute` computes for an R-hat ``method``."""
     return {
         "rank": {"rhat_bulk", "rhat_folded"},
         "bulk": {"rhat_bulk"},
@@ -388,7 +399,8 @@ def _rhat_names(method: str) -> set[str]:
     }[method]
 
 
-def _combine_rhat(results: Mapping[str, Tensor], method: str) -> Tensor:
+def combine_rhat(results: Mapping[str, Tensor], method: str) -> Tensor:
+    """The R-hat of ``method`` from the statistics :func:`compute` returned."""
     if method == "rank":
         # max() of two NaNs is NaN, and NaN only where both are (constant quantities).
         return torch.fmax(results["rhat_bulk"], results["rhat_folded"])
