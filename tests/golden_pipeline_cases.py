@@ -24,8 +24,6 @@ Recorded by ``python tests/data/make_golden.py --pipeline`` into
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -33,13 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from triton_interpreter import use_interpreter
 
-CUDA = torch.cuda.is_available()
-if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    os.environ["TRITON_INTERPRET"] = "1"
-    for _name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
-        if not _name.startswith("triton._C"):  # (the compiled extension stays loaded)
-            del sys.modules[_name]
+CUDA = use_interpreter()
 
 from golden_cases import (  # noqa: E402
     DATA_DIR,

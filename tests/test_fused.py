@@ -1,12 +1,9 @@
 """The fused step (``fused``): SGLD's and SGHMC's Triton kernels, their noise, their refusals.
 
-Without CUDA the kernels run on CPU tensors in Triton's interpreter: ``TRITON_INTERPRET=1``
-is set here, and ``fused.RUN_ON_CPU_UNDER_INTERPRETER`` lets the fused path take CPU
-tensors. Triton decides when it is imported whether its own library kernels
-(``tl.randn``) are interpreted, and in a whole-suite run it has been imported before this
-module (``torch._dynamo`` and ``transformers`` import it, as does building a
-``torch.optim`` optimizer): its Python modules are then imported again, interpreted.
-With CUDA the same tests run on the GPU, and the step at temperature 0 is compared with
+Without CUDA the kernels run on CPU tensors in Triton's interpreter
+(``tests/triton_interpreter.py`` switches it on before Triton is imported, again if a
+whole-suite run imported it before), and ``fused.RUN_ON_CPU_UNDER_INTERPRETER`` lets the
+fused path take CPU tensors. With CUDA the same tests run on the GPU, and the step at temperature 0 is compared with
 ``torch.optim.SGD(fused=True)`` bit for bit.
 
 What is checked: the kernels against the reference updates (``sgld_direction``,
@@ -23,19 +20,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from triton_interpreter import use_interpreter
 
-CUDA = torch.cuda.is_available()
-if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    os.environ["TRITON_INTERPRET"] = "1"
-    for name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
-        if not name.startswith("triton._C"):  # (the compiled extension stays loaded)
-            del sys.modules[name]
+CUDA = use_interpreter()
 pytest.importorskip("triton")
 
 from samplers_as_optim import BAOA, SGHMC, SGLD, SGNHT, AdamWSGHMC  # noqa: E402

@@ -9,19 +9,13 @@ small, the interpreter runs each program in Python.
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 
 import pytest
 import torch
+from triton_interpreter import use_interpreter
 
-CUDA = torch.cuda.is_available()
-if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    os.environ["TRITON_INTERPRET"] = "1"
-    for name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
-        if not name.startswith("triton._C"):  # (the compiled extension stays loaded)
-            del sys.modules[name]
+CUDA = use_interpreter()
 pytest.importorskip("triton")
 
 from samplers_as_optim import BAOA, PSGLD, SGHMC, SGLD, SGNHT, AdamWSGHMC  # noqa: E402

@@ -21,13 +21,9 @@ import textwrap
 
 import pytest
 import torch
+from triton_interpreter import use_interpreter
 
-CUDA = torch.cuda.is_available()
-if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
-    os.environ["TRITON_INTERPRET"] = "1"
-    for name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
-        if not name.startswith("triton._C"):  # (the compiled extension stays loaded)
-            del sys.modules[name]
+CUDA = use_interpreter()
 pytest.importorskip("triton")
 torchopt = pytest.importorskip("torchopt")
 
