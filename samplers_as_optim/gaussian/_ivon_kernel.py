@@ -164,16 +164,39 @@ def update_(
 
     correction = 1.0 - math.pow(beta1, float(step)) if debias else 1.0
     rate = lr * (hess_init + weight_decay) if rescale_lr else lr
+    _move_mean_(
+        params, momenta, hess, avg_grads, shifted, weight_decay, correction, rate, clip_radius
+    )
+
+
+def _move_mean_(
+    params: list[Tensor],
+    momenta: list[Tensor],
+    hess: list[Tensor],
+    spare: list[Tensor],
+    shifted: list[Tensor],
+    weight_decay: float,
+    correction: float,
+    rate: float,
+    clip_radius: float,
+) -> None:
+    r"""The last part of :func:`update_`: m moves by the clipped, preconditioned ḡ.
+
+    :math:`m \leftarrow m - \alpha\,\mathrm{clip}\big((\bar g/c + \delta m)/(h+\delta),
+    \pm r\big)` with c = ``correction`` (:math:`1-\beta_1^t`, or 1), α = ``rate``, h the
+    updated estimate. ``spare`` (ĝ's buffer) holds the direction where it is not ḡ itself
+    and ``shifted`` becomes h + δ; both are overwritten.
+    """
     direction = momenta  # ḡ + δ (1 - β₁^t) m, divided by 1 - β₁^t below
     if weight_decay != 0.0:
-        direction = avg_grads
+        direction = spare
         torch._foreach_copy_(direction, momenta)
         torch._foreach_add_(direction, params, alpha=weight_decay * correction)
     torch._foreach_copy_(shifted, hess)
     torch._foreach_add_(shifted, weight_decay)  # h + δ, after the update
     if math.isfinite(clip_radius):
         if direction is momenta:
-            direction = avg_grads
+            direction = spare
             torch._foreach_copy_(direction, momenta)
         torch._foreach_div_(direction, shifted)
         torch._foreach_div_(direction, correction)

@@ -8,7 +8,8 @@ by the negative log-likelihood of the GLM (linearised) predictive on a validatio
 :math:`-\sum_i\log p(y_i\mid x_i)`: the exact Gaussian for regression, the probit (or
 Laplace bridge) closed form for classification, or Monte Carlo with the same draws for
 every value (:mod:`._prior_grid`, which computes each batch's Jacobians once for the
-whole grid); laplace-torch's default is the same GLM probit score.
+whole grid); laplace-torch's default is the same GLM probit score. :class:`PriorTuning`
+is the front end, ``Laplace.optimize_prior_precision``, mixed into ``Laplace``.
 
 References:
     Immer et al. (2021), Scalable marginal likelihood estimation for model selection in
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -37,6 +38,7 @@ from .likelihoods import Likelihood, Regression
 
 __all__ = [
     "HyperParameters",
+    "PriorTuning",
     "check_residuals",
     "grid_scores",
     "gridsearch",
@@ -78,6 +80,9 @@ class TunableLaplace(Protocol):
     def _fitted(self) -> tuple[dict[str, Tensor], Any]: ...
 
     def _fitted_terms(self) -> FitTerms: ...
+
+
+_Tunable = TypeVar("_Tunable", bound=TunableLaplace)
 
 
 def check_tune_noise(la: TunableLaplace, tune_noise: Any) -> bool:
@@ -174,7 +179,6 @@ class HyperParameters:
 
 def marglik_search(
     la: TunableLaplace,
-    *,
     prior_structure: str,
     tune_noise: bool | None,
     num_steps: int,
@@ -287,7 +291,6 @@ def _check_grid(grid: Sequence[float] | None) -> list[float]:
 
 def gridsearch(
     la: TunableLaplace,
-    *,
     prior_structure: str,
     tune_noise: bool | None,
     val_loader: Iterable[Any] | None,
@@ -385,3 +388,89 @@ def grid_scores(
     if seen == 0:
         raise ValueError("Invalid val_loader: it yielded no examples (expected validation data)")
     return total
+
+
+class PriorTuning:
+    """The tuning's front end, ``optimize_prior_precision``: a mixin of ``Laplace``.
+
+    Kept beside what it calls, apart from ``laplace``'s fit and posterior; the class it
+    is mixed into is a :class:`TunableLaplace`.
+    """
+
+    def optimize_prior_precision(
+        self: _Tunable,
+        method: str = "marglik",
+        *,
+        prior_structure: str = "scalar",
+        tune_noise: bool | None = None,
+        num_steps: int = 100,
+        lr: float = 0.1,
+        init_prior_precision: float | None = None,
+        val_loader: Iterable[Any] | None = None,
+        grid: Sequence[float] | None = None,
+        link_approx: str = "probit",
+        num_samples: int = 100,
+        progress: bool | None = None,
+    ) -> _Tunable:
+        r"""Tune ``prior_precision`` (and ``noise_std``) by the evidence or on validation data.
+
+        ``method="marglik"``: Adam on :math:`\log\Lambda_0` (and :math:`\log\sigma` when
+        ``tune_noise``), ``num_steps`` steps of ``lr``, maximising
+        :meth:`log_marginal_likelihood` (Immer et al. 2021; no new pass over the data:
+        the curvature is stored). ``method="gridsearch"``: every value δ of ``grid`` as
+        a scalar prior precision, scored by the validation negative log-likelihood
+        :math:`-\sum_i\log p(y_i\mid x_i)` on ``val_loader`` of the GLM predictive
+        (:meth:`predictive`) at the current ``temperature`` (and ``noise_std``); the
+        lowest wins (the first of equal ones). The score, its cost (no refit per δ) and
+        laplace-torch's arguments: :mod:`~samplers_as_optim.gaussian.laplace`. Afterwards
+        ``prior_precision`` (and ``noise_std``) hold the result and the posterior is
+        rebuilt from it, so sampling and predictions use it.
+
+        Args:
+            method: ``"marglik"`` (default) or ``"gridsearch"``.
+            prior_structure: ``"scalar"`` (default: one precision for every weight),
+                ``"layerwise"`` (one per treated tensor; with ``structure="kron"`` one per
+                layer, weight and bias sharing it) or ``"diag"`` (one per weight; not with
+                ``"kron"``). ``"gridsearch"`` takes ``"scalar"`` only.
+            tune_noise: tune σ too (default: None, True for ``likelihood="regression"``;
+                True is refused for the other likelihoods). ``"marglik"`` only.
+            num_steps: Adam steps (default: 100; an integer >= 1).
+            lr: Adam's learning rate on the logarithms (default: 0.1; a finite number > 0).
+            init_prior_precision: the starting value of every precision for
+                ``"marglik"`` (default: None, the current ``prior_precision`` in the chosen
+                structure; a finite number > 0).
+            val_loader: ``(inputs, targets)`` batches for ``"gridsearch"`` (required there).
+            grid: the prior precisions tried by ``"gridsearch"`` (default: None, 21
+                values from 1e-4 to 1e4, log-spaced; finite numbers > 0).
+            link_approx: the predictive that ``"gridsearch"`` scores: ``"probit"``
+                (default), ``"bridge"`` or ``"bridge_norm"`` (classification closed
+                forms; for regression any of the three is the exact Gaussian) or
+                ``"mc"`` (``num_samples`` draws; the only one for a callable
+                likelihood).
+            num_samples: function-space draws per input for ``link_approx="mc"``
+                (default: 100; an integer >= 1; unused by the closed forms).
+            progress: a bar over the steps (``"marglik"``) or the validation batches
+                (``"gridsearch"``) (default: None, where standard error is a terminal and
+                tqdm is installed).
+
+        Returns:
+            ``self``.
+
+        Raises:
+            RuntimeError: the approximation is not fitted.
+            ValueError, TypeError: an argument outside what is listed above; for
+                ``"marglik"`` with ``tune_noise`` also a fit that reproduces every target
+                (SSE = 0) where the evidence increases all the way to ``noise_std`` = 0,
+                or a σ that leaves the dtype's range; for ``"gridsearch"`` also a
+                validation batch holding NaN or inf, targets the likelihood refuses, a
+                Jacobian holding NaN or inf, or a NaN score; nothing changes then.
+        """
+        self._fitted_terms()
+        if check_choice("method", method, ("marglik", "gridsearch")) == "marglik":
+            marglik_search(
+                self, prior_structure, tune_noise, num_steps, lr, init_prior_precision, progress
+            )
+        else:
+            grid_options = (val_loader, grid, link_approx, num_samples)
+            gridsearch(self, prior_structure, tune_noise, *grid_options, progress)
+        return self

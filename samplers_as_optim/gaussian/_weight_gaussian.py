@@ -5,8 +5,9 @@ Which weights are treated (:func:`select_subset`); one pass over a loader in eva
 (stacked weight draws, sampled or linearised at the mean: :func:`predict_samples`); and
 :class:`_Gaussian`, the :math:`\mathcal N(\mu, T\Lambda^{-1})` of Laplace and the extended
 Kalman filter: sampling, log-density and penalty for a diagonal, dense or
-Kronecker-factored precision, and the GLM predictive in closed form
-(:meth:`_Gaussian.predictive`, :mod:`~samplers_as_optim.gaussian.glm_predictive`).
+Kronecker-factored precision, and its Gaussian over the outputs
+(:meth:`_Gaussian.function_space`), whose GLM predictive in closed form
+(``predictive``) is mixed in from :mod:`~samplers_as_optim.gaussian.glm_predictive`.
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vmap
 
-from .. import predictive as _predictive
 from ..core.validation import (
-    check_choice,
     check_chunk_size,
     check_positive,
     check_positive_int,
@@ -33,7 +32,7 @@ from ._data_checks import split_batch
 from ._wide_linalg import solve_triangular
 from .flat import Treated
 from .function_space import FunctionSpaceGaussian, function_space_gaussian
-from .glm_predictive import LINK_APPROXIMATIONS, classification_predictive, regression_predictive
+from .glm_predictive import _GLMPredictive
 from .kfac import KronPrecision
 from .likelihoods import Likelihood
 
@@ -214,15 +213,15 @@ class _WeightGaussian:
         return predict_samples(self.model, mean, samples, x, linear=linear, chunk_size=chunk_size)
 
 
-class _Gaussian(_WeightGaussian):
+class _Gaussian(_WeightGaussian, _GLMPredictive):
     r"""A Gaussian :math:`\mathcal N(\mu, T\Lambda^{-1})` over a model's treated parameters.
 
     The shared half of :class:`Laplace` and the extended Kalman filter: sampling,
     log-density, penalty, the sampled and linearised predictive (linearised by default:
     both Gaussians are posteriors of the network linearised at their mean) and its
-    closed forms (:meth:`function_space`, :meth:`predictive`), for a diagonal (dict),
-    dense (P x P with its Cholesky factor) or Kronecker-factored
-    (:class:`~samplers_as_optim.gaussian.kfac.KronPrecision`) precision.
+    closed forms (:meth:`function_space`; :meth:`predictive`, mixed in from
+    ``glm_predictive``), for a diagonal (dict), dense (P x P with its Cholesky factor) or
+    Kronecker-factored (:class:`~samplers_as_optim.gaussian.kfac.KronPrecision`) precision.
     """
 
     #: ``predict(x)`` linearises by default (the GLM predictive; Immer et al. 2021).
@@ -514,100 +513,3 @@ class _Gaussian(_WeightGaussian):
                 x,
                 chunk_size,
             )
-
-    def predictive(
-        self,
-        x: Tensor,
-        *,
-        link_approx: str = "probit",
-        num_samples: int = 100,
-        generator: torch.Generator | None = None,
-        chunk_size: int | None = None,
-    ) -> _predictive.ClassificationPrediction | _predictive.RegressionPrediction:
-        r"""The GLM predictive distribution, in closed form where there is one.
-
-        The function-space Gaussian of :meth:`function_space`,
-        :math:`f \sim \mathcal N(\bar f, \Sigma_f)` with :math:`\bar f = f(x;\theta_*)`
-        and :math:`\Sigma_f = T J\Lambda^{-1}J^\top`, through the likelihood
-        (Immer, Korzepa & Bauer 2021; Daxberger et al. 2021, §2 and §4; see
-        :mod:`~samplers_as_optim.gaussian.glm_predictive`):
-
-        * ``likelihood="regression"``: exact,
-          :math:`\mathcal N(\bar f, \mathrm{diag}\,\Sigma_f + \sigma^2)`:
-          a :class:`~samplers_as_optim.predictive.RegressionPrediction` with ``mean``
-          :math:`\bar f`, ``epistemic`` :math:`\mathrm{diag}\,\Sigma_f` (per output),
-          ``aleatoric`` :math:`\sigma^2` (``noise_std**2``), ``total`` their sum;
-          ``link_approx``, ``num_samples`` and ``generator`` are not used.
-        * ``likelihood="classification"``: a
-          :class:`~samplers_as_optim.predictive.ClassificationPrediction` whose
-          ``probs``/``log_probs`` are ``link_approx``'s:
-          ``"probit"`` (default) :math:`\mathrm{softmax}(\bar f/\sqrt{1 +
-          \tfrac\pi8\mathrm{diag}\,\Sigma_f})` (MacKay 1992), ``"bridge"`` the
-          Laplace bridge's Dirichlet mean (Hobbhahn, Kristiadi & Hennig 2022),
-          ``"bridge_norm"`` its normalised variant (laplace-torch's), ``"mc"`` the
-          average softmax of ``num_samples`` draws of the logits; ``total`` is the
-          entropy of ``probs``; ``aleatoric`` (the mean entropy of the draws' softmax)
-          and ``epistemic`` (their mutual information) come from ``num_samples``
-          function-space draws, so ``total`` equals ``aleatoric + epistemic`` exactly
-          for ``"mc"`` only.
-        * a callable likelihood: refused (its predictive has no closed form here; take
-          :meth:`function_space` or ``predict(x)``'s draws through it).
-
-        Cost: that of :meth:`function_space`, plus one O x O eigendecomposition per
-        input for the draws.
-
-        Args:
-            x: a batch of inputs on the parameters' device.
-            link_approx: ``"probit"`` (default), ``"bridge"``, ``"bridge_norm"`` or
-                ``"mc"`` (classification only).
-            num_samples: S, function-space draws for the uncertainty split (and for
-                ``"mc"``) (default: 100; an integer >= 1).
-            generator: ``torch.Generator`` for the draws (default: None, global RNG).
-            chunk_size: inputs per Jacobian chunk (default: None, automatic).
-
-        Returns:
-            A ``ClassificationPrediction`` (``[B, K]`` probabilities, ``[B]``
-            entropies) or a ``RegressionPrediction`` (each ``(B, *out)``); detached.
-
-        Raises:
-            RuntimeError: not fitted yet.
-            ValueError: a callable likelihood, an unknown ``link_approx``, a bad
-                ``num_samples`` or ``chunk_size``, classification outputs that are not
-                ``(batch, classes)`` logits, or one input's Jacobian too large for
-                memory.
-
-        Example:
-            >>> import torch
-            >>> from torch.utils.data import DataLoader, TensorDataset
-            >>> from samplers_as_optim import Laplace
-            >>> _ = torch.manual_seed(0)
-            >>> model = torch.nn.Sequential(
-            ...     torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-            >>> x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
-            >>> la = Laplace(model, num_data=64, likelihood="classification")
-            >>> la = la.fit(DataLoader(TensorDataset(x, y), batch_size=16))
-            >>> prediction = la.predictive(x[:5])             # probit, closed form
-            >>> prediction.probs.shape, prediction.epistemic.shape
-            (torch.Size([5, 3]), torch.Size([5]))
-        """
-        name = self.likelihood.name
-        if name == "callable":
-            raise ValueError(
-                "Invalid likelihood: a callable (expected 'classification' or 'regression' "
-                "for predictive(); for a callable likelihood use function_space(x), the "
-                "Gaussian over the outputs, or the draws of predict(x))"
-            )
-        link_approx = check_choice("link_approx", link_approx, LINK_APPROXIMATIONS)
-        num_samples = check_positive_int("num_samples", num_samples)
-        gaussian = self.function_space(x, chunk_size=chunk_size)
-        if name == "regression":
-            noise = torch.as_tensor(
-                self.noise_std, dtype=gaussian.mean.dtype, device=gaussian.mean.device
-            )
-            return regression_predictive(gaussian, noise.square())
-        if gaussian.mean.dim() != 2:
-            raise ValueError(
-                f"Invalid model output: shape {tuple(gaussian.mean.shape)} (expected "
-                "(batch, classes) logits for likelihood='classification')"
-            )
-        return classification_predictive(gaussian, link_approx, num_samples, generator)

@@ -247,35 +247,10 @@ class ExtendedKalmanFilter(_Gaussian):
         saved = self.treated.current(self.model)
         try:
             self._write_mean()
-            with _evaluating(self.model):
-                params = {name: mean[name].detach().requires_grad_(True) for name in mean}
-                with torch.enable_grad():
-                    output = functional_call(self.model, params, (inputs,))
-                    nll = self.likelihood.nll(output, targets).sum()
-                    grads = torch.autograd.grad(nll, [params[n] for n in self.treated.names])
-                gradient = torch.cat([g.reshape(-1) for g in grads])
-                if self.structure == "dense":
-                    curv = dense_curvature(
-                        self.model, self.treated, inputs, targets, self.likelihood, self.curvature
-                    )
-                else:
-                    part = diag_curvature(
-                        self.model, self.treated, inputs, targets, self.likelihood, self.curvature
-                    )
-                    curv = self.treated.flatten(part)
-            flat_mean = self.treated.flatten(mean)
-            cholesky: Tensor | None = None
-            if self.structure == "dense":
-                assert isinstance(precision, Tensor)
-                new_precision, cholesky, info = _factor(self.decay * precision + curv)
-                factored = info == 0
-                step = torch.cholesky_solve(gradient.unsqueeze(-1), cholesky).squeeze(-1)
-            else:
-                assert isinstance(precision, dict)
-                new_precision = self.decay * self.treated.flatten(precision) + curv
-                factored = None
-                step = gradient / new_precision
-            new_flat_mean = (flat_mean - step).detach()
+            nll, gradient, curv = self._observe(mean, inputs, targets)
+            new_precision, cholesky, factored, new_flat_mean = self._propose(
+                precision, self.treated.flatten(mean), gradient, curv
+            )
             loss = nll.detach()
             healthy = (
                 torch.isfinite(new_flat_mean).all()
@@ -310,6 +285,49 @@ class ExtendedKalmanFilter(_Gaussian):
         self._write_mean()
         self.steps += 1
         return loss
+
+    def _observe(
+        self, mean: dict[str, Tensor], inputs: Tensor, targets: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The batch's summed NLL at ``mean``, its flat gradient and curvature (eval mode)."""
+        with _evaluating(self.model):
+            params = {name: mean[name].detach().requires_grad_(True) for name in mean}
+            with torch.enable_grad():
+                output = functional_call(self.model, params, (inputs,))
+                nll = self.likelihood.nll(output, targets).sum()
+                grads = torch.autograd.grad(nll, [params[n] for n in self.treated.names])
+            gradient = torch.cat([g.reshape(-1) for g in grads])
+            if self.structure == "dense":
+                curv = dense_curvature(
+                    self.model, self.treated, inputs, targets, self.likelihood, self.curvature
+                )
+            else:
+                part = diag_curvature(
+                    self.model, self.treated, inputs, targets, self.likelihood, self.curvature
+                )
+                curv = self.treated.flatten(part)
+        return nll, gradient, curv
+
+    def _propose(
+        self, precision: Any, flat_mean: Tensor, gradient: Tensor, curv: Tensor
+    ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
+        r"""The predict-update step, aside: :math:`\Lambda_t = \gamma\Lambda + C`, the mean.
+
+        Returns the new precision (flat for ``"diag"``), its Cholesky factor and whether
+        it factored (``"dense"``; None for ``"diag"``), and the new flat mean, detached.
+        """
+        cholesky: Tensor | None = None
+        if self.structure == "dense":
+            assert isinstance(precision, Tensor)
+            new_precision, cholesky, info = _factor(self.decay * precision + curv)
+            factored = info == 0
+            step = torch.cholesky_solve(gradient.unsqueeze(-1), cholesky).squeeze(-1)
+        else:
+            assert isinstance(precision, dict)
+            new_precision = self.decay * self.treated.flatten(precision) + curv
+            factored = None
+            step = gradient / new_precision
+        return new_precision, cholesky, factored, (flat_mean - step).detach()
 
     def _restore(self, saved: dict[str, Tensor]) -> None:
         params = dict(self.model.named_parameters())

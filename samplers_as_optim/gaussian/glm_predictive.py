@@ -36,6 +36,10 @@ The draws use the covariance's eigendecomposition (negative round-off eigenvalue
 to 0), so a singular :math:`\Sigma_f` (fewer treated weights than outputs, or the
 softmax's shift direction) is drawn exactly.
 
+``Laplace.predictive`` and ``ExtendedKalmanFilter.predictive`` are the method of
+``_GLMPredictive`` here, mixed into the Gaussian they share (``_weight_gaussian``), which
+gives the function-space Gaussian it puts through the likelihood.
+
 References:
     MacKay (1992), The evidence framework applied to classification networks. Neural
     Computation 4(5).
@@ -49,16 +53,35 @@ References:
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
 from torch import Tensor
 
 from .. import predictive
+from ..core.validation import check_choice, check_positive_int
+from ..predictive import ClassificationPrediction, RegressionPrediction
 from ._wide_linalg import eigh
 from .function_space import FunctionSpaceGaussian
+from .likelihoods import Likelihood
 
 __all__ = ["LINK_APPROXIMATIONS", "classification_predictive", "draw", "regression_predictive"]
 
 LINK_APPROXIMATIONS: tuple[str, ...] = ("probit", "bridge", "bridge_norm", "mc")
+
+
+class _Linearised(Protocol):
+    """What the closed forms read of a Gaussian over a network's weights (Laplace, the EKF)."""
+
+    @property
+    def likelihood(self) -> Likelihood: ...
+
+    @property
+    def noise_std(self) -> Any: ...
+
+    def function_space(
+        self, x: Tensor, *, chunk_size: int | None = None
+    ) -> FunctionSpaceGaussian: ...
 
 
 def draw(
@@ -118,3 +141,120 @@ def regression_predictive(
     epistemic = covariance.diagonal(dim1=-2, dim2=-1).reshape(mean.shape)
     aleatoric = noise_variance.to(mean).expand_as(mean)
     return predictive.RegressionPrediction(mean, epistemic + aleatoric, aleatoric, epistemic)
+
+
+def _closed_form(
+    linearised: _Linearised,
+    x: Tensor,
+    link_approx: str,
+    num_samples: int,
+    generator: torch.Generator | None,
+    chunk_size: int | None,
+) -> ClassificationPrediction | RegressionPrediction:
+    """The work of :meth:`_GLMPredictive.predictive`: its checks, then the closed form."""
+    name = linearised.likelihood.name
+    if name == "callable":
+        raise ValueError(
+            "Invalid likelihood: a callable (expected 'classification' or 'regression' "
+            "for predictive(); for a callable likelihood use function_space(x), the "
+            "Gaussian over the outputs, or the draws of predict(x))"
+        )
+    link_approx = check_choice("link_approx", link_approx, LINK_APPROXIMATIONS)
+    num_samples = check_positive_int("num_samples", num_samples)
+    gaussian = linearised.function_space(x, chunk_size=chunk_size)
+    if name == "regression":
+        noise = torch.as_tensor(
+            linearised.noise_std, dtype=gaussian.mean.dtype, device=gaussian.mean.device
+        )
+        return regression_predictive(gaussian, noise.square())
+    if gaussian.mean.dim() != 2:
+        raise ValueError(
+            f"Invalid model output: shape {tuple(gaussian.mean.shape)} (expected "
+            "(batch, classes) logits for likelihood='classification')"
+        )
+    return classification_predictive(gaussian, link_approx, num_samples, generator)
+
+
+class _GLMPredictive:
+    """The GLM predictive in closed form as a method: a mixin of Laplace's and the EKF's Gaussian.
+
+    Where the function-space Gaussian (``function_space``) comes from is the Gaussian's
+    business (``_weight_gaussian``); :meth:`predictive` puts it through the likelihood.
+    """
+
+    def predictive(
+        self: _Linearised,
+        x: Tensor,
+        *,
+        link_approx: str = "probit",
+        num_samples: int = 100,
+        generator: torch.Generator | None = None,
+        chunk_size: int | None = None,
+    ) -> ClassificationPrediction | RegressionPrediction:
+        r"""The GLM predictive distribution, in closed form where there is one.
+
+        The function-space Gaussian of :meth:`function_space`,
+        :math:`f \sim \mathcal N(\bar f, \Sigma_f)` with :math:`\bar f = f(x;\theta_*)`
+        and :math:`\Sigma_f = T J\Lambda^{-1}J^\top`, through the likelihood
+        (Immer, Korzepa & Bauer 2021; Daxberger et al. 2021, §2 and §4; see
+        :mod:`~samplers_as_optim.gaussian.glm_predictive`):
+
+        * ``likelihood="regression"``: exact,
+          :math:`\mathcal N(\bar f, \mathrm{diag}\,\Sigma_f + \sigma^2)`:
+          a :class:`~samplers_as_optim.predictive.RegressionPrediction` with ``mean``
+          :math:`\bar f`, ``epistemic`` :math:`\mathrm{diag}\,\Sigma_f` (per output),
+          ``aleatoric`` :math:`\sigma^2` (``noise_std**2``), ``total`` their sum;
+          ``link_approx``, ``num_samples`` and ``generator`` are not used.
+        * ``likelihood="classification"``: a
+          :class:`~samplers_as_optim.predictive.ClassificationPrediction` whose
+          ``probs``/``log_probs`` are ``link_approx``'s:
+          ``"probit"`` (default) :math:`\mathrm{softmax}(\bar f/\sqrt{1 +
+          \tfrac\pi8\mathrm{diag}\,\Sigma_f})` (MacKay 1992), ``"bridge"`` the
+          Laplace bridge's Dirichlet mean (Hobbhahn, Kristiadi & Hennig 2022),
+          ``"bridge_norm"`` its normalised variant (laplace-torch's), ``"mc"`` the
+          average softmax of ``num_samples`` draws of the logits; ``total`` is the
+          entropy of ``probs``; ``aleatoric`` (the mean entropy of the draws' softmax)
+          and ``epistemic`` (their mutual information) come from ``num_samples``
+          function-space draws, so ``total`` equals ``aleatoric + epistemic`` exactly
+          for ``"mc"`` only.
+        * a callable likelihood: refused (its predictive has no closed form here; take
+          :meth:`function_space` or ``predict(x)``'s draws through it).
+
+        Cost: that of :meth:`function_space`, plus one O x O eigendecomposition per
+        input for the draws.
+
+        Args:
+            x: a batch of inputs on the parameters' device.
+            link_approx: ``"probit"`` (default), ``"bridge"``, ``"bridge_norm"`` or
+                ``"mc"`` (classification only).
+            num_samples: S, function-space draws for the uncertainty split (and for
+                ``"mc"``) (default: 100; an integer >= 1).
+            generator: ``torch.Generator`` for the draws (default: None, global RNG).
+            chunk_size: inputs per Jacobian chunk (default: None, automatic).
+
+        Returns:
+            A ``ClassificationPrediction`` (``[B, K]`` probabilities, ``[B]``
+            entropies) or a ``RegressionPrediction`` (each ``(B, *out)``); detached.
+
+        Raises:
+            RuntimeError: not fitted yet.
+            ValueError: a callable likelihood, an unknown ``link_approx``, a bad
+                ``num_samples`` or ``chunk_size``, classification outputs that are not
+                ``(batch, classes)`` logits, or one input's Jacobian too large for
+                memory.
+
+        Example:
+            >>> import torch
+            >>> from torch.utils.data import DataLoader, TensorDataset
+            >>> from samplers_as_optim import Laplace
+            >>> _ = torch.manual_seed(0)
+            >>> model = torch.nn.Sequential(
+            ...     torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+            >>> x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+            >>> la = Laplace(model, num_data=64, likelihood="classification")
+            >>> la = la.fit(DataLoader(TensorDataset(x, y), batch_size=16))
+            >>> prediction = la.predictive(x[:5])             # probit, closed form
+            >>> prediction.probs.shape, prediction.epistemic.shape
+            (torch.Size([5, 3]), torch.Size([5]))
+        """
+        return _closed_form(self, x, link_approx, num_samples, generator, chunk_size)

@@ -109,52 +109,33 @@ References:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..core.chain import ChainOptimizer, at_group
-from ..core.distributed import agree_across_ranks
+from ..core.chain import at_group
 from ..core.streams import seed_from_global_rng
 from ..core.validation import check_bool, check_positive_int, check_seed
 from ..samples.stacked import call_stacked
 from ._ivon_checks import (
     CHANGED_PARAMETERS,
     COUNTERS,
-    HYPERPARAMETERS,
+    Work,
     average_over_ranks,
     check_group,
     refuse_non_finite,
 )
-from ._ivon_kernel import STATISTIC, accumulate_, perturb_, update_
-from ._ivon_noise import DrawRequest, Prefetcher, draw_key, fill_normals, next_training_draws
-from ._ivon_posterior import draw_samples, posterior
+from ._ivon_draws import IVONDraws, draw_samples, posterior
+from ._ivon_kernel import STATISTIC, update_
+from ._ivon_noise import Prefetcher
 from ._ivon_state_checks import check_saved_groups, check_saved_state
 
 __all__ = ["IVON"]
 
 
-class _GroupDraw(NamedTuple):
-    """One param group's part of a draw: its drawn parameters, their means, ε."""
-
-    group_index: int
-    group: dict[str, Any]
-    params: list[Tensor]
-    means: list[Tensor]  # m while the parameters hold the draw
-    scratch: list[Tensor]  # ε (at T = 0 nothing: the draw is the mean)
-    perturbed: bool
-
-
-class _Draw(NamedTuple):
-    train: bool
-    groups: list[_GroupDraw]
-    by_step: bool  # opened by step(closure): a sampled_params inside it is a no-op
-
-
-class IVON(ChainOptimizer):
+class IVON(IVONDraws):
     r"""Improved variational online Newton (Shen et al. 2024): mean-field VI as AdamW.
 
     A drop-in for ``torch.optim.AdamW`` with ivon-opt's arguments, in its order and with
@@ -220,9 +201,6 @@ class IVON(ChainOptimizer):
         torch.Size([10, 2, 1])
     """
 
-    #: runtime, not the chain's state (rebuilt by ``_reset_runtime``)
-    _prefetcher: Prefetcher | None
-
     def __init__(
         self,
         params: Iterable[Any],
@@ -273,44 +251,11 @@ class IVON(ChainOptimizer):
                         f"{tuple(param.shape)} (expected real floating-point parameters)"
                     )
 
-    # ------------------------------------------------------------------ groups and runtime
+    # ------------------------------------------------------------------ checks and checkpoints
     @classmethod
     def check_hyperparameters(cls, group: dict[str, Any], *, where: str = "") -> None:
         """Validate one param group's hyperparameters (``where`` locates the group)."""
         check_group(group, where=where)
-
-    def _check_group(self, index: int, group: dict[str, Any]) -> None:
-        """Validate a group before a draw or a step, again only when a value changed."""
-        values = tuple(group[name] for name in HYPERPARAMETERS)
-        checked = self._runtime["checked"]
-        if checked.get(index) == values:
-            return
-        self.check_hyperparameters(group, where=at_group(index))
-        self._check_precision(index, group)
-        if all(type(value) in (int, float, str, bool) for value in values):  # not a tensor
-            checked[index] = values
-
-    def _check_precision(self, index: int, group: dict[str, Any]) -> None:
-        """Refuse a ``weight_decay`` under which some h + weight_decay is not positive.
-
-        Only h + δ is kept positive by the update, so h may be negative down to -δ; a
-        smaller δ set later (a schedule, a new task's prior) would make σ² negative and
-        every draw NaN. Checked when a group's hyperparameters change (one read of the
-        device), before anything is drawn or stepped.
-        """
-        delta = float(group["weight_decay"])
-        for position, param in enumerate(group["params"]):
-            hess = self.state[param].get("hess") if param in self.state else None
-            if hess is None or hess.numel() == 0:
-                continue
-            lowest = float(hess.min())
-            if not lowest + delta > 0:
-                raise ValueError(
-                    f"Invalid weight_decay{at_group(index)}: {delta!r} (expected a value "
-                    f"with h + weight_decay > 0 for every weight: parameter {position}'s "
-                    f"Hessian estimate h reaches {lowest:.6g}, which the weight decay it was "
-                    "learnt with kept positive; nothing was changed)"
-                )
 
     def _reset_runtime(self, *, seed_given: bool) -> None:
         """What is not the chain's state: streams and keys, the open draw, the prefetch."""
@@ -379,201 +324,6 @@ class IVON(ChainOptimizer):
         state_dict["state"] = packed
         return state_dict
 
-    def _refuse_inside_draw(self, what: str) -> None:
-        if self._runtime["draw"] is not None:
-            raise RuntimeError(
-                f"IVON: {what} inside sampled_params(), where the parameters hold a draw "
-                "rather than the mean; call it after the with-block"
-            )
-
-    def _state_of(self, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        state: dict[str, Any] = self.state[param]
-        if "momentum" not in state:
-            state["momentum"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["hess"] = torch.full_like(param, float(group["hess_init"]))
-        return state
-
-    def _buffers(self, params: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
-        """Each parameter's two work buffers (kept between steps; not the run's state)."""
-        buffers = self._runtime["buffers"]
-        for param in params:
-            pair = buffers.get(id(param))
-            if pair is None or pair[0].shape != param.shape or pair[0].dtype != param.dtype:
-                buffers[id(param)] = [
-                    torch.empty_like(param, memory_format=torch.contiguous_format) for _ in range(2)
-                ]
-        pairs = [buffers[id(param)] for param in params]
-        return [pair[0] for pair in pairs], [pair[1] for pair in pairs]
-
-    # ------------------------------------------------------------------ drawing weights
-    @contextmanager
-    def sampled_params(self, train: bool = False) -> Iterator[None]:
-        """Put a draw θ = m + ε from q into the parameters for the with-block.
-
-        The parameters are perturbed in place and restored to the mean m (exactly) on
-        exit, also when the block raises. With ``train=True`` the gradients the block
-        leaves in ``.grad`` (None counts as zero) are averaged into the next
-        :meth:`step`; a block that raises contributes nothing. Parameters with
-        ``requires_grad=False`` are left alone.
-
-        Args:
-            train: whether this draw's gradients feed the next step (default: False:
-                prediction; such draws have numbers of their own, so evaluating between
-                steps does not change the training run).
-
-        Raises:
-            RuntimeError: inside another ``sampled_params`` (except inside
-                ``step(closure)``, where it is the step's own draw), or the parameters
-                that require gradients changed between two training draws of a step.
-            ValueError: a param group holds an invalid hyperparameter.
-        """
-        train = check_bool("train", train)
-        active = self._runtime["draw"]
-        if active is not None and active.by_step:
-            yield  # a closure written for ivon-opt opens its own: the step's draw is it
-            return
-        with self._draw(train, by_step=False):
-            yield
-
-    @contextmanager
-    def _draw(self, train: bool, *, by_step: bool) -> Iterator[None]:
-        self._refuse_inside_draw("sampled_params()")
-        draw = self._perturb(train, by_step)
-        self._runtime["draw"] = draw
-        try:
-            yield
-        finally:
-            self._runtime["draw"] = None
-            with torch.no_grad():
-                for part in draw.groups:
-                    if part.perturbed:
-                        torch._foreach_copy_(part.params, part.means)
-        self._finish(draw)
-
-    @torch.no_grad()
-    def _perturb(self, train: bool, by_step: bool) -> _Draw:
-        """Put a draw in every group's parameters; all checks come first.
-
-        A failure while drawing puts back what was drawn already, so a draw that raises
-        leaves every parameter at its mean.
-        """
-        if not self._runtime["agreed"]:
-            self._agree_across_ranks()
-        plans = []
-        for index, group in enumerate(self.param_groups):
-            self._check_group(index, group)
-            params = [p for p in group["params"] if p.requires_grad]
-            if params:
-                keys = self._noise_keys(params) if float(group["temperature"]) > 0 else []
-                plans.append((index, group, params, keys))
-        prefetcher = self._prefetcher
-        if prefetcher is not None:
-            prefetcher.wait()
-        parts: list[_GroupDraw] = []
-        ahead: list[DrawRequest] = []
-        try:
-            for index, group, params, keys in plans:
-                hess = [self._state_of(p, group)["hess"] for p in params]
-                means, scratch = self._buffers(params)
-                if not keys:  # T = 0 ("gradsq" only): the draw is the mean
-                    parts.append(_GroupDraw(index, group, params, means, scratch, False))
-                    continue
-                seed, step, count = group["seed"], group["step"], group[COUNTERS[not train]]
-                requests = [
-                    DrawRequest(p, seed, step, draw_key(k, train=train, index=count), self._shard)
-                    for p, k in zip(params, keys, strict=True)
-                ]
-                fill_normals(self._stream(seed), prefetcher, requests, scratch)
-                for param, normals in zip(params, scratch, strict=True):  # maybe the worker's
-                    self._runtime["buffers"][id(param)][1] = normals
-                perturb_(
-                    params,
-                    means,
-                    scratch,
-                    hess,
-                    weight_decay=float(group["weight_decay"]),
-                    ess=float(group["ess"]),
-                    temperature=float(group["temperature"]),
-                )
-                parts.append(_GroupDraw(index, group, params, means, scratch, True))
-                self._record_noise_keys(params)
-                if train and prefetcher is not None:  # the next: this step's or the next's
-                    ahead += next_training_draws(
-                        params, keys, seed, step, count, self.mc_samples, self._shard
-                    )
-        except BaseException:
-            for part in parts:
-                if part.perturbed:
-                    torch._foreach_copy_(part.params, part.means)
-            raise
-        if prefetcher is not None:
-            prefetcher.submit(ahead)
-        return _Draw(train, parts, by_step)
-
-    @torch.no_grad()
-    def _finish(self, draw: _Draw) -> None:
-        """After a draw's block ended normally: accumulate its gradients, count it.
-
-        Everything is checked for every group before any group accumulates.
-        """
-        if not draw.train:
-            for part in draw.groups:
-                part.group["eval_draws"] += 1
-            return
-        drawn = self._runtime["drawn"]
-        checked = []
-        for part in draw.groups:
-            count = part.group["train_draws"] + 1
-            members = tuple(id(p) for p in part.params)
-            key = STATISTIC[part.group["hess_approx"]]
-            states = [self.state[p] for p in part.params]
-            if count > 1 and (
-                drawn.get(part.group_index, members) != members
-                or not all(key in state for state in states)
-            ):
-                raise RuntimeError(CHANGED_PARAMETERS)
-            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in part.params]
-            if any(g.is_sparse for g in grads):
-                raise TypeError("IVON does not support sparse gradients (use sparse=False)")
-            checked.append((part, count, members, key, states, grads))
-        for part, count, members, key, states, grads in checked:
-            drawn[part.group_index] = members
-            if count == 1:
-                for state, param in zip(states, part.params, strict=True):
-                    if "avg_grad" not in state:
-                        state["avg_grad"] = torch.empty_like(param)
-            old = [state.get(key) for state in states]
-            stats = accumulate_(
-                [state["avg_grad"] for state in states],
-                old,  # read only after the first draw
-                grads,
-                part.scratch,
-                count=count,
-                hess_approx=part.group["hess_approx"],
-            )
-            if count == 1:  # the scratch now holds the statistic: swap the buffers
-                buffers = self._runtime["buffers"]
-                for state, param, stat, previous in zip(
-                    states, part.params, stats, old, strict=True
-                ):
-                    state[key] = stat
-                    buffers[id(param)][1] = torch.empty_like(stat) if previous is None else previous
-            part.group["train_draws"] = count
-
-    def _agree_across_ranks(self) -> None:
-        """Under ``torch.distributed``, agree on the seeds once (``core/distributed``)."""
-        self._noise_keys([])
-        agreement = agree_across_ranks(
-            [group["seed"] for group in self.param_groups],
-            [group["step"] for group in self.param_groups],
-            [[tuple(p.shape) for p in group["params"]] for group in self.param_groups],
-            given=self._runtime["seed_given"],
-            named=self._runtime["all_named"],
-        )
-        for group, seed in zip(self.param_groups, agreement.seeds, strict=True):
-            group["seed"] = seed
-        self._runtime.update(shard=agreement.shard, agreed=True)
-
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -608,6 +358,27 @@ class IVON(ChainOptimizer):
                 with torch.enable_grad(), self._draw(True, by_step=True):
                     losses.append(closure())
             loss = sum(losses) / self.mc_samples
+        work = self._step_work()
+        drawn = self._runtime["drawn"]
+        try:
+            refuse_non_finite(work)
+        except FloatingPointError:  # the averages hold the non-finite values: discard them
+            for _, group, _, _ in work:
+                group["train_draws"] = 0
+            drawn.clear()
+            raise
+        if self._sync:
+            average_over_ranks(work)
+        for _, group, params, states in work:
+            self._update_group(group, params, states)
+        for group in self.param_groups:
+            group["step"] += 1
+            group.update(dict.fromkeys(COUNTERS, 0))
+        drawn.clear()
+        return loss
+
+    def _step_work(self) -> Work:
+        """The groups a step updates, each checked; refused when none has a training draw."""
         work = []
         drawn = self._runtime["drawn"]
         for index, group in enumerate(self.param_groups):
@@ -627,42 +398,33 @@ class IVON(ChainOptimizer):
                 "IVON.step() needs the gradients of at least one sampled_params(train=True) "
                 "round since the last step (or a closure)"
             )
-        try:
-            refuse_non_finite(work)
-        except FloatingPointError:  # the averages hold the non-finite values: discard them
-            for _, group, _, _ in work:
-                group["train_draws"] = 0
-            drawn.clear()
-            raise
-        if self._sync:
-            average_over_ranks(work)
-        for _, group, params, states in work:
-            method = group["hess_approx"]
-            update_(
-                params,
-                [s["momentum"] for s in states],
-                [s["hess"] for s in states],
-                [s["avg_grad"] for s in states],
-                [s[STATISTIC[method]] for s in states],
-                self._buffers(params),
-                lr=float(group["lr"]),
-                ess=float(group["ess"]),
-                temperature=float(group["temperature"]),
-                beta1=float(group["beta1"]),
-                beta2=float(group["beta2"]),
-                weight_decay=float(group["weight_decay"]),
-                hess_init=float(group["hess_init"]),
-                clip_radius=float(group["clip_radius"]),
-                step=group["step"] + 1,
-                hess_approx=method,
-                debias=group["debias"],
-                rescale_lr=group["rescale_lr"],
-            )
-        for group in self.param_groups:
-            group["step"] += 1
-            group.update(dict.fromkeys(COUNTERS, 0))
-        drawn.clear()
-        return loss
+        return work
+
+    def _update_group(
+        self, group: dict[str, Any], params: list[Tensor], states: list[dict[str, Any]]
+    ) -> None:
+        """One group's update from its step's averages (``_ivon_kernel.update_``)."""
+        method = group["hess_approx"]
+        update_(
+            params,
+            [s["momentum"] for s in states],
+            [s["hess"] for s in states],
+            [s["avg_grad"] for s in states],
+            [s[STATISTIC[method]] for s in states],
+            self._buffers(params),
+            lr=float(group["lr"]),
+            ess=float(group["ess"]),
+            temperature=float(group["temperature"]),
+            beta1=float(group["beta1"]),
+            beta2=float(group["beta2"]),
+            weight_decay=float(group["weight_decay"]),
+            hess_init=float(group["hess_init"]),
+            clip_radius=float(group["clip_radius"]),
+            step=group["step"] + 1,
+            hess_approx=method,
+            debias=group["debias"],
+            rescale_lr=group["rescale_lr"],
+        )
 
     # ------------------------------------------------------------------ the posterior
     def _posterior(self) -> list[tuple[str, Tensor, Tensor]]:

@@ -62,6 +62,26 @@ and the regression noise are tuned without a new pass
 (:meth:`Laplace.optimize_prior_precision`; during training:
 :func:`samplers_as_optim.gaussian.marglik.marglik_training`).
 
+:meth:`Laplace.optimize_prior_precision`'s ``method="gridsearch"`` scores every value δ
+of its ``grid`` as a scalar prior precision by the validation negative log-likelihood
+:math:`-\sum_i\log p(y_i\mid x_i)` of the GLM predictive (:meth:`Laplace.predictive`) at
+the current ``temperature`` (and ``noise_std``): for regression the exact Gaussian
+:math:`\mathcal N(f(x;\theta_*), \mathrm{diag}\,TJ\Lambda_\delta^{-1}J^\top + \sigma^2)`,
+for classification the closed form of ``link_approx`` (default ``"probit"``,
+laplace-torch's default), or with ``link_approx="mc"`` ``num_samples`` function-space
+draws, the same draws for every δ (batch b's from a generator seeded with b, as
+``predictive(x, link_approx="mc", generator=torch.Generator().manual_seed(b))`` draws
+them); the lowest wins (the first of equal ones). Each batch's Jacobians are computed
+once for the whole grid, in the eigenbasis of the stored curvature (diagonal; the KFAC
+factors' eigenvectors; one ``eigh`` of a dense curvature), so each δ costs a product with
+:math:`1/(\delta + e)`, not a refit (:mod:`~samplers_as_optim.gaussian._prior_grid`).
+laplace-torch 0.3's ``optimize_prior_precision(method, n_steps, lr, init_prior_prec,
+prior_structure, val_loader, log_prior_prec_min, log_prior_prec_max, grid_size,
+link_approx, n_samples)`` maps to ``method``, ``num_steps``, ``lr``,
+``init_prior_precision``, ``prior_structure``, ``val_loader``, ``grid`` (e.g.
+``torch.logspace(-4, 4, 100).tolist()``), ``link_approx`` and ``num_samples``; it never
+tunes the noise, here ``tune_noise`` does (``la.noise_std`` is its ``sigma_noise``).
+
 References:
     MacKay (1992), A practical Bayesian framework for backpropagation networks.
     Immer, Bauer, Fortuin, Rätsch & Khan (2021), Scalable marginal likelihood estimation
@@ -99,7 +119,7 @@ from ._evidence import (
 from ._memory import check_dense_fits
 from ._per_example_curvature import DenseSum, check_finite_curvature, diag_curvature
 from ._prior_forms import block_priors, prior_groups, read_prior
-from ._prior_search import gridsearch, marglik_search
+from ._prior_search import PriorTuning
 from ._weight_gaussian import Precision, _batches_on, _evaluating, _Gaussian, select_subset
 from ._wide_linalg import factor_sum, wide_dtype
 from .kfac import KronCurvature, KronSums, decompose_curvature, kron_curvature, kron_layers
@@ -108,7 +128,7 @@ from .likelihoods import Regression, check_noise_argument, check_noise_std, make
 __all__ = ["Laplace"]
 
 
-class Laplace(_Gaussian):
+class Laplace(_Gaussian, PriorTuning):
     r"""Gaussian approximation :math:`\mathcal N(\theta_*, T\Lambda^{-1})` at a trained model.
 
     .. math::
@@ -514,114 +534,3 @@ class Laplace(_Gaussian):
         mean = self.treated.flatten(self._fitted()[0])
         scalar = form == "scalar"
         return log_marginal_likelihood(terms, self.treated, mean, prior, blocks, noise, scalar)
-
-    def optimize_prior_precision(
-        self,
-        method: str = "marglik",
-        *,
-        prior_structure: str = "scalar",
-        tune_noise: bool | None = None,
-        num_steps: int = 100,
-        lr: float = 0.1,
-        init_prior_precision: float | None = None,
-        val_loader: Iterable[Any] | None = None,
-        grid: Sequence[float] | None = None,
-        link_approx: str = "probit",
-        num_samples: int = 100,
-        progress: bool | None = None,
-    ) -> Laplace:
-        r"""Tune ``prior_precision`` (and ``noise_std``) by the evidence or on validation data.
-
-        ``method="marglik"``: Adam on :math:`\log\Lambda_0` (and :math:`\log\sigma` when
-        ``tune_noise``), ``num_steps`` steps of ``lr``, maximising
-        :meth:`log_marginal_likelihood` (Immer et al. 2021; no new pass over the data:
-        the curvature is stored). ``method="gridsearch"``: every value δ of ``grid`` as
-        a scalar prior precision, scored by the validation negative log-likelihood
-        :math:`-\sum_i\log p(y_i\mid x_i)` on ``val_loader`` of the GLM predictive
-        (:meth:`predictive`) at the current ``temperature`` (and ``noise_std``): for
-        regression the exact Gaussian :math:`\mathcal N(f(x;\theta_*),
-        \mathrm{diag}\,TJ\Lambda_\delta^{-1}J^\top + \sigma^2)`, for classification
-        the closed form of ``link_approx`` (default ``"probit"``, laplace-torch's
-        default), or with ``link_approx="mc"`` ``num_samples`` function-space draws,
-        the same draws for every δ (batch b's from a generator seeded with b, as
-        ``predictive(x, link_approx="mc", generator=torch.Generator().manual_seed(b))``
-        draws them); the lowest wins (the first of equal ones). Each batch's Jacobians
-        are computed once for the whole grid, in the eigenbasis of the stored curvature
-        (diagonal; the KFAC factors' eigenvectors; one ``eigh`` of a dense curvature),
-        so each δ costs a product with :math:`1/(\delta + e)`, not a refit
-        (:mod:`~samplers_as_optim.gaussian._prior_grid`). Afterwards
-        ``prior_precision`` (and ``noise_std``) hold the result and the posterior is
-        rebuilt from it, so sampling and predictions use it.
-
-        laplace-torch 0.3's ``optimize_prior_precision(method, n_steps, lr,
-        init_prior_prec, prior_structure, val_loader, log_prior_prec_min,
-        log_prior_prec_max, grid_size, link_approx, n_samples)`` maps to ``method``,
-        ``num_steps``, ``lr``, ``init_prior_precision``, ``prior_structure``,
-        ``val_loader``, ``grid`` (e.g. ``torch.logspace(-4, 4, 100).tolist()``),
-        ``link_approx`` and ``num_samples``; it never tunes the noise, here
-        ``tune_noise`` does (``la.noise_std`` is its ``sigma_noise``).
-
-        Args:
-            method: ``"marglik"`` (default) or ``"gridsearch"``.
-            prior_structure: ``"scalar"`` (default: one precision for every weight),
-                ``"layerwise"`` (one per treated tensor; with ``structure="kron"`` one per
-                layer, weight and bias sharing it) or ``"diag"`` (one per weight; not with
-                ``"kron"``). ``"gridsearch"`` takes ``"scalar"`` only.
-            tune_noise: tune σ too (default: None, True for ``likelihood="regression"``;
-                True is refused for the other likelihoods). ``"marglik"`` only.
-            num_steps: Adam steps (default: 100; an integer >= 1).
-            lr: Adam's learning rate on the logarithms (default: 0.1; a finite number > 0).
-            init_prior_precision: the starting value of every precision for
-                ``"marglik"`` (default: None, the current ``prior_precision`` in the chosen
-                structure; a finite number > 0).
-            val_loader: ``(inputs, targets)`` batches for ``"gridsearch"`` (required there).
-            grid: the prior precisions tried by ``"gridsearch"`` (default: None, 21
-                values from 1e-4 to 1e4, log-spaced; finite numbers > 0).
-            link_approx: the predictive that ``"gridsearch"`` scores: ``"probit"``
-                (default), ``"bridge"`` or ``"bridge_norm"`` (classification closed
-                forms; for regression any of the three is the exact Gaussian) or
-                ``"mc"`` (``num_samples`` draws; the only one for a callable
-                likelihood).
-            num_samples: function-space draws per input for ``link_approx="mc"``
-                (default: 100; an integer >= 1; unused by the closed forms).
-            progress: a bar over the steps (``"marglik"``) or the validation batches
-                (``"gridsearch"``) (default: None, where standard error is a terminal and
-                tqdm is installed).
-
-        Returns:
-            ``self``.
-
-        Raises:
-            RuntimeError: the approximation is not fitted.
-            ValueError, TypeError: an argument outside what is listed above; for
-                ``"marglik"`` with ``tune_noise`` also a fit that reproduces every target
-                (SSE = 0) where the evidence increases all the way to ``noise_std`` = 0,
-                or a σ that leaves the dtype's range; for
-                ``"gridsearch"`` also a validation batch holding NaN or inf, targets the
-                likelihood refuses, a Jacobian holding NaN or inf, or a NaN score; nothing
-                changes then.
-        """
-        self._fitted_terms()
-        method = check_choice("method", method, ("marglik", "gridsearch"))
-        if method == "marglik":
-            marglik_search(
-                self,
-                prior_structure=prior_structure,
-                tune_noise=tune_noise,
-                num_steps=num_steps,
-                lr=lr,
-                init_prior_precision=init_prior_precision,
-                progress=progress,
-            )
-        else:
-            gridsearch(
-                self,
-                prior_structure=prior_structure,
-                tune_noise=tune_noise,
-                val_loader=val_loader,
-                grid=grid,
-                link_approx=link_approx,
-                num_samples=num_samples,
-                progress=progress,
-            )
-        return self

@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -101,6 +101,60 @@ def _check_optimizer(optimizer: Any, model: nn.Module) -> torch.optim.Optimizer:
             "prior penalty of the tuned prior precision replaces it)"
         )
     return optimizer
+
+
+class _Plan(NamedTuple):
+    """The checked schedule of a run: its epochs, tuning rounds, their steps, the bar."""
+
+    num_epochs: int
+    rounds: list[int]
+    hyper_steps: int
+    hyper_lr: float
+    progress: bool
+
+
+def _check_plan(
+    num_epochs: int,
+    frequency: int,
+    burnin: int,
+    hyper_steps: int,
+    hyper_lr: float,
+    prior_structure: str,
+    progress: bool | None,
+) -> _Plan:
+    """Check the schedule's arguments (and ``prior_structure``), in the signature's order."""
+    num_epochs = check_positive_int("num_epochs", num_epochs)
+    frequency = check_positive_int("frequency", frequency)
+    burnin = check_nonnegative_integer("burnin", burnin)
+    hyper_steps = check_positive_int("hyper_steps", hyper_steps)
+    hyper_lr = check_learning_rate(hyper_lr)
+    if not hyper_lr > 0.0:
+        raise ValueError(f"Invalid hyper_lr: {hyper_lr!r} (expected a finite number > 0)")
+    rounds = _check_rounds(num_epochs, frequency, burnin)
+    check_choice("prior_structure", prior_structure, ("scalar", "layerwise", "diag"))
+    return _Plan(num_epochs, rounds, hyper_steps, hyper_lr, check_progress(progress))
+
+
+@dataclass(frozen=True)
+class _LaplaceOf:
+    """Every round's Laplace at the model's current weights, but for its prior and noise."""
+
+    model: nn.Module
+    num_data: int
+    likelihood: str | Callable[[Tensor, Tensor], Tensor]
+    curvature: str
+    structure: str
+
+    def __call__(self, prior: Any, noise: float | None) -> Laplace:
+        return Laplace(
+            self.model,
+            num_data=self.num_data,
+            likelihood=self.likelihood,
+            noise_std=noise,
+            curvature=self.curvature,
+            structure=self.structure,
+            prior_precision=prior,
+        )
 
 
 def _check_rounds(num_epochs: int, frequency: int, burnin: int) -> list[int]:
@@ -192,6 +246,24 @@ class _Run:
             )
         return value
 
+    def run(self, plan: _Plan, structure: str, num_data: int) -> MarglikResult:
+        """The epochs, a tuning round after each of ``plan.rounds``, then the result.
+
+        The model's training flag is restored at the end, and on an error.
+        """
+        training = self.model.training
+        try:
+            with ProgressBar(plan.progress, plan.num_epochs, "marglik_training") as bar:
+                for epoch in range(1, plan.num_epochs + 1):
+                    self.epoch(structure, num_data)
+                    bar.update()
+                    if epoch in plan.rounds:
+                        value = self.tune(plan.hyper_steps, plan.hyper_lr)
+                        bar.set_postfix(log_marglik=value)
+            return self.result()
+        finally:
+            self.model.train(training)
+
     def result(self) -> MarglikResult:
         """Load the best round's weights and fit there with its hyperparameters."""
         assert self.best is not None
@@ -270,43 +342,12 @@ def marglik_training(
             <samplers_as_optim.gaussian.laplace.Laplace.optimize_prior_precision>`).
     """
     num_data = check_num_data(num_data)
-    num_epochs = check_positive_int("num_epochs", num_epochs)
-    frequency = check_positive_int("frequency", frequency)
-    burnin = check_nonnegative_integer("burnin", burnin)
-    hyper_steps = check_positive_int("hyper_steps", hyper_steps)
-    hyper_lr = check_learning_rate(hyper_lr)
-    if not hyper_lr > 0.0:
-        raise ValueError(f"Invalid hyper_lr: {hyper_lr!r} (expected a finite number > 0)")
-    rounds = _check_rounds(num_epochs, frequency, burnin)
-    check_choice("prior_structure", prior_structure, ("scalar", "layerwise", "diag"))
-    on = check_progress(progress)
-
-    def laplace(prior: Any, noise: float | None) -> Laplace:
-        return Laplace(
-            model,
-            num_data=num_data,
-            likelihood=likelihood,
-            noise_std=noise,
-            curvature=curvature,
-            structure=structure,
-            prior_precision=prior,
-        )
-
+    plan = _check_plan(
+        num_epochs, frequency, burnin, hyper_steps, hyper_lr, prior_structure, progress
+    )
+    laplace = _LaplaceOf(model, num_data, likelihood, curvature, structure)
     first = laplace(prior_precision, noise_std)
-    tune = check_tune_noise(first, tune_noise)
-    hyper = HyperParameters(first, prior_structure, tune, None)
+    hyper = HyperParameters(first, prior_structure, check_tune_noise(first, tune_noise), None)
     optimizer = _check_optimizer(optimizer, model)
     check_loader(model, loader, first.likelihood, first._reference().device)
-    training = model.training
-    try:
-        run = _Run(model, loader, first, hyper, optimizer, laplace)
-        with ProgressBar(on, num_epochs, "marglik_training") as bar:
-            for epoch in range(1, num_epochs + 1):
-                run.epoch(structure, num_data)
-                bar.update()
-                if epoch in rounds:
-                    value = run.tune(hyper_steps, hyper_lr)
-                    bar.set_postfix(log_marglik=value)
-        return run.result()
-    finally:
-        model.train(training)
+    return _Run(model, loader, first, hyper, optimizer, laplace).run(plan, structure, num_data)
