@@ -25,7 +25,7 @@ from samplers_as_optim import PSGLD, AdamWSGHMC  # noqa: E402
 from samplers_as_optim.core.streams import parameter_key  # noqa: E402
 from samplers_as_optim.names import set_member_dims, set_parameter_layout  # noqa: E402
 from samplers_as_optim.sgmcmc import fused  # noqa: E402
-from samplers_as_optim.sgmcmc import optimizer as optimizer_module  # noqa: E402
+from samplers_as_optim.sgmcmc import _fused_step as fused_step_module  # noqa: E402
 from samplers_as_optim.sgmcmc._pooled_fused import compact_layout, layout  # noqa: E402
 from samplers_as_optim.sgmcmc.adamw_sghmc import adamw_sghmc_direction  # noqa: E402
 from samplers_as_optim.sgmcmc.fused import fused_normal  # noqa: E402
@@ -363,11 +363,11 @@ def test_resume_is_exact_across_the_freeze(cls):
 
 # ------------------------------------------------------------------ when it is fused
 def test_fused_none_takes_the_fused_path_where_it_can_run(monkeypatch):
-    assert optimizer_module.DEFAULT_ON_CUDA  # (validated on an H100: bash .ci/gpu fused)
+    assert fused.DEFAULT_ON_CUDA  # (validated on an H100: bash .ci/gpu fused)
     calls = []
-    original = optimizer_module.fused_kernel
+    original = fused_step_module.fused_kernel
     monkeypatch.setattr(
-        optimizer_module, "fused_kernel", lambda d: calls.append(d.name) or original(d)
+        fused_step_module, "fused_kernel", lambda d: calls.append(d.name) or original(d)
     )
     for cls in (PSGLD, AdamWSGHMC):
         params = named(shapes={"w": (3, 4)})

@@ -225,6 +225,37 @@ class KeyedNormal:
         ]
         return torch.cat(blocks).reshape(like.shape)
 
+    def draw_many(
+        self, likes: Sequence[Tensor], keys: Sequence[int], *, step: int, shard: int | None = None
+    ) -> list[Tensor]:
+        """:meth:`draw` of each of ``likes`` (whole tensors) with its key: the same numbers.
+
+        The seed's and the step's part of :func:`derive_seed` is mixed once for all of
+        them, and a tensor of one block is one ``manual_seed`` and one ``torch.randn``:
+        the per-tensor cost of a step's noise, for many small tensors.
+        """
+        prefix = extend_seed(_counter_hash(self.seed & _MASK64), step)
+        tail = () if shard is None else (_counter_hash(shard & _MASK64),)
+        first = _counter_hash(0)
+        generators = self._generators
+        out = []
+        for like, key in zip(likes, keys, strict=True):
+            if like.numel() > BLOCK:
+                out.append(self.draw(like, step=step, key=key, shard=shard))
+                continue
+            h = _splitmix64(_splitmix64(prefix ^ _counter_hash(key & _MASK64)) ^ first)
+            for mixed in tail:
+                h = _splitmix64(h ^ mixed)
+            device = like.device
+            generator = generators.get(device)
+            if generator is None:
+                generator = generators[device] = torch.Generator(device=device)
+            generator.manual_seed(h)
+            out.append(
+                torch.randn(like.shape, generator=generator, dtype=like.dtype, device=device)
+            )
+        return out
+
     def _draw_part(
         self, like: Tensor, *, step: int, key: int, shard: int | None, layout: tuple[int, int]
     ) -> Tensor:

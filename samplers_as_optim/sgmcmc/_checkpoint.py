@@ -19,13 +19,16 @@ from torch import Tensor
 
 from ..core.chain import NOISE_KEY, check_saved_noise_key
 from ._common import host_scalar
+from ._half_precision import MASTER, check_saved_master, is_half, restore_master_state_
 from .momentum_units import MOMENTUM_RATE
 
 __all__ = [
     "MOMENTUM_RATE",
+    "check_saved_masters",
     "migrate_momentum_rates",
     "refuse_non_finite_state",
     "restore_momentum_rate",
+    "restore_own_dtype_state",
     "saved_groups_with_chain_state",
     "valid_rate",
     "warn_if_keyed_otherwise",
@@ -158,3 +161,44 @@ def refuse_non_finite_state(saved_state: dict[Any, Any]) -> None:
                     "infinity (expected finite buffers: they would reach the parameters at "
                     "the next step)"
                 )
+
+
+def restore_own_dtype_state(opt: Any, state_dict: dict[str, Any]) -> None:
+    """Undo torch's cast of some saved entries to the parameter's dtype and device.
+
+    ``own_dtype_state`` (a thermostat) keeps its dtype on the parameter's device,
+    ``host_state`` (AdamW's step count) its dtype on the CPU, a half-precision
+    parameter's master and buffers float32 (``_half_precision``); the
+    noise key (``ChainOptimizer._restore_noise_keys``) and the rate of a momentum
+    buffer (``_checkpoint.restore_momentum_rate``) keep theirs on the CPU.
+    """
+    opt._restore_noise_keys(state_dict)
+    saved_state = state_dict.get("state", {})
+    for group, saved_group in zip(opt.param_groups, state_dict["param_groups"], strict=True):
+        for param, param_id in zip(group["params"], saved_group["params"], strict=True):
+            saved = saved_state.get(param_id) or {}
+            for key in opt.own_dtype_state:
+                value = saved.get(key)
+                if isinstance(value, Tensor):
+                    opt.state[param][key] = value.to(device=param.device, copy=True)
+            for key in opt.host_state:
+                value = saved.get(key)
+                if isinstance(value, Tensor):
+                    opt.state[param][key] = value.detach().to(device="cpu", copy=True)
+            if MOMENTUM_RATE in saved:  # (indexing opt.state creates an entry)
+                restore_momentum_rate(opt.state[param], saved)
+            if MASTER in saved:  # a half parameter's float32 master and buffers
+                restore_master_state_(
+                    param, opt.state[param], saved, (*opt.host_state, MOMENTUM_RATE)
+                )
+
+
+def check_saved_masters(
+    opt: Any, saved_groups: list[dict[str, Any]], saved_state: dict[Any, Any]
+) -> None:
+    """Refuse a saved ``master_param`` that does not fit its parameter (before loading)."""
+    for group, saved_group in zip(opt.param_groups, saved_groups, strict=False):
+        for param, param_id in zip(group["params"], saved_group.get("params", []), strict=False):
+            saved = saved_state.get(param_id) or {}
+            if MASTER in saved and is_half(param):
+                check_saved_master(param_id, param, saved[MASTER])

@@ -25,6 +25,7 @@ __all__ = [
     "default_foreach",
     "effective_grad",
     "effective_grads",
+    "gradients_may_be_non_finite",
     "host_scalar",
     "host_value",
     "known_buffer",
@@ -82,6 +83,11 @@ def bucketed_grads(
 
 def buckets(tensors: Sequence[Tensor]) -> list[list[int]]:
     """Indices of ``tensors`` grouped by (device, dtype), for foreach kernels."""
+    kinds = [(tensor.device, tensor.dtype) for tensor in tensors]
+    if not kinds:
+        return []
+    if kinds.count(kinds[0]) == len(kinds):  # one bucket: no dict to build
+        return [list(range(len(kinds)))]
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for index, tensor in enumerate(tensors):
         groups.setdefault((tensor.device, tensor.dtype), []).append(index)
@@ -100,6 +106,44 @@ def may_be_non_finite(tensors: Sequence[Tensor]) -> bool:
         if not bool(torch.isfinite(torch.stack(norms).sum())):
             return True
     return False
+
+
+#: dtypes whose gradients :func:`gradients_may_be_non_finite` checks in one pass
+_CHECKED_IN_ONE_PASS = (torch.float32, torch.float64)
+
+
+_ONES: dict[torch.device, Tensor] = {}
+
+
+def gradients_may_be_non_finite(grads: Sequence[Tensor]) -> bool:
+    """:func:`may_be_non_finite` of an Optimizer's gradients, exact and in one pass.
+
+    Where every gradient is a plain dense float32/float64 tensor outside autograd, one
+    ``torch._amp_foreach_non_finite_check_and_unscale_`` per device (GradScaler's own
+    check, with a scale of exactly 1, where it returns each element unchanged, bit for
+    bit) sets a flag read once: about a fifth of the norms' cost for a small model, and
+    exact (no overflow). The kernel writes every element back, so the gradients' version
+    counters move: only gradients that no graph can hold (``requires_grad`` False) and
+    that own their elements (contiguous) take it; others take the norms.
+    """
+    if not all(
+        type(grad) is Tensor
+        and grad.dtype in _CHECKED_IN_ONE_PASS
+        and not grad.requires_grad
+        and grad.is_contiguous()
+        for grad in grads
+    ):
+        return may_be_non_finite(grads)
+    flags = []
+    for index in buckets(grads):
+        device = grads[index[0]].device
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        one = _ONES.get(device)
+        if one is None:  # (the scale, never written: kept per device)
+            one = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_([grads[i] for i in index], found, one)
+        flags.append(found)
+    return any(bool(flag) for flag in flags)
 
 
 def all_finite(tensors: Sequence[Tensor]) -> dict[torch.device, Tensor]:

@@ -8,6 +8,7 @@ chunk (``_chunked_update``), one block at a time; every way gives the numbers of
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ..core.dtensor import is_dtensor, local_layout, wrap_like
@@ -54,11 +55,36 @@ class GroupNoise:
         self.prefetched: list[Tensor | None] = [None] * len(params)
         #: under torch.compile, whether the draw hands the next step's to the worker
         self.ahead = ahead
-        if prefetcher is not None:
+        if prefetcher is not None and prefetcher.holds_any():
             self.prefetched = [
                 prefetcher.take(NoiseRequest(param, stream.seed, step, key, shard))
                 for param, key in zip(params, keys, strict=True)
             ]
+
+    def all(self) -> list[Tensor]:
+        """Every parameter's noise, shaped like it (:meth:`whole` of each, in order).
+
+        The plain tensors not drawn ahead (neither DTensors nor shares of a larger
+        tensor) are drawn together (``KeyedNormal.draw_many``: the same numbers); traced
+        by ``torch.compile``, each is the draw's custom op.
+        """
+        if torch.compiler.is_compiling():
+            return [self.whole(i) for i in range(len(self.params))]
+        out = list(self.prefetched)
+        plain = [
+            i
+            for i, param in enumerate(self.params)
+            if out[i] is None and parameter_layout(param) is None and not is_dtensor(param)
+        ]
+        drawn = self.stream.draw_many(
+            [self.params[i] for i in plain],
+            [self.keys[i] for i in plain],
+            step=self.step,
+            shard=self.shard,
+        )
+        for i, noise in zip(plain, drawn, strict=True):
+            out[i] = noise
+        return [self.whole(i) if noise is None else noise for i, noise in enumerate(out)]
 
     def whole(self, i: int) -> Tensor:
         """Parameter i's noise, shaped like it."""

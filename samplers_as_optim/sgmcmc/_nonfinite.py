@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._common import all_finite, may_be_non_finite
+from ._common import all_finite, gradients_may_be_non_finite
 
 __all__ = [
     "count_skipped_where",
@@ -44,10 +44,10 @@ def describe_parameter(group: dict[str, Any], index: int, position: int) -> str:
 def refuse_non_finite_gradients(name: str, gathered: Gathered) -> None:
     """Raise, before anything changes, if any gradient holds NaN or infinity.
 
-    Fast path :func:`may_be_non_finite`; only on suspicion are the tensors checked one
+    Fast path :func:`~._common.gradients_may_be_non_finite`; only on suspicion are the tensors checked one
     by one, to name the culprit.
     """
-    if not may_be_non_finite([grad for *_, grads in gathered for grad in grads]):
+    if not gradients_may_be_non_finite([grad for *_, grads in gathered for grad in grads]):
         return
     for index, group, _, _ in gathered:
         for position, param in enumerate(group["params"]):

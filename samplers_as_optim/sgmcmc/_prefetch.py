@@ -127,6 +127,10 @@ class NoisePrefetcher:
         for ident, tag in pending.result():
             self._tags[ident] = tag
 
+    def holds_any(self) -> bool:
+        """Whether any noise has been drawn ahead (:meth:`take` can only miss otherwise)."""
+        return bool(self._tags)
+
     def take(self, request: NoiseRequest) -> Tensor | None:
         """The prefetched noise for ``request`` (call :meth:`wait` first), or None."""
         if self._tags.get(id(request.param)) != _tag(request):

@@ -160,6 +160,10 @@ def rescale_momentum_state(
         rates = [known.value(p, r) for p, r in zip(params, records, strict=True)]
     else:
         rates = [host_value(record) for record in records]
+    if temperature == 0 and all(record is None for record in records):
+        return  # SGD's buffers, with no record to keep up to date
+    if all(rate == lr for rate in rates) and all(isinstance(r, Tensor) for r in records):
+        return  # every buffer is in this step's units and its record says so already
     _, new_rates = rescale_momentum(
         [state.get(buffer) for state in states],
         rates,

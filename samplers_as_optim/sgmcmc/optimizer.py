@@ -31,6 +31,7 @@ that hold such a number as a float are migrated on load.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -57,60 +58,35 @@ from ..core.validation import (
 from ..names import parameter_layout
 from ._checkpoint import (
     MOMENTUM_RATE,
+    check_saved_masters,
     migrate_momentum_rates,
     refuse_non_finite_state,
-    restore_momentum_rate,
+    restore_own_dtype_state,
     saved_groups_with_chain_state,
     warn_if_keyed_otherwise,
 )
-from ._chunked_update import chunkable, update_in_chunks
-from ._common import (
-    HostScalars,
-    apply_step_,
-    default_foreach,
-)
-from ._fused_launch import FusedInput
-from ._fused_nonfinite import DeferredRefusal, check_gradients, count_skipped
-from ._grad_scaler import ScalerInput, found_inf_flags, keep_flags, scaler_input, unscaled_grads
-from ._group_noise import GroupNoise, large
-from ._half_precision import (
-    MASTER,
-    MasterSync,
-    check_saved_master,
-    compute_tensors,
-    is_half,
-    restore_master_state_,
-    store_masters_,
-)
-from ._nonfinite import describe_parameter, finite_flags, kept, refuse_non_finite_gradients
+from ._common import HostScalars
+from ._fused_step import fused_step, takes_fused_step
+from ._grad_scaler import scaler_input
+from ._group_noise import large
+from ._group_state import reexpress_state
+from ._half_precision import MASTER, MasterSync, is_half
+from ._nonfinite import describe_parameter
 from ._prefetch import NoisePrefetcher, NoiseRequest
-from ._skipped_host import (
-    exact_step_unless_skipped,
-    host_record,
-    put_back_if_skipped,
-    rescale_gate,
-    settle_skipped,
-)
+from ._reference_step import update_group
+from ._skipped_host import put_back_if_skipped, settle_skipped
+from ._step_guard import raise_deferred_refusal, verdict
 from .arguments import PARAMS_DOC
 from .chain_temperature import ChainTemperatureReport, temperature_reports
 from .definition import (
     REQUIRED,
     SamplerDefinition,
-    UpdateInput,
     arguments_doc,
     example_doc,
     generated_function,
 )
-from .fused import (
-    DEFAULT_ON_CUDA,
-    check_fused,
-    fused_kernel,
-    fused_message,
-    fused_noise_seeds,
-    fused_refusal,
-    parameter_offset,
-)
-from .momentum_units import rescale_momentum_state
+from .fused import check_fused, fused_message, fused_refusal
+from .step_plan import GroupPlan, StepRates, planned
 
 __all__ = ["SamplerOptimizer"]
 
@@ -255,6 +231,8 @@ class SamplerOptimizer(ChainOptimizer):
         self._prefetcher = NoisePrefetcher() if self._overlap_noise else None
         self._seed_given = seed_given
         self._runtime["agreed"] = False
+        #: each param group's plan, by ``id(group)`` (``step_plan``): dropped with the rest
+        self._runtime["plans"] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         """``torch.optim.Optimizer``'s state (the whole chain) plus the runtime options.
@@ -308,7 +286,21 @@ class SamplerOptimizer(ChainOptimizer):
 
     # ------------------------------------------------------------------ step
     def _gather(self, group: dict[str, Any], index: int) -> tuple[list[Tensor], list[Tensor]]:
-        params, grads = [], []
+        """The group's parameters with a gradient and their gradients, refused if unfit."""
+        params = [param for param in group["params"] if param.grad is not None]
+        grads = [param.grad for param in params]
+        if (
+            any(grad.is_sparse or grad.is_complex() for grad in grads)
+            or any(param.is_complex() for param in params)
+            or (not self.supports_dtensor and any(map(is_dtensor, params)))
+        ):
+            self._refuse_parameters(group, index)
+        if self.definition.check_parameters is not None:
+            self.definition.check_parameters(group, params, at_group(index))
+        return params, grads
+
+    def _refuse_parameters(self, group: dict[str, Any], index: int) -> None:
+        """Raise for the first parameter the step cannot take, naming it."""
         for position, param in enumerate(group["params"]):
             grad = param.grad
             if grad is None:
@@ -331,11 +323,6 @@ class SamplerOptimizer(ChainOptimizer):
                     f"({describe_parameter(group, index, position)}): "
                     f"{self.dtensor_unsupported_reason}; use SGHMC or SGLD"
                 )
-            params.append(param)
-            grads.append(grad)
-        if self.definition.check_parameters is not None:
-            self.definition.check_parameters(group, params, at_group(index))
-        return params, grads
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -387,50 +374,29 @@ class SamplerOptimizer(ChainOptimizer):
         """
         loss = None
         scaler = scaler_input(self)  # set by torch.amp.GradScaler.step, checked first
-        self._raise_deferred_refusal()
+        raise_deferred_refusal(self)
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         compiling = torch.compiler.is_compiling()
         if not self._runtime["agreed"]:
             self._agree_across_ranks()
-        gathered = []
-        checked: dict[int, Any] = {} if compiling else self._runtime.setdefault("checked", {})
-        for index, group in enumerate(self.param_groups):
-            key = None if compiling else _hyperparameter_key(group)
-            if key is None or checked.get(id(group)) != key:
-                self.check_hyperparameters(group, where=at_group(index))
-                if key is not None:  # (the checks read these values alone)
-                    checked[id(group)] = key
-            if not compiling:  # checked on the way in; reading it would specialise the graph
-                self._check_chain_state(group, where=at_group(index))
-            params, grads = self._gather(group, index)
-            check_representable(group, params, where=at_group(index))
-            gathered.append((index, group, params, grads))
-        if self._takes_fused_step(gathered, compiling=compiling):
-            self._fused_step(gathered, scaler)
+        gathered, rates = self._plan(compiling)
+        if takes_fused_step(self, gathered, compiling=compiling):
+            fused_step(self, gathered, rates, scaler)
             for group in self.param_groups:
                 group["step"] += 1
             return loss
-        keep, record = self._unfused_verdict(gathered, scaler)
+        keep, record = verdict(self, gathered, scaler)
         prefetcher = None if compiling else self._prefetcher
         if prefetcher is not None:
             prefetcher.wait()
-        for _, group, params, grads in gathered:
-            if not params:
-                continue
-            temperature = float(group["temperature"])
-            lr = float(group["lr"])
-            if temperature > 0 and lr == 0:
-                continue  # a step of length zero: no time passes, nothing changes
-            self._update_group(
-                group,
-                params,
-                grads,
-                lr=lr,
-                temperature=temperature,
-                keep=keep,
-                grad_scale=scaler.grad_scale,
+        for (_, group, params, grads), planned_rates in zip(gathered, rates, strict=True):
+            lr, temperature, _ = planned_rates
+            if not params or (temperature > 0 and lr == 0):
+                continue  # (a step of length zero: no time passes, nothing changes)
+            update_group(
+                self, group, params, grads, planned_rates, keep=keep, grad_scale=scaler.grad_scale
             )
             if temperature > 0:  # the keys the noise was drawn with (module docstring)
                 self._record_noise_keys(params)
@@ -440,6 +406,39 @@ class SamplerOptimizer(ChainOptimizer):
         if prefetcher is not None:
             prefetcher.submit(self._next_noise_requests())
         return loss
+
+    def _plan(self, compiling: bool) -> tuple[list[Any], list[StepRates]]:
+        """Each group's plan (``step_plan``), its parameters with a gradient, lr and T.
+
+        A group is validated when it is planned, and re-planned when anything its plan
+        holds has changed; traced by ``torch.compile`` it is validated at every step
+        (and its chain state on the way in: reading it would specialise the graph).
+        """
+        gathered, rates = [], []
+        plans: dict[int, GroupPlan] = self._runtime["plans"]
+        for index, group in enumerate(self.param_groups):
+            params, grads = self._gather(group, index)
+            if compiling:
+                self.check_hyperparameters(group, where=at_group(index))
+                check_representable(group, params, where=at_group(index))
+                fields = self.definition.state_fields(group)
+                rates.append(StepRates(float(group["lr"]), float(group["temperature"]), fields))
+            else:
+                plan = planned(
+                    plans,
+                    group,
+                    partial(self._check_group, index=index),
+                    self.definition.state_fields,
+                )
+                plan.check_dtypes(group, params, at_group(index))
+                rates.append(StepRates(plan.lr, plan.temperature, plan.fields))
+            gathered.append((index, group, params, grads))
+        return gathered, rates
+
+    def _check_group(self, group: dict[str, Any], *, index: int) -> None:
+        """Validate a group's hyperparameters and its chain state (``seed``, ``step``)."""
+        self.check_hyperparameters(group, where=at_group(index))
+        self._check_chain_state(group, where=at_group(index))
 
     def temperature_estimates(self, *, level: float = 0.999) -> list[ChainTemperatureReport]:
         r"""The chain's kinetic and configurational temperatures, now, with their bands.
@@ -524,383 +523,6 @@ class SamplerOptimizer(ChainOptimizer):
         self._runtime.update(shard=agreement.shard, agreed=True)
 
     # ------------------------------------------------------------------ the fused step
-    def _takes_fused_step(self, gathered: list[Any], *, compiling: bool) -> bool:
-        """Whether this step is fused (``fused``); with ``fused=True``, raise if it cannot be.
-
-        ``fused=None`` takes the fused path where :func:`~.fused.fused_refusal` finds no
-        reason against it and no param group sets ``foreach`` (a choice of the unfused
-        kernels); never under ``torch.compile``, which traces the unfused step, nor for a
-        step without gradients (which would only import Triton), nor where every group is
-        at temperature 0: there the step is ``torch.optim``'s default (foreach) step,
-        bit for bit, as the optimizer it replaces takes it (``fused=True`` is
-        ``SGD(fused=True)``'s step at T = 0).
-        """
-        if self._fused is False or (self._fused is None and compiling):
-            return False
-        if self._fused is None and not DEFAULT_ON_CUDA:
-            return False
-        if self._fused is None and (
-            any(group["foreach"] is not None for _, group, *_ in gathered)
-            or not any(params for _, _, params, _ in gathered)
-            or all(float(group["temperature"]) == 0 for _, group, params, _ in gathered if params)
-        ):
-            return False
-        reason = fused_refusal(self.definition, gathered, self.state, compiling=compiling)
-        if reason is not None and self._fused:
-            raise ValueError(fused_message(reason))
-        return reason is None
-
-    def _fused_step(
-        self,
-        gathered: list[tuple[int, dict[str, Any], list[Tensor], list[Tensor]]],
-        scaler: ScalerInput,
-    ) -> None:
-        """Every group's step by the sampler's fused kernel, checked on the device.
-
-        The kernels read the device flag of :func:`~._fused_nonfinite.check_gradients`
-        and write nothing when a gradient is not finite: with ``nonfinite="skip"`` the
-        step is counted as skipped, with ``"raise"`` the verdict is read by the next
-        ``step()`` or ``state_dict()`` (:class:`~._fused_nonfinite.DeferredRefusal`),
-        which can then put back what this step recorded on the host. Under a
-        ``GradScaler`` (``scaler.found_inf`` given) its ``found_inf`` is the flag
-        (:func:`~._grad_scaler.found_inf_flags`): no check of the gradients, no refusal.
-        A skipped step's host record is put back as the unfused step's (``_skipped_host``).
-        """
-        rollback = check = None
-        if scaler.found_inf is not None:
-            largest = found_inf_flags(gathered, scaler.found_inf)
-        else:
-            check = check_gradients(gathered)
-            largest = check.largest
-            if self._nonfinite == "skip":
-                count_skipped(gathered, largest)
-            else:
-                rollback = host_record(
-                    self.state, self.param_groups, gathered, self.host_state, counters=True
-                )
-        record = self._skip_record(gathered) if rollback is None else None
-        finite_where = None if rollback is None and record is None else largest
-        for _, group, params, grads in gathered:
-            if not params:
-                continue
-            temperature = float(group["temperature"])
-            lr = float(group["lr"])
-            if temperature > 0 and lr == 0:
-                continue  # a step of length zero: no time passes, nothing changes
-            self._fused_update_group(
-                group,
-                params,
-                grads,
-                lr=lr,
-                temperature=temperature,
-                largest=largest,
-                grad_scale=scaler.grad_scale,
-                finite_where=finite_where,
-            )
-            if temperature > 0:  # the keys the noise was drawn with (module docstring)
-                self._record_noise_keys(params)
-        if rollback is not None and check is not None:
-            steps = {id(group): int(group["step"]) for group in self.param_groups}
-            self._runtime["refusal"] = DeferredRefusal(check, steps=steps, rollback=rollback)
-        if record is not None:
-            kept = {device: flag.isfinite().reshape(()) for device, flag in largest.items()}
-            put_back_if_skipped(self._runtime, record, kept)
-
-    def _unfused_verdict(
-        self, gathered: list[Any], scaler: ScalerInput
-    ) -> tuple[dict[torch.device, Tensor] | None, Callable[[], None] | None]:
-        """The unfused step's verdict, and the host record a skip puts back.
-
-        Per device, a boolean, False where the step is skipped (a ``GradScaler``'s
-        ``found_inf``, or ``nonfinite="skip"``), or None: ``nonfinite="raise"`` refused
-        a non-finite gradient here already, before anything changed.
-        """
-        keep = None
-        if scaler.found_inf is not None:  # the scaler's verdict, on the device
-            keep = keep_flags(gathered, scaler.found_inf)
-        elif self._nonfinite == "raise":
-            refuse_non_finite_gradients(type(self).__name__, gathered)
-        else:
-            keep = finite_flags(gathered)
-        return keep, None if keep is None else self._skip_record(gathered)
-
-    def _skip_record(self, gathered: list[Any]) -> Callable[[], None] | None:
-        """What a skipped step puts back on the host (``_skipped_host``); None if nothing."""
-        if not self.host_state:
-            return None
-        return host_record(self.state, self.param_groups, gathered, self.host_state, counters=False)
-
-    def _raise_deferred_refusal(self) -> None:
-        """Raise the refusal of the last fused step (``nonfinite="raise"``), if refused.
-
-        Reads the verdict the step copied to the host (waiting, at most, for that copy,
-        queued at the end of the step), puts back what the step recorded on the host
-        and raises; the kernels changed no parameter or buffer. First, a skipped step's
-        host record waiting for its verdict is put back if skipped (``_skipped_host``).
-        """
-        settle_skipped(self._runtime)
-        refusal = self._runtime.pop("refusal", None)
-        if refusal is None:
-            return
-        found = refusal.culprit()
-        if found is None:
-            return
-        culprit, step = found
-        refusal.rollback()
-        raise FloatingPointError(
-            f"{type(self).__name__} refused step {step}: non-finite gradient in {culprit}; "
-            "no parameter or buffer was changed (the fused step checks the gradients on "
-            "the device, without a host synchronisation: this call, the next after that "
-            "step, raises it and changes nothing either)"
-        )
-
-    def _fused_update_group(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        *,
-        lr: float,
-        temperature: float,
-        largest: dict[torch.device, Tensor],
-        grad_scale: Tensor | None = None,
-        finite_where: dict[torch.device, Tensor] | None = None,
-    ) -> None:
-        """One param group's step by the sampler's fused kernel (``sgmcmc/fused``).
-
-        The state is created and re-expressed in lr's units as by the unfused step; the
-        kernel then reads and writes each parameter and buffer once, drawing the fused
-        noise stream (``fused.fused_noise_seed``) in registers. A half-precision
-        parameter's float32 master (``_half_precision``) and the GradScaler's scale go
-        to the kernel (``FusedInput.masters``, ``FusedInput.grad_scales``), which reads
-        the gradient as ``g / scale`` and writes the master and its rounding.
-        """
-        masters, tensors = self._positions(params, temperature)
-        # (a step refused later keeps every bit of its buffers: ``unless_nonfinite``)
-        fields, states = self._ready_state(
-            group,
-            params,
-            tensors,
-            lr=lr,
-            temperature=temperature,
-            foreach=default_foreach(params),
-            unless_nonfinite=finite_where,
-        )
-        keys = self._noise_keys(params) if temperature > 0 else [0] * len(params)
-        seeds = (
-            fused_noise_seeds(group["seed"], group["step"], keys, self._shard)
-            if temperature > 0
-            else [0] * len(params)
-        )
-        extra: dict[str, Any] = {}  # the fields of FusedInput a plain step leaves out
-        if grad_scale is not None:
-            on: dict[torch.device, Tensor] = {}
-            for param in params:
-                if param.device not in on:
-                    on[param.device] = grad_scale.reshape(1).to(
-                        device=param.device,
-                        dtype=torch.float32,
-                        non_blocking=param.device.type != "cpu",
-                    )
-            extra["grad_scales"] = [on[param.device] for param in params]
-        if any(master is not None for master in masters):
-            extra["masters"] = masters
-        inputs = FusedInput(
-            params,
-            grads,
-            {name: [state.get(name) for state in states] for name in fields},
-            seeds,
-            [parameter_offset(param) for param in params],
-            [largest[param.device] for param in params],
-            **extra,
-        )
-        new = fused_kernel(self.definition).launch(
-            {**group, "lr": lr, "temperature": temperature}, inputs
-        )
-        for param, master in zip(params, masters, strict=True):
-            if master is not None:  # the kernel wrote its rounding into the parameter
-                self._master_sync.written(param, master)
-        for name in fields:
-            for state, value in zip(states, new[name], strict=True):
-                if value is None:  # not created yet (a frozen preconditioner)
-                    state.pop(name, None)
-                else:
-                    state[name] = value
-
-    # ------------------------------------------------------------------ the update
-    def _unwidened_state(self) -> tuple[str, ...]:
-        """State entries a new master leaves in their dtype: the host numbers."""
-        return self.host_state
-
-    def _update_group(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        *,
-        lr: float,
-        temperature: float,
-        keep: dict[torch.device, Tensor] | None = None,
-        grad_scale: Tensor | None = None,
-    ) -> None:
-        """Draw the noise, call the sampler's kernel, store its state and take the step.
-
-        ``keep`` (``nonfinite="skip"``, or a ``GradScaler``'s ``found_inf``): per
-        device, a 0-d boolean tensor, False when the step must change nothing; the new
-        parameters and buffers are then selected with ``torch.where`` against the old
-        ones, without a host synchronisation. ``grad_scale`` (a ``GradScaler``'s): the
-        update reads each gradient as ``g / grad_scale``, ``.grad`` is left as it is.
-
-        A float16/bfloat16 parameter at T > 0, or one that has a master already, is
-        updated through its float32 master (``_half_precision``): the update runs on the
-        master with the gradient widened, then the parameter takes its rounding.
-        """
-        masters, tensors = self._positions(params, temperature)
-        grads = unscaled_grads(grads, grad_scale, widen=[m is not None for m in masters])
-        self._update_tensors(
-            group, params, tensors, grads, lr=lr, temperature=temperature, keep=keep
-        )
-        store_masters_(params, masters, self._master_sync)
-
-    def _positions(
-        self, params: list[Tensor], temperature: float
-    ) -> tuple[list[Tensor | None], list[Tensor]]:
-        """Each parameter's float32 master (None without one), and the tensors stepped.
-
-        The tensor a parameter's step updates is its master, or the parameter itself
-        (``_half_precision``).
-        """
-        masters = compute_tensors(
-            params,
-            self.state,
-            temperature=temperature,
-            skip=self._unwidened_state(),
-            sync=self._master_sync,
-        )
-        tensors = [p if m is None else m for p, m in zip(params, masters, strict=True)]
-        return masters, tensors
-
-    def _ready_state(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        tensors: list[Tensor],
-        *,
-        lr: float,
-        temperature: float,
-        foreach: bool,
-        unless_nonfinite: dict[torch.device, Tensor] | None = None,
-    ) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
-        """The group's state fields and per-parameter states, ready for this step.
-
-        What a state lacks is created (new, or loaded from another kind) like its
-        ``tensors``; state in lr's units follows a change of lr (``docs/design.md``;
-        ``unless_nonfinite`` as for :meth:`_reexpress_state`). Both the unfused and the
-        fused step start here.
-        """
-        fields = self._state_fields(group)
-        states = [self.state[p] for p in params] if fields else []
-        for tensor, state in zip(tensors if fields else [], states, strict=True):
-            if not all(name in state for name in fields):
-                self._init_state(group, tensor, state)
-        if fields:
-            self._reexpress_state(
-                group,
-                params,
-                states,
-                lr=lr,
-                temperature=temperature,
-                foreach=foreach,
-                unless_nonfinite=unless_nonfinite,
-            )
-        return fields, states
-
-    def _update_tensors(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        tensors: list[Tensor],
-        grads: list[Tensor],
-        *,
-        lr: float,
-        temperature: float,
-        keep: dict[torch.device, Tensor] | None,
-    ) -> None:
-        """:meth:`_update_group` on ``tensors`` (each parameter, or its master).
-
-        ``params`` key the state and the noise; ``tensors`` are updated in place. On the
-        CPU without foreach, large tensors are updated chunk by chunk, in cache
-        (``_chunked_update``), with the same numbers.
-        """
-        foreach = group["foreach"]
-        if foreach is None:  # under compile, whole tensors (both paths: the same numbers)
-            foreach = torch.compiler.is_compiling() or default_foreach(params)
-        gate = rescale_gate(keep, self.host_state)  # (where a skip puts back the rate)
-        fields, states = self._ready_state(
-            group,
-            params,
-            tensors,
-            lr=lr,
-            temperature=temperature,
-            foreach=foreach,
-            unless_nonfinite=gate,
-        )
-        buffers: list[list[Any]] = [[state.get(name) for state in states] for name in fields]
-        exact = self.definition.zero_temperature_step
-        if exact is not None and temperature == 0:
-            inputs = UpdateInput(tensors, grads, dict(zip(fields, buffers, strict=True)), None)
-            at_zero = {**group, "lr": lr, "temperature": 0.0}
-            if exact_step_unless_skipped(exact, at_zero, inputs, foreach, keep, self.host_state):
-                return
-        noise_of = None
-        if temperature > 0:
-            noise_of = GroupNoise(
-                tensors,
-                stream=self._stream(group["seed"]),
-                keys=self._noise_keys(params),
-                step=group["step"],
-                shard=self._shard,
-                prefetcher=self._prefetcher,
-                ahead=self._overlap_noise,
-            )
-
-        kwargs = {"lr": lr, "temperature": temperature}
-        if (
-            keep is None
-            and not foreach
-            and self.chunked_kernel
-            and chunkable(tensors, grads, buffers)
-        ):
-
-            def kernel(
-                ps: list[Tensor],
-                gs: list[Tensor],
-                bs: list[list[Tensor | None]],
-                noise: list[Tensor] | None,
-            ) -> list[Tensor]:
-                return self._kernel(group, ps, gs, bs, noise, foreach=False, **kwargs)[0]
-
-            update_in_chunks(
-                kernel, tensors, grads, buffers, noise_of, lr=lr, temperature=temperature
-            )
-            return
-        noise = None if noise_of is None else [noise_of.whole(i) for i in range(len(params))]
-        old = None
-        if keep is not None:  # the kernels update buffers in place
-            old = [[None if b is None else b.clone() for b in field] for field in buffers]
-        directions, new_buffers = self._kernel(
-            group, tensors, grads, buffers, noise, foreach=foreach, **kwargs
-        )
-        for f, (name, field) in enumerate(zip(fields, new_buffers, strict=True)):
-            host = name in self.host_state  # put back if skipped (``_skipped_host``)
-            for i, (state, value) in enumerate(zip(states, field, strict=True)):
-                if value is None:  # not created yet: torch.optim keeps tensors only
-                    state.pop(name, None)
-                    continue
-                if old is not None and keep is not None and isinstance(value, Tensor) and not host:
-                    value = kept(value, old[f][i], keep)
-                state[name] = value
-        apply_step_(tensors, directions, lr=lr, as_sgd=temperature == 0, foreach=foreach, keep=keep)
 
     # What a sampler supplies.
     #: whether the kernel is elementwise, so that it may run on chunks of a tensor
@@ -908,21 +530,6 @@ class SamplerOptimizer(ChainOptimizer):
     #: whether the kernel runs on DTensor parameters (FSDP2's fully_shard), and why not
     supports_dtensor: bool = True
     dtensor_unsupported_reason: str = ""
-
-    def _state_fields(self, group: dict[str, Any]) -> tuple[str, ...]:
-        """The per-parameter state the kernel reads and writes, in its argument order."""
-        return self.definition.state_fields(group)
-
-    def _init_state(self, group: dict[str, Any], param: Tensor, state: dict[str, Any]) -> None:
-        """Create what a parameter's state lacks before a step (keeping what is there).
-
-        Called before its first step, and when a loaded state lacks a field (an SGD or
-        SGHMC checkpoint loaded into SGNHT has no thermostat). A field whose definition
-        has no ``init`` is created by the update at the first step (SGD's momentum).
-        """
-        for field in self.definition.state:
-            if field.init is not None and field.used(group) and field.name not in state:
-                state[field.name] = field.init(param, group)
 
     def reexpress_state(self, group: dict[str, Any], *, lr: float) -> None:
         """Re-express ``group``'s recorded lr-dependent state at ``lr``, keeping the chain.
@@ -936,102 +543,7 @@ class SamplerOptimizer(ChainOptimizer):
         """
         params = [p for p in group["params"] if self.state[p].get(MOMENTUM_RATE) is not None]
         states = [self.state[p] for p in params]
-        self._reexpress_state(group, params, states, lr=lr, temperature=1.0, foreach=False)
-
-    def _reexpress_state(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        states: list[dict[str, Any]],
-        *,
-        lr: float,
-        temperature: float,
-        foreach: bool,
-        unless_nonfinite: dict[torch.device, Tensor] | None = None,
-    ) -> None:
-        """Re-express state kept in lr's units when lr has changed, before the kernel.
-
-        A sampler whose state holds a momentum buffer in SGD units
-        (``momentum_in_lr_units``: SGHMC, SGNHT, BAOA) rescales it at T > 0 so that the
-        chain's physical momentum is kept (``docs/design.md``;
-        :func:`~.momentum_units.rescale_momentum_state`), reading the rate each buffer
-        was written at through ``self._host_scalars``; other samplers keep no such state.
-        """
-        if self.momentum_in_lr_units:
-            rescale_momentum_state(
-                states,
-                lr=lr,
-                temperature=temperature,
-                foreach=foreach,
-                params=params,
-                known=self._host_scalars,
-                buffer=self.definition.momentum_buffer,
-                unless_nonfinite=unless_nonfinite,
-            )
-
-    def _kernel(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        buffers: list[list[Tensor | None]],
-        noise: list[Tensor] | None,
-        *,
-        lr: float,
-        temperature: float,
-        foreach: bool,
-    ) -> tuple[list[Tensor], list[list[Tensor | None]]]:
-        """Call the sampler's pure update: ``(directions, new buffers per field)``."""
-        fields = self._state_fields(group)
-        directions, new = self.definition.update(
-            {**group, "lr": lr, "temperature": temperature, "initial_state": False},
-            UpdateInput(params, grads, dict(zip(fields, buffers, strict=True)), noise),
-            foreach=foreach,
-            inplace=True,
-        )
-        return directions, [list(new[name]) for name in fields]
-
-    # ------------------------------------------------------------------ state
-    def _restore_own_dtype_state(self, state_dict: dict[str, Any]) -> None:
-        """Undo torch's cast of some saved entries to the parameter's dtype and device.
-
-        ``own_dtype_state`` (a thermostat) keeps its dtype on the parameter's device,
-        ``host_state`` (AdamW's step count) its dtype on the CPU, a half-precision
-        parameter's master and buffers float32 (``_half_precision``); the
-        noise key (``ChainOptimizer._restore_noise_keys``) and the rate of a momentum
-        buffer (``_checkpoint.restore_momentum_rate``) keep theirs on the CPU.
-        """
-        self._restore_noise_keys(state_dict)
-        saved_state = state_dict.get("state", {})
-        for group, saved_group in zip(self.param_groups, state_dict["param_groups"], strict=True):
-            for param, param_id in zip(group["params"], saved_group["params"], strict=True):
-                saved = saved_state.get(param_id) or {}
-                for key in self.own_dtype_state:
-                    value = saved.get(key)
-                    if isinstance(value, Tensor):
-                        self.state[param][key] = value.to(device=param.device, copy=True)
-                for key in self.host_state:
-                    value = saved.get(key)
-                    if isinstance(value, Tensor):
-                        self.state[param][key] = value.detach().to(device="cpu", copy=True)
-                if MOMENTUM_RATE in saved:  # (indexing self.state creates an entry)
-                    restore_momentum_rate(self.state[param], saved)
-                if MASTER in saved:  # a half parameter's float32 master and buffers
-                    restore_master_state_(
-                        param, self.state[param], saved, (*self.host_state, MOMENTUM_RATE)
-                    )
-
-    def _check_saved_masters(
-        self, saved_groups: list[dict[str, Any]], saved_state: dict[Any, Any]
-    ) -> None:
-        """Refuse a saved ``master_param`` that does not fit its parameter (before loading)."""
-        for group, saved_group in zip(self.param_groups, saved_groups, strict=False):
-            for param, param_id in zip(
-                group["params"], saved_group.get("params", []), strict=False
-            ):
-                saved = saved_state.get(param_id) or {}
-                if MASTER in saved and is_half(param):
-                    check_saved_master(param_id, param, saved[MASTER])
+        reexpress_state(self, params, states, lr=lr, temperature=1.0, foreach=False)
 
     def _migrate_host_state(self) -> None:
         """A rate kept as a float (or None) by an earlier version becomes a tensor (or none)."""
@@ -1056,7 +568,7 @@ class SamplerOptimizer(ChainOptimizer):
         refused here if no ``step()`` has raised it yet, so that no checkpoint counts it
         as taken (see :meth:`step`).
         """
-        self._raise_deferred_refusal()
+        raise_deferred_refusal(self)
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1086,7 +598,7 @@ class SamplerOptimizer(ChainOptimizer):
         )
         saved_state = state_dict.get("state", {})
         refuse_non_finite_state(saved_state)
-        self._check_saved_masters(saved_groups, saved_state)
+        check_saved_masters(self, saved_groups, saved_state)
         warn_if_keyed_otherwise(type(self).__name__, self.param_groups, saved_groups, saved_state)
         if len(saved_groups) == len(self.param_groups):
             saved_groups = [
@@ -1098,7 +610,7 @@ class SamplerOptimizer(ChainOptimizer):
                 self._check_chain_state(group, where=at_group(index))
         state_dict["param_groups"] = saved_groups
         super().load_state_dict(state_dict)
-        self._restore_own_dtype_state(state_dict)
+        restore_own_dtype_state(self, state_dict)
         self._reset_runtime(seed_given=True)
         self._prime_runtime()
 
@@ -1109,28 +621,3 @@ if not COMPILED_DRAW:
     SamplerOptimizer.step = torch.compiler.disable(  # type: ignore[method-assign,no-untyped-call]
         SamplerOptimizer.step
     )
-
-
-#: param-group entries that are not hyperparameters (the chain's state, counters)
-_NOT_HYPERPARAMETERS = frozenset({"params", "step", "seed", "skipped_steps"})
-
-
-def _hyperparameter_key(group: dict[str, Any]) -> tuple[Any, ...] | None:
-    """The group's hyperparameters as a hashable tuple of ``(name, type, value)``, or None.
-
-    None where one is a tensor or unhashable: then they are checked at every step. The
-    checks of :meth:`SamplerOptimizer.check_hyperparameters` read these values
-    alone, so a group whose key is the one last checked needs no new check.
-    """
-    items = []
-    for name, value in group.items():
-        if name in _NOT_HYPERPARAMETERS:
-            continue
-        if isinstance(value, Tensor):
-            return None
-        try:
-            hash(value)
-        except TypeError:
-            return None
-        items.append((name, type(value), value))
-    return tuple(items)

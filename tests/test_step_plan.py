@@ -1,0 +1,221 @@
+"""The step pipeline's plan (``sgmcmc/step_plan``): validated once, re-made when it changes.
+
+A param group is validated when its plan is made; a step whose group still holds the
+plan validates nothing, and any change the plan depends on (a hyperparameter's value or
+type, an entry added or renamed, the ``params`` list, the seed, a new dtype, a loaded
+state) makes the next step validate again, so that a bad value is refused at the step
+it reaches, before anything changes. Also the one-pass check of the gradients behind
+``nonfinite="raise"`` (``_common.gradients_may_be_non_finite``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from samplers_as_optim import SGHMC, SGLD
+from samplers_as_optim.sgmcmc._common import gradients_may_be_non_finite, may_be_non_finite
+
+
+def make(**kwargs):
+    params = [
+        nn.Parameter(torch.randn(4, generator=torch.Generator().manual_seed(i))) for i in range(3)
+    ]
+    for i, param in enumerate(params):
+        param.grad = torch.full((4,), 0.1 * (i + 1))
+    opt = SGHMC(params, lr=1e-3, momentum=0.9, num_data=100, seed=0, **kwargs)
+    return opt, params
+
+
+@pytest.fixture
+def checks(monkeypatch):
+    """How many times the optimizer validates a group's hyperparameters."""
+    counted = {"n": 0}
+    original = SGHMC.check_hyperparameters.__func__
+
+    def counting(cls, group, *, where=""):
+        counted["n"] += 1
+        return original(cls, group, where=where)
+
+    monkeypatch.setattr(SGHMC, "check_hyperparameters", classmethod(counting))
+    return counted
+
+
+def snapshot(opt, params):
+    return [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
+
+
+def assert_unchanged(opt, params, before):
+    values, state = before
+    assert all(torch.equal(p, v) for p, v in zip(params, values, strict=True))
+    now = opt.state_dict()
+    assert [g["step"] for g in now["param_groups"]] == [g["step"] for g in state["param_groups"]]
+
+
+def test_an_unchanged_group_is_validated_once(checks):
+    opt, _ = make()
+    checks["n"] = 0
+    for _ in range(5):
+        opt.step()
+    assert checks["n"] == 1
+
+
+def test_a_schedule_that_moves_lr_revalidates_that_step_only(checks):
+    opt, _ = make()
+    opt.step()
+    checks["n"] = 0
+    opt.param_groups[0]["lr"] = 2e-3
+    opt.step()
+    opt.step()
+    assert checks["n"] == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "error", "match"),
+    [
+        ("lr", -1.0, ValueError, "Invalid lr"),
+        ("lr", float("nan"), ValueError, "Invalid lr"),
+        ("temperature", -0.5, ValueError, "Invalid temperature"),
+        ("maximize", 1, TypeError, "Invalid maximize"),  # equal to True, another type
+        ("momentum", 1.0, ValueError, "Invalid momentum"),
+        ("num_data", 0, ValueError, "Invalid num_data"),
+    ],
+)
+def test_a_bad_value_set_after_planning_is_refused_at_its_step(name, value, error, match):
+    opt, params = make()
+    opt.step()
+    before = snapshot(opt, params)
+    opt.param_groups[0][name] = value
+    with pytest.raises(error, match=match):
+        opt.step()
+    assert_unchanged(opt, params, before)
+    with pytest.raises(error, match=match):  # and at every step after, until fixed
+        opt.step()
+
+
+def test_a_bad_step_counter_or_seed_is_refused():
+    opt, params = make()
+    opt.step()
+    before = snapshot(opt, params)
+    opt.param_groups[0]["step"] = -1
+    with pytest.raises(ValueError, match="Invalid step"):
+        opt.step()
+    opt.param_groups[0]["step"] = 1
+    opt.param_groups[0]["seed"] = -3
+    with pytest.raises(ValueError, match="Invalid seed"):
+        opt.step()
+    opt.param_groups[0]["seed"] = 0
+    assert_unchanged(opt, params, before)
+
+
+def test_an_entry_added_or_renamed_revalidates(checks):
+    opt, _ = make()
+    opt.step()
+    checks["n"] = 0
+    opt.param_groups[0]["initial_lr"] = 1e-3  # what a scheduler writes once
+    opt.step()
+    assert checks["n"] == 1
+    group = opt.param_groups[0]
+    group["other"] = group.pop("initial_lr")  # as many entries, another name
+    opt.step()
+    assert checks["n"] == 2
+
+
+def test_a_tensor_hyperparameter_is_validated_at_every_step(checks):
+    opt, _ = make()
+    opt.param_groups[0]["lr"] = torch.tensor(1e-3)
+    checks["n"] = 0
+    for _ in range(3):
+        opt.step()
+    assert checks["n"] == 3
+
+
+def test_a_new_dtype_is_checked_against_the_scalars():
+    params = [nn.Parameter(torch.zeros(3, dtype=torch.float64))]
+    params[0].grad = torch.ones(3, dtype=torch.float64)
+    opt = SGLD(params, lr=1e40, num_data=10, temperature=0.0, seed=0)
+    opt.step()  # lr fits float64
+    params[0].data = params[0].data.float()
+    params[0].grad = torch.ones(3)
+    with pytest.raises(
+        ValueError, match=r"Invalid lr in param group 0: 1e\+40 .*fits torch.float32"
+    ):
+        opt.step()
+
+
+def test_a_loaded_state_and_a_copy_are_planned_afresh(checks):
+    opt, _ = make()
+    opt.step()
+    state = opt.state_dict()
+    checks["n"] = 0
+    opt.load_state_dict(state)
+    opt.step()
+    assert checks["n"] >= 2  # (the load checks the saved groups, the step plans anew)
+    twin = copy.deepcopy(opt)
+    checks["n"] = 0
+    for p in twin.param_groups[0]["params"]:
+        p.grad = torch.ones(4)
+    twin.step()
+    assert checks["n"] == 1
+
+
+def test_a_planned_step_is_the_unplanned_step_bit_for_bit(monkeypatch):
+    """Planning changes what is validated, never the numbers: lr moved every step."""
+    from samplers_as_optim.sgmcmc import step_plan
+
+    opt, params = make()
+    twin_params = [nn.Parameter(p.detach().clone()) for p in params]
+    for p, q in zip(params, twin_params, strict=True):
+        q.grad = p.grad.clone()
+    twin = SGHMC(twin_params, lr=1e-3, momentum=0.9, num_data=100, seed=0)
+    monkeypatch.setattr(step_plan.GroupPlan, "holds", lambda self, group: False)
+    for k in range(6):
+        lr = 1e-3 * (1 + k % 3)
+        opt.param_groups[0]["lr"] = lr
+        twin.param_groups[0]["lr"] = lr
+        twin.step()
+        monkeypatch.undo()
+        opt.step()
+        monkeypatch.setattr(step_plan.GroupPlan, "holds", lambda self, group: False)
+    assert all(torch.equal(p, q) for p, q in zip(params, twin_params, strict=True))
+
+
+# ------------------------------------------------------------------ the one-pass check
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+def test_the_one_pass_check_finds_exactly_the_non_finite(dtype, bad):
+    grads = [torch.randn(5, dtype=dtype) for _ in range(4)]
+    if bad is not None:
+        grads[2][3] = bad
+    assert gradients_may_be_non_finite(grads) is (bad is not None)
+
+
+def test_the_one_pass_check_leaves_every_bit_of_the_gradients():
+    grads = [
+        torch.tensor([1e-310, -0.0, 5e-324, -1e308], dtype=torch.float64),
+        torch.tensor([1e-40, -0.0, 3.4e38, -1.5]),
+    ]
+    bits = [g.view(torch.int64 if g.dtype == torch.float64 else torch.int32).clone() for g in grads]
+    assert not gradients_may_be_non_finite(grads)
+    for g, b in zip(grads, bits, strict=True):
+        assert torch.equal(g.view(b.dtype), b)
+
+
+def test_the_one_pass_check_is_exact_where_the_norms_overflow():
+    large = [torch.full((4,), 3e38)]
+    assert may_be_non_finite(large)  # (the norms' suspicion, checked one by one after)
+    assert not gradients_may_be_non_finite(large)
+
+
+def test_gradients_a_graph_may_hold_are_not_written():
+    x = torch.randn(4, requires_grad=True)
+    graph_grad = x * 2  # requires grad: a graph may hold it
+    strided = torch.randn(4, 2)[:, 0]  # not contiguous
+    half = torch.randn(4, dtype=torch.bfloat16)
+    for grads in ([graph_grad], [strided], [half]):
+        versions = [g._version for g in grads]
+        assert not gradients_may_be_non_finite(grads)
+        assert [g._version for g in grads] == versions
