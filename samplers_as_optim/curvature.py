@@ -425,39 +425,74 @@ def conjugate_gradient(
     size = sum(t.numel() for t in vector_tensors(rhs))
     maxiter = check_positive_int("maxiter", max(size, 1) if maxiter is None else maxiter)
     tol = check_nonnegative("tol", tol)
-    start: AnyVector | None = None
-    if x0 is None:
-        r = rhs
-    else:
-        start = conform_vector(x0, rhs, "x0", "", "")
-        product = conform_vector(
-            operator(start),
-            rhs,
-            "matvec",
-            " for A x0",
-            ": x0 is finite, so the operator produced them",
-        )
-        r = vector_axpy(-1.0, product, rhs)
-        kinds = describe_nonfinite_vector(r)
-        if kinds:
-            raise ValueError(
-                f"Invalid x0: the residual b - A x0 overflows b's dtype ({kinds}) (expected a "
-                "starting point at the scale of the solution)"
-            )
+    start, r = _initial_residual(operator, rhs, x0)
     # Solve A d = r for the correction d = x - x0 with r scaled by 2^-e_r to unit size.
     e_r = vector_exponent(r)
     r = scale_by_power_of_two(r, -e_r)
-    e_b = e_r if start is None else vector_exponent(rhs)
-    unit_b = r if start is None else scale_by_power_of_two(rhs, -e_b)
+    threshold = _stop_threshold(tol, r, rhs, e_r, start is None)
+    d = _iterate(operator, rhs, r, threshold, maxiter)
+    x = scale_by_power_of_two(d, e_r)
+    if start is not None:
+        x = vector_axpy(1.0, x, start)
+    kinds = describe_nonfinite_vector(x)
+    if kinds:
+        raise ValueError(
+            f"Invalid matvec: the solution x of A x = b overflows b's dtype ({kinds}) "
+            "(expected an operator that is not nearly singular at the scale of b: add damping "
+            "or a prior, or use float64)"
+        )
+    return cast(Vector, x)
+
+
+def _initial_residual(
+    operator: Callable[[AnyVector], object], rhs: AnyVector, x0: object
+) -> tuple[AnyVector | None, AnyVector]:
+    """The checked start x0 (None for zero) and the residual b - A x0 there."""
+    if x0 is None:
+        return None, rhs
+    start = conform_vector(x0, rhs, "x0", "", "")
+    product = conform_vector(
+        operator(start),
+        rhs,
+        "matvec",
+        " for A x0",
+        ": x0 is finite, so the operator produced them",
+    )
+    r = vector_axpy(-1.0, product, rhs)
+    kinds = describe_nonfinite_vector(r)
+    if kinds:
+        raise ValueError(
+            f"Invalid x0: the residual b - A x0 overflows b's dtype ({kinds}) (expected a "
+            "starting point at the scale of the solution)"
+        )
+    return start, r
+
+
+def _stop_threshold(tol: float, r: AnyVector, rhs: AnyVector, e_r: int, from_zero: bool) -> float:
+    """The bound on the scaled residual's r^T r: (tol ||b|| / 2^e_r)^2, 0 for an exact solve.
+
+    ``r`` is the initial residual scaled by 2^-e_r; ``from_zero``: it is b itself (no x0).
+    """
+    e_b = e_r if from_zero else vector_exponent(rhs)
+    unit_b = r if from_zero else scale_by_power_of_two(rhs, -e_b)
     norm_b = math.sqrt(float(vector_dot(unit_b, unit_b)))  # ||b|| / 2^e_b
     if tol == 0 or norm_b == 0:
-        threshold = 0.0
-    else:
-        try:
-            bound = math.ldexp(tol * norm_b, e_b - e_r)  # tol ||b|| / 2^e_r
-        except OverflowError:
-            bound = math.inf
-        threshold = bound * bound
+        return 0.0
+    try:
+        bound = math.ldexp(tol * norm_b, e_b - e_r)  # tol ||b|| / 2^e_r
+    except OverflowError:
+        bound = math.inf
+    return bound * bound
+
+
+def _iterate(
+    operator: Callable[[AnyVector], object],
+    rhs: AnyVector,
+    r: AnyVector,
+    threshold: float,
+    maxiter: int,
+) -> AnyVector:
+    """The conjugate-gradient iterations on A d = r from d = 0: the correction d."""
     d: AnyVector = (
         torch.zeros_like(r)
         if isinstance(r, Tensor)
@@ -477,18 +512,7 @@ def conjugate_gradient(
             f" for A p at iteration {iteration}",
             ": p is finite, so the operator produced them",
         )
-        curvature_t = vector_dot(p, ap)
-        curvature = float(curvature_t)
-        if not math.isfinite(curvature):
-            raise breakdown_error(iteration, "p^T A p", curvature, dtype)
-        if not (curvature > 0):
-            norm_p = float(vector_dot(p, p))
-            rayleigh = curvature / norm_p if norm_p > 0 else curvature
-            raise ValueError(
-                f"Invalid matvec: p^T A p / p^T p = {rayleigh:.3g} <= 0 for the search "
-                f"direction p at iteration {iteration} (expected a symmetric positive-definite "
-                "operator; add damping or a prior)"
-            )
+        curvature_t = _curvature(p, ap, iteration, dtype)
         alpha = rr_t / curvature_t
         if not math.isfinite(float(alpha)):
             raise breakdown_error(iteration, "the step r^T r / p^T A p", float(alpha), dtype)
@@ -503,14 +527,21 @@ def conjugate_gradient(
             raise breakdown_error(iteration, "the ratio r_new^T r_new / r^T r", float(beta), dtype)
         p = vector_axpy(beta, p, r)
         rr_t, rr = rr_new_t, rr_new
-    x = scale_by_power_of_two(d, e_r)
-    if start is not None:
-        x = vector_axpy(1.0, x, start)
-    kinds = describe_nonfinite_vector(x)
-    if kinds:
+    return d
+
+
+def _curvature(p: AnyVector, ap: AnyVector, iteration: int, dtype: str) -> Tensor:
+    """p^T A p, refused where it is not finite or not positive (not positive definite)."""
+    curvature_t = vector_dot(p, ap)
+    curvature = float(curvature_t)
+    if not math.isfinite(curvature):
+        raise breakdown_error(iteration, "p^T A p", curvature, dtype)
+    if not (curvature > 0):
+        norm_p = float(vector_dot(p, p))
+        rayleigh = curvature / norm_p if norm_p > 0 else curvature
         raise ValueError(
-            f"Invalid matvec: the solution x of A x = b overflows b's dtype ({kinds}) "
-            "(expected an operator that is not nearly singular at the scale of b: add damping "
-            "or a prior, or use float64)"
+            f"Invalid matvec: p^T A p / p^T p = {rayleigh:.3g} <= 0 for the search "
+            f"direction p at iteration {iteration} (expected a symmetric positive-definite "
+            "operator; add damping or a prior)"
         )
-    return cast(Vector, x)
+    return curvature_t

@@ -110,12 +110,18 @@ from .core.validation import (
 )
 from .samples.ranks import sort_values
 from .samples.rhat_ess import (
+    RHAT_METHODS,
+    check_predictions,
     check_samples,
+    check_stacked,
     combine_rhat,
     compute,
     linear_quantile,
     rhat_names,
+    rhat_of,
+    rhat_tensors,
     superchain_order,
+    worst_per_input,
 )
 from .sgmcmc.chain_temperature import ChainTemperatureReport
 from .sgmcmc.temperature_monitor import ChainTemperatureWarning, TemperatureMonitor
@@ -140,7 +146,6 @@ __all__ = [
 RhatMethod = Literal["rank", "bulk", "folded", "split"]
 EssMethod = Literal["bulk", "tail", "mean"]
 
-_RHAT_METHODS: tuple[str, ...] = ("rank", "bulk", "folded", "split")
 _ESS_METHODS: tuple[str, ...] = ("bulk", "tail", "mean")
 DEFAULT_THRESHOLDS: tuple[float, ...] = (1.01, 1.05, 1.1)
 _DEFAULT_QUANTILES: tuple[float, ...] = (0.5, 0.9, 0.99)
@@ -264,14 +269,7 @@ def rhat(samples: Tensor, *, method: RhatMethod = "rank", chunk_size: int | None
         >>> bool(r[0] < 1.01), bool(r[1] > 1.05)
         (True, True)
     """
-    return _rhat(samples, method, chunk_size, name="samples")
-
-
-def _rhat(samples: object, method: str, chunk_size: object, *, name: str) -> Tensor:
-    samples = check_samples(samples, min_chains=2, purpose="R-hat", name=name)
-    check_choice("method", method, _RHAT_METHODS)
-    results = compute(samples, rhat_names(method), chunk_size=check_chunk_size(chunk_size))
-    return combine_rhat(results, method)
+    return rhat_of(samples, method, chunk_size, name="samples")
 
 
 def nested_rhat(
@@ -319,7 +317,7 @@ def nested_rhat(
         True
     """
     samples = check_samples(samples, min_chains=2, purpose="nested R-hat")
-    check_choice("method", method, _RHAT_METHODS)
+    check_choice("method", method, RHAT_METHODS)
     nested = superchain_order(superchains, samples.shape[0], samples.device)
     results = compute(
         samples, rhat_names(method), nested=nested, chunk_size=check_chunk_size(chunk_size)
@@ -443,17 +441,7 @@ def summary(
         >>> s.count, s.num_nan, s.count_above[1.01], s.fraction_above[1.1]
         (4, 1, 2, 0.25)
     """
-    if isinstance(rhat_values, Tensor):
-        tensors = [rhat_values]
-    elif isinstance(rhat_values, Mapping) and all(
-        isinstance(value, Tensor) for value in rhat_values.values()
-    ):
-        tensors = list(rhat_values.values())
-    else:
-        raise TypeError(
-            f"Invalid rhat_values: {type(rhat_values).__name__} (expected a tensor or a dict "
-            "of tensors)"
-        )
+    tensors = rhat_tensors(rhat_values)
     thresholds = [check_finite("threshold", value) for value in thresholds]
     levels = [check_open_unit_interval("quantile", value) for value in quantiles]
     if tensors:
@@ -529,23 +517,9 @@ def weight_space(
         >>> result.rhat["weight"].shape, result.summary.count
         (torch.Size([3, 2]), 9)
     """
-    if not isinstance(stacked, Mapping) or not all(
-        isinstance(value, Tensor) for value in stacked.values()
-    ):
-        raise TypeError(
-            f"Invalid stacked: {type(stacked).__name__} (expected a dict of tensors laid out "
-            "[chains, draws, *parameter_shape])"
-        )
-    if not stacked:
-        raise ValueError("Invalid stacked: {} (expected at least one parameter)")
-    leading = {name: tuple(tensor.shape[:2]) for name, tensor in stacked.items()}
-    if len(set(leading.values())) != 1:
-        raise ValueError(
-            f"Invalid stacked: leading shapes {leading} (expected every tensor to share "
-            "[chains, draws])"
-        )
+    check_stacked(stacked)
     rhats = {
-        name: _rhat(tensor, method, chunk_size, name=f"stacked[{name!r}]")
+        name: rhat_of(tensor, method, chunk_size, name=f"stacked[{name!r}]")
         for name, tensor in stacked.items()
     }
     return WeightSpaceDiagnostics(
@@ -595,16 +569,7 @@ def function_space(
         >>> result.per_input.shape, result.summary.count_above[1.05]
         (torch.Size([5]), 0)
     """
-    if isinstance(predictions, Tensor) and predictions.dim() < 3:
-        raise ValueError(
-            f"Invalid predictions: shape {tuple(predictions.shape)} (expected "
-            "[chains, draws, B, *outputs], at least 3 dimensions)"
-        )
-    values = _rhat(predictions, method, chunk_size, name="predictions")
-    if values.dim() == 1:
-        per_input = values
-    else:
-        flat = values.reshape(values.shape[0], -1)
-        worst = torch.where(flat.isnan(), -math.inf, flat).amax(dim=-1)
-        per_input = torch.where(flat.isnan().all(dim=-1), math.nan, worst)
+    check_predictions(predictions)
+    values = rhat_of(predictions, method, chunk_size, name="predictions")
+    per_input = worst_per_input(values)
     return FunctionSpaceDiagnostics(values, per_input, summary(per_input, thresholds=thresholds))

@@ -76,7 +76,19 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._predictive_checks import Reduction, apply_reduction, check_tensor, compute_dtype
+from ._predictive_checks import (
+    Reduction,
+    apply_reduction,
+    check_gaussian_logits,
+    check_log_probs,
+    check_logits,
+    check_probs,
+    check_same_shape,
+    check_scores,
+    check_targets,
+    check_tensor,
+    compute_dtype,
+)
 from ._predictive_regression import (
     RegressionPrediction,
     RegressionScores,
@@ -129,46 +141,6 @@ class ClassificationPrediction(NamedTuple):
     epistemic: Tensor
 
 
-# --------------------------------------------------------------------------- validation
-
-
-def _check_probs(name: str, probs: object) -> Tensor:
-    probs = check_tensor(name, probs, min_dim=1, layout="[B, ..., K] of probabilities")
-    if bool(((probs < 0) | (probs > 1) | probs.isnan()).any()):
-        raise ValueError(
-            f"Invalid {name}: values outside [0, 1] (expected probabilities, e.g. "
-            "ClassificationPrediction.probs; apply softmax to logits)"
-        )
-    return probs
-
-
-def _check_targets(targets: object, probs: Tensor) -> Tensor:
-    if not isinstance(targets, Tensor) or targets.is_floating_point() or targets.is_complex():
-        raise TypeError(
-            f"Invalid targets: {targets!r} (expected an integer tensor of class indices)"
-        )
-    if targets.shape != probs.shape[:-1]:
-        raise ValueError(
-            f"Invalid targets: shape {tuple(targets.shape)} (expected {tuple(probs.shape[:-1])},"
-            " the predictions' shape without the class dimension)"
-        )
-    classes = probs.shape[-1]
-    if bool(((targets < 0) | (targets >= classes)).any()):
-        raise ValueError(
-            f"Invalid targets: values outside [0, {classes}) (expected class indices for "
-            f"{classes} classes)"
-        )
-    return targets.to(device=probs.device, dtype=torch.long)
-
-
-def _check_same_shape(first: Tensor, second: Tensor, names: tuple[str, str]) -> None:
-    if first.shape != second.shape:
-        raise ValueError(
-            f"Invalid {names[1]}: shape {tuple(second.shape)} (expected the shape of "
-            f"{names[0]}, {tuple(first.shape)})"
-        )
-
-
 def _plogp(probs: Tensor, log_probs: Tensor) -> Tensor:
     """Elementwise p log p with 0 log 0 = 0, also where log p is -inf.
 
@@ -213,13 +185,7 @@ def classification(logits: Tensor) -> ClassificationPrediction:
         >>> p.probs, bool(p.epistemic > p.aleatoric)
         (tensor([[0.5000, 0.5000]]), True)
     """
-    logits = check_tensor("logits", logits, min_dim=2, layout="[samples, ..., classes] of logits")
-    if logits.dim() == 2:
-        raise ValueError(
-            f"Invalid logits: shape {tuple(logits.shape)} (expected [samples, batch, ..., "
-            "classes]: a 2-D tensor is ambiguous; for one model's logits [B, C] use "
-            "logits.unsqueeze(0), for S samples of one input [S, C] use logits.unsqueeze(1))"
-        )
+    logits = check_logits(logits)
     log_p = torch.log_softmax(compute_dtype(logits), dim=-1)
     # A class that every sample rules out (-inf throughout) stays at -inf; it is kept out of
     # logsumexp, whose gradient there would be exp(-inf - (-inf)) = NaN.
@@ -240,23 +206,6 @@ def classification(logits: Tensor) -> ClassificationPrediction:
 
 
 # --------------------------------------------------------------------------- closed-form links
-
-
-def _check_gaussian_logits(mean: object, spread: object, name: str, extra: int) -> Tensor:
-    """``mean`` [B, ..., K] and a ``spread`` of its shape (+ K when ``extra`` is 1)."""
-    mean = check_tensor("mean", mean, min_dim=1, layout="[B, ..., K] of logit means")
-    layout = "[B, ..., K, K] of the logits' covariances" if extra else "[B, ..., K] of variances"
-    spread = check_tensor(name, spread, min_dim=1 + extra, layout=layout)
-    expected = (*mean.shape, mean.shape[-1]) if extra else tuple(mean.shape)
-    if tuple(spread.shape) != expected:
-        raise ValueError(
-            f"Invalid {name}: shape {tuple(spread.shape)} (expected {expected}, from the "
-            f"mean's {tuple(mean.shape)})"
-        )
-    diagonal = spread.diagonal(dim1=-2, dim2=-1) if extra else spread
-    if bool((diagonal < 0).any() | spread.isnan().any()):
-        raise ValueError(f"Invalid {name}: negative variances or NaN (expected variances >= 0)")
-    return spread
 
 
 def probit(mean: Tensor, variance: Tensor) -> Tensor:
@@ -297,7 +246,7 @@ def probit(mean: Tensor, variance: Tensor) -> Tensor:
         >>> predictive.probit(mean, torch.tensor([[8.0, 0.0]])).softmax(-1)  # less confident
         tensor([[0.7277, 0.2723]])
     """
-    variance = _check_gaussian_logits(mean, variance, "variance", 0)
+    variance = check_gaussian_logits(mean, variance, "variance", 0)
     return mean * torch.rsqrt(1.0 + math.pi / 8.0 * variance)
 
 
@@ -349,7 +298,7 @@ def laplace_bridge(mean: Tensor, covariance: Tensor, *, normalize: bool = False)
         >>> predictive.laplace_bridge(mean, covariance).softmax(-1)
         tensor([[0.5490, 0.2758, 0.1752]])
     """
-    covariance = _check_gaussian_logits(mean, covariance, "covariance", 1)
+    covariance = check_gaussian_logits(mean, covariance, "covariance", 1)
     if not isinstance(normalize, bool):
         raise TypeError(f"Invalid normalize: {normalize!r} (expected True or False)")
     classes = mean.shape[-1]
@@ -404,7 +353,7 @@ def accuracy(probs: Tensor, targets: Tensor, *, reduction: Reduction = "mean") -
         tensor(0.5000)
     """
     probs = check_tensor("probs", probs, min_dim=1, layout="[B, ..., K] of probabilities")
-    targets = _check_targets(targets, probs)
+    targets = check_targets(targets, probs)
     return apply_reduction((probs.argmax(dim=-1) == targets).to(probs.dtype), reduction)
 
 
@@ -434,15 +383,8 @@ def nll(log_probs: Tensor, targets: Tensor, *, reduction: Reduction = "mean") ->
         >>> predictive.nll(log_probs, torch.tensor([0, 1]), reduction="none")
         tensor([0.6931, 0.2877])
     """
-    log_probs = check_tensor(
-        "log_probs", log_probs, min_dim=1, layout="[B, ..., K] of log-probabilities"
-    )
-    if bool((log_probs > 0).any() | log_probs.isnan().any()):
-        raise ValueError(
-            "Invalid log_probs: values above 0 or NaN (expected log-probabilities, e.g. "
-            "ClassificationPrediction.log_probs)"
-        )
-    targets = _check_targets(targets, log_probs)
+    log_probs = check_log_probs(log_probs)
+    targets = check_targets(targets, log_probs)
     picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return apply_reduction(-picked, reduction)
 
@@ -472,8 +414,8 @@ def brier(probs: Tensor, targets: Tensor, *, reduction: Reduction = "mean") -> T
         >>> predictive.brier(torch.tensor([[0.75, 0.25]]), torch.tensor([0]))
         tensor(0.1250)
     """
-    probs = _check_probs("probs", probs)
-    targets = _check_targets(targets, probs)
+    probs = check_probs("probs", probs)
+    targets = check_targets(targets, probs)
     one_hot = torch.nn.functional.one_hot(targets, probs.shape[-1]).to(probs.dtype)
     return apply_reduction((probs - one_hot).square().sum(dim=-1), reduction)
 
@@ -510,8 +452,8 @@ def ece(probs: Tensor, targets: Tensor, *, num_bins: int = 15) -> Tensor:
         tensor(0.1000)
     """
     num_bins = check_positive_int("num_bins", num_bins)
-    probs = _check_probs("probs", probs)
-    targets = _check_targets(targets, probs)
+    probs = check_probs("probs", probs)
+    targets = check_targets(targets, probs)
     confidence, predicted = probs.reshape(-1, probs.shape[-1]).max(dim=-1)
     correct = (predicted == targets.reshape(-1)).to(probs.dtype)
     edges = torch.linspace(0, 1, num_bins + 1, dtype=torch.float64, device=probs.device)
@@ -553,12 +495,7 @@ def auroc(in_scores: Tensor, out_scores: Tensor) -> Tensor:
         >>> predictive.auroc(torch.tensor([0.1, 0.2, 0.4]), torch.tensor([0.3, 0.5]))
         tensor(0.8333, dtype=torch.float64)
     """
-    in_scores = check_tensor("in_scores", in_scores, min_dim=0, layout="of scores")
-    out_scores = check_tensor("out_scores", out_scores, min_dim=0, layout="of scores")
-    dtype = torch.promote_types(in_scores.dtype, out_scores.dtype)
-    pooled = torch.cat([in_scores.reshape(-1).to(dtype), out_scores.reshape(-1).to(dtype)])
-    if bool(pooled.isnan().any()):
-        raise ValueError("Invalid scores: NaN values (expected comparable, non-NaN scores)")
+    pooled = check_scores(in_scores, out_scores)
     n_in, n_out = in_scores.numel(), out_scores.numel()
     values, order = sort_rows(pooled.detach().unsqueeze(0))
     ranks = average_ranks(values.to(pooled.device))[0]
@@ -598,7 +535,7 @@ def agreement(probs: Tensor, other: Tensor, *, reduction: Reduction = "mean") ->
     """
     probs = check_tensor("probs", probs, min_dim=1, layout="[B, ..., K] of probabilities")
     other = check_tensor("other", other, min_dim=1, layout="[B, ..., K] of probabilities")
-    _check_same_shape(probs, other, ("probs", "other"))
+    check_same_shape(probs, other, ("probs", "other"))
     same = probs.argmax(dim=-1) == other.argmax(dim=-1)
     return apply_reduction(same.to(probs.dtype), reduction)
 
@@ -631,7 +568,7 @@ def total_variation(probs: Tensor, other: Tensor, *, reduction: Reduction = "mea
         >>> predictive.total_variation(p, q)
         tensor(0.5000)
     """
-    probs = _check_probs("probs", probs)
-    other = _check_probs("other", other)
-    _check_same_shape(probs, other, ("probs", "other"))
+    probs = check_probs("probs", probs)
+    other = check_probs("other", other)
+    check_same_shape(probs, other, ("probs", "other"))
     return apply_reduction(0.5 * (probs - other).abs().sum(dim=-1), reduction)

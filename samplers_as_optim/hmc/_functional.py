@@ -48,6 +48,7 @@ __all__ = [
     "parameter_names",
     "run_transition",
     "transition",
+    "transition_options",
     "value_and_gradients",
 ]
 
@@ -267,8 +268,8 @@ def transition(
         step_size: the step size reported in the diagnostics.
         num_accepted: the running count of acceptances before this transition.
         divergences: the running count of divergences before this transition.
-        fixed: the frozen parameters among those ``loss_fn`` receives (see
-            :func:`value_and_gradients`), or None.
+        fixed: the frozen parameters ``loss_fn`` also receives, or None (see
+            :func:`value_and_gradients`).
         num_data: N.
         temperature: T.
         num_steps: the number of leapfrog steps.
@@ -282,6 +283,52 @@ def transition(
     potential0 = dynamics.potential_energy(loss, start, decays, num_data, members)
     scaled0 = dynamics.scaled_gradients(start, list(gradients), decays, num_data)
     energy0 = potential0 + dynamics.kinetic_energy(momenta, inverse_mass, members)
+    end_loss, raw, energy1 = _trajectory_(
+        loss_fn,
+        names,
+        fixed,
+        (current, momenta, scaled0),
+        (list(step_sizes), list(inverse_mass), decays),
+        num_data=num_data,
+        num_steps=num_steps,
+        members=members,
+    )
+    energy_error, log_accept, accepted = dynamics.metropolis_test(
+        energy0, energy1, torch.log(uniform), temperature
+    )
+
+    def pick(new: Tensor, old: Tensor) -> Tensor:
+        return torch.where(dynamics.member_view(accepted, new, members), new, old)
+
+    picked = [pick(new, old) for new, old in zip(current, start, strict=True)]
+    picked_gradients = [pick(new, old) for new, old in zip(raw, gradients, strict=True)]
+    picked_loss = torch.where(accepted.to(loss.device), end_loss, loss)
+    diagnostics = dynamics.transition_diagnostics(
+        energy_error, log_accept, accepted, step_size, temperature, num_accepted, divergences
+    )
+    return Transition(picked, picked_gradients, picked_loss, diagnostics)
+
+
+def _trajectory_(
+    loss_fn: Callable[[Any], Any],
+    names: Sequence[str] | None,
+    fixed: Sequence[Tensor | None] | None,
+    state: tuple[list[Tensor], list[Tensor], list[Tensor]],
+    steps: tuple[list[Tensor], list[Tensor | None], list[float]],
+    *,
+    num_data: int,
+    num_steps: int,
+    members: int | None,
+) -> tuple[Tensor, list[Tensor], Tensor]:
+    """The leapfrog trajectory, moving ``state``'s positions and momenta in place.
+
+    ``state``: the positions, momenta and scaled gradient at the start; ``steps``: the
+    step sizes, inverse masses and decays (see :func:`transition`). Returns the mean loss
+    and its raw gradients at the end (the trajectory's last evaluation), and the energy
+    there.
+    """
+    current, momenta, scaled0 = state
+    step_sizes, inverse_mass, decays = steps
     last: dict[str, Any] = {}
 
     def potential_gradient() -> tuple[None, list[Tensor]]:
@@ -294,27 +341,13 @@ def transition(
         momenta,
         scaled0,
         potential_gradient,
-        step_sizes=list(step_sizes),
-        inverse_mass=list(inverse_mass),
+        step_sizes=step_sizes,
+        inverse_mass=inverse_mass,
         num_steps=num_steps,
     )
     potential1 = dynamics.potential_energy(last["loss"], current, decays, num_data, members)
     energy1 = potential1 + dynamics.kinetic_energy(momenta, inverse_mass, members)
-    energy_error, log_accept, accepted = dynamics.metropolis_test(
-        energy0, energy1, torch.log(uniform), temperature
-    )
-
-    def pick(new: Tensor, old: Tensor) -> Tensor:
-        return torch.where(dynamics.member_view(accepted, new, members), new, old)
-
-    return Transition(
-        positions=[pick(new, old) for new, old in zip(current, start, strict=True)],
-        gradients=[pick(new, old) for new, old in zip(last["raw"], gradients, strict=True)],
-        loss=torch.where(accepted.to(loss.device), last["loss"], loss),
-        diagnostics=dynamics.transition_diagnostics(
-            energy_error, log_accept, accepted, step_size, temperature, num_accepted, divergences
-        ),
-    )
+    return last["loss"], last["raw"], energy1
 
 
 #: compiled copies of :func:`transition` (and of ``run.chain_chunk``), per loss function's
@@ -412,8 +445,18 @@ def run_transition(
         draws.num_accepted,
         draws.divergences,
         frozen_parameters(param_groups),
-        num_data=int(first["num_data"]),
-        temperature=float(first["temperature"]),
-        num_steps=int(first["num_steps"]),
-        members=start.members,
+        **transition_options(param_groups, start.members),
     )
+
+
+def transition_options(
+    param_groups: Sequence[dict[str, Any]], members: int | None
+) -> dict[str, Any]:
+    """:func:`transition`'s keywords: N, T and the leapfrog steps of param group 0, and K."""
+    first = param_groups[0]
+    return {
+        "num_data": int(first["num_data"]),
+        "temperature": float(first["temperature"]),
+        "num_steps": int(first["num_steps"]),
+        "members": members,
+    }

@@ -28,6 +28,9 @@ meaning (``docs/design.md``, SGD units), and restarts dual averaging.
 Schedule. :func:`warmup_windows` is Stan's windowed schedule, which ``HMC.warmup`` runs:
 the mass updated at the end of doubling windows, the step size re-adapted after each.
 
+The optimizer's warm-up methods (``HMC.warmup``, ``end_warmup``, ``update_mass`` and
+``warming_up``) are :class:`WarmupMethods`, which ``HMC`` inherits.
+
 The state these functions read and write is HMC's: the optimizer-level ``"hmc"`` entry
 of its state (``log_step``, ``dual_averaging``, ``mass_count``, ...) and the
 per-parameter states; they change it in place, as one transition or one call of the
@@ -42,17 +45,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
-from ..core.progress import ProgressBar
+from ..core.progress import ProgressBar, check_progress
+from ..core.validation import check_positive_int
+from .arguments import check_one_of
 from .dynamics import member_sum, member_view
 
 __all__ = [
     "POOLED_ADAPTATION",
     "DualAveragingState",
+    "WarmupMethods",
     "adapt_",
     "dual_averaging_init",
     "dual_averaging_update",
@@ -303,3 +309,96 @@ def warmup_windows(num_steps: int, adapt_mass: bool) -> tuple[int, int, set[int]
             position, window = nxt, 2 * window
         ends.add(init + slow)
     return init, term, ends
+
+
+# ---------------------------------------------------------------------- HMC's methods
+class _Warmed(Protocol):
+    """What :class:`WarmupMethods` uses of the ``HMC`` optimizer that inherits them."""
+
+    param_groups: list[dict[str, Any]]
+    state: Any
+
+    @property
+    def _hmc_state(self) -> dict[str, Any]: ...
+
+    def _params(self) -> list[Tensor]: ...
+
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        *,
+        loss_fn: Callable[[Any], Tensor] | None = None,
+    ) -> Tensor: ...
+
+    def update_mass(self) -> bool: ...
+
+    def end_warmup(self) -> None: ...
+
+
+class WarmupMethods:
+    """``HMC``'s warm-up methods, on the functions above (``HMC`` inherits them)."""
+
+    @property
+    def warming_up(self: _Warmed) -> bool:
+        """Whether the step size (or the mass) is still being adapted."""
+        return bool(self._hmc_state["warmup"])
+
+    def update_mass(self: _Warmed) -> bool:
+        r"""Set the mass from the draws collected since the last update (``mass="adapt"``).
+
+        :math:`M^{-1}` becomes the regularised variance of the draws (Stan's
+        :math:`\frac{n}{n+5}\hat\sigma^2 + 10^{-3}\frac{5}{n+5}`), normalised to mean 1
+        per chain; the estimator restarts, and so does dual averaging (from the current
+        step size). Returns whether the mass was updated (it needs 3 draws or more).
+        """
+        target = self.param_groups[0]["target_accept"]
+        return update_mass_(self._hmc_state, self.state, self._params(), target)
+
+    def end_warmup(self: _Warmed) -> None:
+        """Freeze the adaptation: the step size becomes dual averaging's averaged iterate.
+
+        With ``mass="adapt"`` the mass is first set from the draws collected (see
+        :meth:`update_mass`; :meth:`warmup` re-adapts the step size after each update,
+        which this does not). Later steps are ordinary, exactly invariant transitions.
+        """
+        hmc = self._hmc_state
+        if not hmc["warmup"]:
+            return
+        if hmc["adapt_mass"] and hmc["collect_mass"]:
+            self.update_mass()
+        end_adaptation_(hmc, self.state, self._params())
+
+    def warmup(
+        self: _Warmed,
+        closure: Callable[[], Any] | None = None,
+        num_steps: int | None = None,
+        *,
+        loss_fn: Callable[[Any], Tensor] | None = None,
+        progress: bool | None = None,
+    ) -> None:
+        """Run ``num_steps`` warm-up transitions with Stan's schedule, then :meth:`end_warmup`.
+
+        Each transition is ``step(closure)``, or ``step(loss_fn=loss_fn)`` (give one of
+        them, as to :meth:`step`): ``opt.warmup(closure, 100)`` or
+        ``opt.warmup(num_steps=100, loss_fn=loss_fn)``. ``progress``: a tqdm bar over
+        the transitions (default None: where standard error is a terminal and tqdm is
+        installed; True or False to choose; see ``core/progress``).
+
+        Step size only: dual averaging throughout. With ``mass="adapt"``: a first 15% for
+        the step size alone, then windows of doubling length after each of which the mass
+        is set from the window's draws and dual averaging restarts, then a last 10% for
+        the step size alone (Stan's schedule, see ``adaptation.warmup_windows``).
+        """
+        num_steps = check_positive_int("num_steps", num_steps)
+        check_one_of(closure, loss_fn, where="HMC.warmup", expected="what step() takes")
+        show = check_progress(progress)
+        hmc = self._hmc_state
+        if not hmc["warmup"]:
+            raise ValueError(
+                "HMC.warmup: the warm-up is over (expected target_accept or mass='adapt', "
+                "before end_warmup())"
+            )
+        with ProgressBar(show, num_steps, "HMC warm-up") as bar:
+            step = lambda: self.step(closure, loss_fn=loss_fn)  # noqa: E731 (one of them)
+            run_warmup(hmc, num_steps, step, self.update_mass, bar)
+        self.end_warmup()

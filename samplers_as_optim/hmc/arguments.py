@@ -3,13 +3,14 @@
 What each hyperparameter of a param group must be, which of them the groups must share
 (one Metropolis test covers every parameter), that the scalars a step hands torch fit
 the parameters' dtypes, that each parameter is whole (not a shard), the ``mass``
-argument, and the choice between a ``closure`` and a ``loss_fn``. Each check raises
-before anything changes, with a message that names the argument, its value and what is
-allowed.
+argument, the choice between a ``closure`` and a ``loss_fn``, and that ``HMC.run``'s
+``loss_fn`` is a function of the parameters. Each check raises before anything changes,
+with a message that names the argument, its value and what is allowed.
 """
 
 from __future__ import annotations
 
+import inspect
 import reprlib
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +35,7 @@ __all__ = [
     "check_fits",
     "check_group",
     "check_groups",
+    "check_loss_fn",
     "check_mass",
     "check_one_of",
     "check_whole",
@@ -156,3 +158,25 @@ def check_one_of(closure: Any, loss_fn: Any, *, where: str, expected: str) -> No
             f"Invalid loss_fn: {reprlib.repr(loss_fn)} (expected a callable: the full-batch "
             "mean loss as a function of the parameters)"
         )
+
+
+def check_loss_fn(loss_fn: Any) -> None:
+    """Refuse what is not a loss function of the parameters (a closure, say)."""
+    if not callable(loss_fn):
+        raise TypeError(
+            f"Invalid loss_fn: {reprlib.repr(loss_fn)} (expected a callable: the full-batch "
+            "mean loss as a function of the parameters)"
+        )
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # no signature to read (some builtins): let it be
+        return
+    try:
+        signature.bind(None)
+    except TypeError:
+        raise TypeError(
+            f"Invalid loss_fn: {reprlib.repr(loss_fn)} does not take one argument, the "
+            "parameters (expected the full-batch mean loss as a function of the parameters; "
+            "HMC.run takes no closure, whose backward() runs between the leapfrog steps: "
+            "call step(closure) in a loop for that)"
+        ) from None

@@ -51,8 +51,6 @@ a CUDA-graph capture of the chunk (no host round trip at all) is not implemented
 
 from __future__ import annotations
 
-import inspect
-import reprlib
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -65,6 +63,7 @@ from ..core.progress import ProgressBar, check_progress
 from ..core.streams import NoiseStream
 from ..core.validation import check_positive_int
 from . import _functional
+from .arguments import check_loss_fn
 from .rollback import Rollback
 from .start import TransitionStart
 from .transition_draws import TransitionDraws, draw_transitions
@@ -208,14 +207,69 @@ def chain_chunk(
     :func:`~._functional.transition`'s. Nothing given is modified.
     """
     capacity, size = uniform.shape[0], len(positions)
-    device = loss.device
-    shape = (capacity, *loss.shape)
-    records = [p.new_zeros((capacity, *p.shape)) for p in positions]
-    losses = loss.new_zeros(shape)
-    diagnostics = [torch.zeros(shape, dtype=dtype, device=device) for dtype in RECORDED.values()]
+    records, losses, diagnostics = _record_buffers(positions, loss, capacity)
+    body = _loop_body(
+        loss_fn,
+        names,
+        (momenta, uniform, multiplier, step_size),
+        (root_lr, inverse_mass, decays, fixed),
+        num_data=num_data,
+        temperature=temperature,
+        num_steps=num_steps,
+        members=members,
+    )
 
     def cond(t: Tensor, *carried: Tensor) -> Tensor:
         return t < count
+
+    from torch._higher_order_ops import while_loop  # (imports dynamo: on first use)
+
+    start = torch.zeros((), dtype=torch.int64, device=count.device)
+    carried = (start, *positions, *gradients, loss, num_accepted, divergences)
+    recorded = (*records, losses, *diagnostics.values())
+    out: tuple[Tensor, ...] = while_loop(  # type: ignore[no-untyped-call]
+        cond, body, (*carried, *recorded)
+    )
+    kept = out[2 * size + 4 :]
+    return _Chunk(
+        positions=list(out[1 : size + 1]),
+        gradients=list(out[size + 1 : 2 * size + 1]),
+        loss=out[2 * size + 1],
+        records=list(kept[:size]),
+        losses=kept[size],
+        diagnostics=dict(zip(RECORDED, kept[size + 1 :], strict=True)),
+    )
+
+
+def _record_buffers(
+    positions: Sequence[Tensor], loss: Tensor, rows: int
+) -> tuple[list[Tensor], Tensor, dict[str, Tensor]]:
+    """Zeros for ``rows`` transitions' records: states, losses and ``RECORDED`` diagnostics."""
+    shape = (rows, *loss.shape)
+    records = [p.new_zeros((rows, *p.shape)) for p in positions]
+    losses = loss.new_zeros(shape)
+    diagnostics = {
+        key: torch.zeros(shape, dtype=dtype, device=loss.device) for key, dtype in RECORDED.items()
+    }
+    return records, losses, diagnostics
+
+
+def _loop_body(
+    loss_fn: Callable[[Any], Any],
+    names: Sequence[str] | None,
+    stacked: tuple[Sequence[Tensor], Tensor, Tensor, Tensor],
+    constants: tuple[Sequence[float], Sequence[Tensor | None], Sequence[float], Any],
+    **options: Any,
+) -> Callable[..., tuple[Tensor, ...]]:
+    """:func:`chain_chunk`'s loop body: transition ``t`` on row ``t`` of the ``stacked`` numbers.
+
+    ``stacked``: the momenta, uniforms, multipliers, step sizes; ``constants``: root_lr,
+    inverse_mass, decays, fixed; ``options``: the keywords of :func:`~._functional.transition`.
+    The body records the new state, loss and diagnostics in the loop's buffers, row ``t``.
+    """
+    momenta, uniform, multiplier, step_size = stacked
+    root_lr, inverse_mass, decays, fixed = constants
+    size = len(root_lr)
 
     def body(t: Tensor, *carried: Tensor) -> tuple[Tensor, ...]:
         state, gradient = list(carried[:size]), list(carried[size : 2 * size])
@@ -237,10 +291,7 @@ def chain_chunk(
             accepted,
             divergent,
             fixed,
-            num_data=num_data,
-            temperature=temperature,
-            num_steps=num_steps,
-            members=members,
+            **options,
         )
         row = t.view(1)
         new = [*result.positions, result.loss, *(result.diagnostics[key] for key in RECORDED)]
@@ -257,33 +308,7 @@ def chain_chunk(
             ),
         )
 
-    from torch._higher_order_ops import while_loop  # (imports dynamo: on first use)
-
-    start = torch.zeros((), dtype=torch.int64, device=count.device)
-    out: tuple[Tensor, ...] = while_loop(  # type: ignore[no-untyped-call]
-        cond,
-        body,
-        (
-            start,
-            *positions,
-            *gradients,
-            loss,
-            num_accepted,
-            divergences,
-            *records,
-            losses,
-            *diagnostics,
-        ),
-    )
-    kept = out[2 * size + 4 :]
-    return _Chunk(
-        positions=list(out[1 : size + 1]),
-        gradients=list(out[size + 1 : 2 * size + 1]),
-        loss=out[2 * size + 1],
-        records=list(kept[:size]),
-        losses=kept[size],
-        diagnostics=dict(zip(RECORDED, kept[size + 1 :], strict=True)),
-    )
+    return body
 
 
 def _loop_chunk(
@@ -297,13 +322,7 @@ def _loop_chunk(
     """
     loss_fn, names, positions, gradients, loss, momenta, uniform, multiplier, step_size = args[:9]
     root_lr, inverse_mass, decays, accepted, divergent, fixed, count = args[9:]
-    capacity = uniform.shape[0]
-    shape = (capacity, *loss.shape)
-    records = [p.new_zeros((capacity, *p.shape)) for p in positions]
-    losses = loss.new_zeros(shape)
-    diagnostics = {
-        key: torch.zeros(shape, dtype=dtype, device=loss.device) for key, dtype in RECORDED.items()
-    }
+    records, losses, diagnostics = _record_buffers(positions, loss, uniform.shape[0])
     for t in range(int(count)):
         result = transition(
             loss_fn,
@@ -334,28 +353,6 @@ def _loop_chunk(
     return _Chunk(list(positions), list(gradients), loss, records, losses, diagnostics)
 
 
-def _check_loss_fn(loss_fn: Any) -> None:
-    """Refuse what is not a loss function of the parameters (a closure, say)."""
-    if not callable(loss_fn):
-        raise TypeError(
-            f"Invalid loss_fn: {reprlib.repr(loss_fn)} (expected a callable: the full-batch "
-            "mean loss as a function of the parameters)"
-        )
-    try:
-        signature = inspect.signature(loss_fn)
-    except (TypeError, ValueError):  # no signature to read (some builtins): let it be
-        return
-    try:
-        signature.bind(None)
-    except TypeError:
-        raise TypeError(
-            f"Invalid loss_fn: {reprlib.repr(loss_fn)} does not take one argument, the "
-            "parameters (expected the full-batch mean loss as a function of the parameters; "
-            "HMC.run takes no closure, whose backward() runs between the leapfrog steps: "
-            "call step(closure) in a loop for that)"
-        ) from None
-
-
 def chunk_capacity(chain: Sequence[Tensor]) -> int:
     """The transitions per chunk for this chain (see :data:`CHUNK_ELEMENTS`)."""
     numel = sum(p.numel() for p in chain)
@@ -383,7 +380,7 @@ def run_chain(
     """
     num_draws = check_positive_int("num_draws", num_draws)
     thin = check_positive_int("thin", thin)
-    _check_loss_fn(loss_fn)
+    check_loss_fn(loss_fn)
     show = check_progress(progress)
     optimizer._check_groups()
     groups, hmc = optimizer.param_groups, optimizer._hmc_state
@@ -403,15 +400,23 @@ class _Draws:
     """The run's result, filled draw by draw."""
 
     def __init__(self, chain: list[Tensor], names: list[str], num_draws: int, loss: Tensor):
-        self.samples = {
-            name: p.new_zeros((num_draws, *p.shape)) for name, p in zip(names, chain, strict=True)
-        }
-        shape = (num_draws, *loss.shape)
-        self.loss = loss.new_zeros(shape)
-        self.diagnostics = {
-            key: torch.zeros(shape, dtype=dtype, device=loss.device)
-            for key, dtype in RECORDED.items()
-        }
+        records, self.loss, self.diagnostics = _record_buffers(chain, loss, num_draws)
+        self.samples = dict(zip(names, records, strict=True))
+        self.device = chain[0].device  # of the kept rows' indices
+
+    def keep(self, chunk: _Chunk, done: int, count: int, thin: int) -> None:
+        """Copy the draws among ``chunk``'s ``count`` transitions, ``done`` made before it."""
+        # transition done + r is kept when done + r + 1 is a multiple of thin
+        rows = list(range((thin - done % thin - 1) % thin, count, thin))
+        if not rows:
+            return
+        where = torch.tensor(rows, device=self.device)
+        into = torch.tensor([(done + r + 1) // thin - 1 for r in rows], device=self.device)
+        for value, record in zip(self.samples.values(), chunk.records, strict=True):
+            value.index_copy_(0, into, record.index_select(0, where))
+        self.loss.index_copy_(0, into, chunk.losses.index_select(0, where))
+        for key, value in self.diagnostics.items():
+            value.index_copy_(0, into, chunk.diagnostics[key].index_select(0, where))
 
     def result(self) -> HMCRun:
         return HMCRun(self.samples, self.loss, self.diagnostics)
@@ -466,19 +471,13 @@ def _run_chunks(
     start = optimizer._next.take(params, loss_fn, valid=valid, evaluate=evaluate)
     chain, members = start.chain, start.members
     keys = optimizer._noise_keys(chain)
-    first = groups[0]
-    compiled = bool(first.get("compile", False))
+    compiled = bool(groups[0].get("compile", False))
     device = chain[0].device
     capacity = chunk_capacity(chain)
     total = num_draws * thin
     names = _functional.parameter_names(groups)
     fixed = _functional.frozen_parameters(groups)
-    options = {
-        "num_data": int(first["num_data"]),
-        "temperature": float(first["temperature"]),
-        "num_steps": int(first["num_steps"]),
-        "members": members,
-    }
+    options = _functional.transition_options(groups, members)
     # the start's tensors are copied: the loop's carried state must not alias the chain
     positions = [p.detach().clone() for p in chain]
     gradients, loss = [g.clone() for g in start.gradients], start.loss.clone()
@@ -507,13 +506,7 @@ def _run_chunks(
             positions,
             gradients,
             loss,
-            numbers.momenta,
-            numbers.uniform,
-            numbers.multiplier,
-            numbers.step_size,
-            [numbers.root_lr[id(p)] for p in chain],
-            numbers.inverse_mass,
-            [numbers.decay[id(p)] for p in chain],
+            *_chunk_numbers(numbers, chain),
             accepted,
             divergent,
             fixed,
@@ -523,16 +516,7 @@ def _run_chunks(
         positions, gradients, loss = chunk.positions, chunk.gradients, chunk.loss
         last = {key: value[count - 1].clone() for key, value in chunk.diagnostics.items()}
         accepted, divergent = last["num_accepted"], last["divergences"]
-        # transition done + r is kept when done + r + 1 is a multiple of thin
-        rows = list(range((thin - done % thin - 1) % thin, count, thin))
-        if rows:
-            where = torch.tensor(rows, device=device)
-            into = torch.tensor([(done + r + 1) // thin - 1 for r in rows], device=device)
-            for value, record in zip(draws.samples.values(), chunk.records, strict=True):
-                value.index_copy_(0, into, record.index_select(0, where))
-            draws.loss.index_copy_(0, into, chunk.losses.index_select(0, where))
-            for key, value in draws.diagnostics.items():
-                value.index_copy_(0, into, chunk.diagnostics[key].index_select(0, where))
+        draws.keep(chunk, done, count, thin)
         done += count
         bar.update(count)
     # the optimizer as `total` steps leave it (HMC.step's _finish, without adaptation)
@@ -545,6 +529,19 @@ def _run_chunks(
         group["step"] += total
     optimizer._next.remember(params, chain, loss, list(gradients), loss_fn)
     return draws.result()
+
+
+def _chunk_numbers(numbers: TransitionDraws, chain: Sequence[Tensor]) -> tuple[Any, ...]:
+    """:func:`chain_chunk`'s arguments from the stacked momenta to the decays, in order."""
+    return (
+        numbers.momenta,
+        numbers.uniform,
+        numbers.multiplier,
+        numbers.step_size,
+        [numbers.root_lr[id(p)] for p in chain],
+        numbers.inverse_mass,
+        [numbers.decay[id(p)] for p in chain],
+    )
 
 
 def _chunk(

@@ -69,11 +69,11 @@ samplers' (``samplers_as_optim.core.chain``, ``docs/design.md``): its random sta
 momentum is drawn with (``state["noise_key"]``), so a state saved by an optimizer built
 from ``parameters()`` continues bit for bit in one built from ``named_parameters()``.
 
-The parts: this module is the optimizer (its param groups, state, the two ways to step
-and the warm-up's methods); ``arguments`` checks its arguments; ``closure_transition``
-runs a transition by closure, ``_functional`` one by loss function, both from
-``transition_draws``' numbers with ``dynamics``' mathematics; ``adaptation`` adapts
-during the warm-up; ``start`` carries the start of the next transition from the last;
+The parts: this module is the optimizer (its param groups, state and the two ways to
+step); ``arguments`` checks its arguments; ``closure_transition`` runs a transition by
+closure, ``_functional`` one by loss function, both from ``transition_draws``' numbers
+with ``dynamics``' mathematics; ``adaptation`` adapts during the warm-up and holds the
+warm-up's methods; ``start`` carries the start of the next transition from the last;
 ``rollback`` is what a step that raises puts back.
 
 References:
@@ -95,9 +95,8 @@ import torch
 from torch import Tensor
 
 from ..core.chain import ChainOptimizer, at_group
-from ..core.progress import ProgressBar, check_progress
 from ..core.streams import seed_from_global_rng
-from ..core.validation import check_positive_int, check_seed
+from ..core.validation import check_seed
 from . import adaptation
 from .arguments import (
     check_fits,
@@ -119,7 +118,7 @@ __all__ = ["HMC"]
 _STATE_KEY = "hmc"
 
 
-class HMC(ChainOptimizer):
+class HMC(adaptation.WarmupMethods, ChainOptimizer):
     r"""Full-batch Hamiltonian Monte Carlo with a Metropolis test, as an optimizer.
 
     One ``step(closure)`` is one Markov transition: a fresh momentum
@@ -337,11 +336,6 @@ class HMC(ChainOptimizer):
         """The optimizer-level entry of ``self.state``: adaptation and diagnostics."""
         found: dict[str, Any] = cast(Any, self.state)[_STATE_KEY]
         return found
-
-    @property
-    def warming_up(self) -> bool:
-        """Whether the step size (or the mass) is still being adapted."""
-        return bool(self._hmc_state["warmup"])
 
     @property
     def diagnostics(self) -> dict[str, Tensor]:
@@ -565,64 +559,3 @@ class HMC(ChainOptimizer):
             group["step"] += 1
         self._next.remember(self._params(), start.chain, loss, raw, target)
         return loss
-
-    # ------------------------------------------------------------------ warm-up
-    def update_mass(self) -> bool:
-        r"""Set the mass from the draws collected since the last update (``mass="adapt"``).
-
-        :math:`M^{-1}` becomes the regularised variance of the draws (Stan's
-        :math:`\frac{n}{n+5}\hat\sigma^2 + 10^{-3}\frac{5}{n+5}`), normalised to mean 1
-        per chain; the estimator restarts, and so does dual averaging (from the current
-        step size). Returns whether the mass was updated (it needs 3 draws or more).
-        """
-        target = self.param_groups[0]["target_accept"]
-        return adaptation.update_mass_(self._hmc_state, self.state, self._params(), target)
-
-    def end_warmup(self) -> None:
-        """Freeze the adaptation: the step size becomes dual averaging's averaged iterate.
-
-        With ``mass="adapt"`` the mass is first set from the draws collected (see
-        :meth:`update_mass`; :meth:`warmup` re-adapts the step size after each update,
-        which this does not). Later steps are ordinary, exactly invariant transitions.
-        """
-        hmc = self._hmc_state
-        if not hmc["warmup"]:
-            return
-        if hmc["adapt_mass"] and hmc["collect_mass"]:
-            self.update_mass()
-        adaptation.end_adaptation_(hmc, self.state, self._params())
-
-    def warmup(
-        self,
-        closure: Callable[[], Any] | None = None,
-        num_steps: int | None = None,
-        *,
-        loss_fn: Callable[[Any], Tensor] | None = None,
-        progress: bool | None = None,
-    ) -> None:
-        """Run ``num_steps`` warm-up transitions with Stan's schedule, then :meth:`end_warmup`.
-
-        Each transition is ``step(closure)``, or ``step(loss_fn=loss_fn)`` (give one of
-        them, as to :meth:`step`): ``opt.warmup(closure, 100)`` or
-        ``opt.warmup(num_steps=100, loss_fn=loss_fn)``. ``progress``: a tqdm bar over
-        the transitions (default None: where standard error is a terminal and tqdm is
-        installed; True or False to choose; see ``core/progress``).
-
-        Step size only: dual averaging throughout. With ``mass="adapt"``: a first 15% for
-        the step size alone, then windows of doubling length after each of which the mass
-        is set from the window's draws and dual averaging restarts, then a last 10% for
-        the step size alone (Stan's schedule, see ``adaptation.warmup_windows``).
-        """
-        num_steps = check_positive_int("num_steps", num_steps)
-        check_one_of(closure, loss_fn, where="HMC.warmup", expected="what step() takes")
-        show = check_progress(progress)
-        hmc = self._hmc_state
-        if not hmc["warmup"]:
-            raise ValueError(
-                "HMC.warmup: the warm-up is over (expected target_accept or mass='adapt', "
-                "before end_warmup())"
-            )
-        with ProgressBar(show, num_steps, "HMC warm-up") as bar:
-            step = lambda: self.step(closure, loss_fn=loss_fn)  # noqa: E731 (one of them)
-            adaptation.run_warmup(hmc, num_steps, step, self.update_mass, bar)
-        self.end_warmup()

@@ -201,6 +201,16 @@ def _leading_size(name: str, value: Any) -> int:
     return sizes.pop()[0]
 
 
+def check_member_outputs(outputs: Any, size: int) -> None:
+    """The members' outputs must have the members' leading dimension, ``size``."""
+    output_size = _leading_size("outputs", outputs)
+    if output_size != size:
+        raise ValueError(
+            f"Invalid outputs: leading dimension {output_size} (expected {size}, one output "
+            "per member)"
+        )
+
+
 def check_member_targets(targets: Any, size: int) -> None:
     """Per-member targets must have the members' leading dimension, ``size``."""
     target_size = _leading_size("targets", targets)

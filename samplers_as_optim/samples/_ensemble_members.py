@@ -11,14 +11,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ..core.streams import derive_seed
-from ..names import set_member_dims
+from ..names import set_member_dims, set_parameter_layout
 
 
 def _reset(module: nn.Module) -> None:
@@ -182,6 +182,17 @@ def _check_subset(subset: Any) -> None:
         )
 
 
+def _check_module_or_factory(module_or_factory: Any, subset: Any) -> None:
+    """Refuse what is neither a module nor a factory, and a subset the module lacks."""
+    if not isinstance(module_or_factory, nn.Module) and not callable(module_or_factory):
+        raise TypeError(
+            f"Invalid module_or_factory: {module_or_factory!r} (expected an nn.Module or "
+            "a callable that returns one)"
+        )
+    if isinstance(module_or_factory, nn.Module) and subset is not None:
+        _select(module_or_factory, subset)  # its names, against the module itself
+
+
 @contextlib.contextmanager
 def _global_rng_kept_on_error() -> Iterator[None]:
     """Put torch's global RNG back as it was if the body raises.
@@ -339,6 +350,32 @@ def _share(num_members: int, process_group: Any) -> tuple[int, int]:
         )
     count = num_members // ranks
     return distributed.get_rank(process_group) * count, count
+
+
+def _gather_members(tensor: Tensor, process_group: Any, num_members: int, dim: int) -> Tensor:
+    """Every rank's ``tensor`` (its ``num_members`` members along ``dim``), concatenated.
+
+    ``tensor`` itself without a process group. See ``ParallelEnsemble.all_gather``.
+    """
+    if process_group is None:
+        return tensor
+    if tensor.dim() <= dim or tensor.shape[dim] != num_members:
+        raise ValueError(
+            f"Invalid tensor: shape {tuple(tensor.shape)} (expected this rank's "
+            f"{num_members} members along dim {dim})"
+        )
+    distributed = torch.distributed
+    tensor = tensor.detach().contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(distributed.get_world_size(process_group))]
+    distributed.all_gather(parts, tensor, group=process_group)
+    return torch.cat(parts, dim=dim)
+
+
+def _set_member_layouts(params: Iterable[Tensor], start: int, num_members: int) -> None:
+    """Mark each stacked parameter as members ``start, ...`` of ``num_members`` in all."""
+    for param in params:
+        per_member = param[0].numel()
+        set_parameter_layout(param, start * per_member, num_members * per_member)
 
 
 def _unstack_member(

@@ -68,11 +68,11 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from ..core.validation import (
@@ -82,13 +82,19 @@ from ..core.validation import (
     check_positive_int,
     check_seed,
 )
-from ..names import set_parameter_layout
-from ._ensemble_loss import _leading_size, backward_in_chunks, check_member_targets, ensemble_loss
+from ._ensemble_loss import (
+    backward_in_chunks,
+    check_member_outputs,
+    check_member_targets,
+    ensemble_loss,
+)
 from ._ensemble_members import (
+    _check_module_or_factory,
     _check_subset,
     _drawn_members,
+    _gather_members,
     _global_rng_kept_on_error,
-    _select,
+    _set_member_layouts,
     _share,
     _stack_members,
     _template,
@@ -102,6 +108,7 @@ from .stacked import (
     check_per_sample_inputs,
     looped_call,
     vmapped_call,
+    vmapped_else_looped,
 )
 
 #: how the members are run: "auto" (vmap, falling back to a loop), "vmap" or "loop"
@@ -221,13 +228,7 @@ class ParallelEnsemble(nn.Module):
         check_choice("randomness", randomness, RANDOMNESS)
         check_choice("backend", backend, BACKENDS)
         _check_subset(subset)
-        if not isinstance(module_or_factory, nn.Module) and not callable(module_or_factory):
-            raise TypeError(
-                f"Invalid module_or_factory: {module_or_factory!r} (expected an nn.Module or "
-                "a callable that returns one)"
-            )
-        if isinstance(module_or_factory, nn.Module) and subset is not None:
-            _select(module_or_factory, subset)  # its names, against the module itself
+        _check_module_or_factory(module_or_factory, subset)
         start, count = _share(num_members, process_group)
         members = _drawn_members(module_or_factory, seed, subset, start)
         with _global_rng_kept_on_error():
@@ -236,9 +237,7 @@ class ParallelEnsemble(nn.Module):
         self.process_group = process_group
         self.member_indices = list(range(start, start + count))
         if process_group is not None:
-            for param in self.stacked(buffers=False).values():
-                per_member = param[0].numel()
-                set_parameter_layout(param, start * per_member, num_members * per_member)
+            _set_member_layouts(self.stacked(buffers=False).values(), start, num_members)
 
     def _setup(
         self,
@@ -371,20 +370,10 @@ class ParallelEnsemble(nn.Module):
             return loop()
         if self.backend == "vmap" or self._vmap_works:
             return vmapped()
-        # The first call under "auto": keep the buffers, in case a failed attempt updated
-        # some (BatchNorm statistics) before vmap gave up.
-        parameters = {name for name, _ in self.module.named_parameters()}
-        with torch.no_grad():
-            kept = {n: t.clone() for n, t in stacked.items() if n not in parameters}
-        try:
-            outputs = vmapped()
-        except Exception as error:
-            with torch.no_grad():
-                for name, value in kept.items():
-                    stacked[name].copy_(value)
-            # a model that fails here too has a bug of its own: that error propagates
-            outputs = loop()
-            self._vmap_works = False
+        # The first call under "auto": vmap, else the loop (whose own error propagates).
+        outputs, error = vmapped_else_looped(self.module, stacked, vmapped, loop)
+        self._vmap_works = error is None
+        if error is not None:
             reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
             warnings.warn(
                 f"ParallelEnsemble: torch.func.vmap cannot run {type(self.module).__name__} "
@@ -395,8 +384,6 @@ class ParallelEnsemble(nn.Module):
                 RuntimeWarning,
                 stacklevel=3,
             )
-            return outputs
-        self._vmap_works = True
         return outputs
 
     def member(self, index: int) -> nn.Module:
@@ -486,12 +473,7 @@ class ParallelEnsemble(nn.Module):
             ValueError: ``outputs`` without K members, or a loss module whose tensors are
                 not stacked over K members.
         """
-        size = _leading_size("outputs", outputs)
-        if size != self.num_members:
-            raise ValueError(
-                f"Invalid outputs: leading dimension {size} (expected {self.num_members}, "
-                "one output per member)"
-            )
+        check_member_outputs(outputs, self.num_members)
         return ensemble_loss(loss_fn, outputs, targets, per_member_targets=per_member_targets)
 
     def backward(
@@ -552,17 +534,9 @@ class ParallelEnsemble(nn.Module):
             loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
             return loss.detach()
         stacked, bound = self._binding()
-
-        def run(entry: dict[str, Tensor], inputs: tuple[Any, ...]) -> Any:
-            return self._run(
-                bound,
-                entry,
-                inputs,
-                kwargs,
-                per_member_inputs=per_member_inputs,
-                chunk_size=None,
-            )
-
+        run = functools.partial(  # run(entry, inputs): the members in entry, unchunked
+            self._run, bound, kwargs=kwargs, per_member_inputs=per_member_inputs, chunk_size=None
+        )
         return backward_in_chunks(
             run,
             stacked,
@@ -587,20 +561,7 @@ class ParallelEnsemble(nn.Module):
         Raises:
             ValueError: ``tensor``'s size along ``dim`` is not this rank's member count.
         """
-        if self.process_group is None:
-            return tensor
-        if tensor.dim() <= dim or tensor.shape[dim] != self.num_members:
-            raise ValueError(
-                f"Invalid tensor: shape {tuple(tensor.shape)} (expected this rank's "
-                f"{self.num_members} members along dim {dim})"
-            )
-        distributed = torch.distributed
-        tensor = tensor.detach().contiguous()
-        parts = [
-            torch.empty_like(tensor) for _ in range(distributed.get_world_size(self.process_group))
-        ]
-        distributed.all_gather(parts, tensor, group=self.process_group)
-        return torch.cat(parts, dim=dim)
+        return _gather_members(tensor, self.process_group, self.num_members, dim)
 
     def extra_repr(self) -> str:
         """The number of members (and the forward's settings when not the default)."""

@@ -3,8 +3,9 @@
 The definitions are the diagnostics module's (its docstring gives the equations); this
 module computes them for many quantities at once: the samples are checked, split into
 half-chains, rank-normalised (:mod:`samplers_as_optim.samples.ranks`) and reduced chunk by
-chunk of quantities, so memory stays bounded. Its functions are the diagnostics' internals:
-use :mod:`samplers_as_optim.diagnostics`.
+chunk of quantities, so memory stays bounded. It also checks the diagnostics' other inputs
+(stacked weights, predictions, R-hat values). Its functions are the diagnostics'
+internals: use :mod:`samplers_as_optim.diagnostics`.
 """
 
 from __future__ import annotations
@@ -16,16 +17,26 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..core.validation import check_choice, check_chunk_size
 from .ranks import normal_scores, sort_values
 
 __all__ = [
+    "RHAT_METHODS",
+    "check_predictions",
     "check_samples",
+    "check_stacked",
     "combine_rhat",
     "compute",
     "linear_quantile",
     "rhat_names",
+    "rhat_of",
+    "rhat_tensors",
     "superchain_order",
+    "worst_per_input",
 ]
+
+#: the R-hat methods (``diagnostics.rhat``'s ``method``)
+RHAT_METHODS: tuple[str, ...] = ("rank", "bulk", "folded", "split")
 
 _MIN_DRAWS = 4  # two draws per half-chain, as ArviZ requires
 _CHUNK_ELEMENTS = 2**21  # draws per chunk and thread when chunk_size is None (8-16 MB a buffer)
@@ -67,6 +78,48 @@ def check_samples(
     if not samples.is_floating_point():
         samples = samples.to(torch.float64)  # integers and bools: exact in float64
     return samples
+
+
+def check_stacked(stacked: object) -> None:
+    """Refuse what is not a non-empty dict of tensors sharing ``[chains, draws]``."""
+    if not isinstance(stacked, Mapping) or not all(
+        isinstance(value, Tensor) for value in stacked.values()
+    ):
+        raise TypeError(
+            f"Invalid stacked: {type(stacked).__name__} (expected a dict of tensors laid out "
+            "[chains, draws, *parameter_shape])"
+        )
+    if not stacked:
+        raise ValueError("Invalid stacked: {} (expected at least one parameter)")
+    leading = {name: tuple(tensor.shape[:2]) for name, tensor in stacked.items()}
+    if len(set(leading.values())) != 1:
+        raise ValueError(
+            f"Invalid stacked: leading shapes {leading} (expected every tensor to share "
+            "[chains, draws])"
+        )
+
+
+def check_predictions(predictions: object) -> None:
+    """Refuse a tensor of predictions with fewer than 3 dimensions (no test-input axis)."""
+    if isinstance(predictions, Tensor) and predictions.dim() < 3:
+        raise ValueError(
+            f"Invalid predictions: shape {tuple(predictions.shape)} (expected "
+            "[chains, draws, B, *outputs], at least 3 dimensions)"
+        )
+
+
+def rhat_tensors(rhat_values: object) -> list[Tensor]:
+    """The tensors of R-hat values given as a tensor or a dict of them, or a clear error."""
+    if isinstance(rhat_values, Tensor):
+        return [rhat_values]
+    if isinstance(rhat_values, Mapping) and all(
+        isinstance(value, Tensor) for value in rhat_values.values()
+    ):
+        return list(rhat_values.values())
+    raise TypeError(
+        f"Invalid rhat_values: {type(rhat_values).__name__} (expected a tensor or a dict "
+        "of tensors)"
+    )
 
 
 def superchain_order(superchains: object, chains: int, device: torch.device) -> tuple[Tensor, int]:
@@ -286,6 +339,16 @@ def linear_quantile(sorted_values: Tensor, prob: float) -> Tensor:
 # --------------------------------------------------------------------------- engine
 
 
+class _Split(NamedTuple):
+    """One chunk of quantities split into half-chains, NaN quantities zeroed."""
+
+    block: Tensor  # [chains, draws, q] the chunk's draws, a contiguous copy
+    split: Tensor  # [q, M, N] the half-chains, in the computation dtype
+    rows: Tensor  # [q, M N] ``split``'s draws pooled per quantity
+    finite: bool  # whether every draw is finite
+    has_nan: Tensor  # [q] bool, the quantities with a NaN draw
+
+
 def compute(
     samples: Tensor,
     wanted: set[str],
@@ -306,8 +369,6 @@ def compute(
     dtype = torch.float64 if samples.dtype == torch.float64 else torch.float32
     device = samples.device
     flat = samples.reshape(chains, draws, count)
-    half = draws // 2
-    size = 2 * chains * half
     results = {name: torch.empty(count, dtype=dtype, device=device) for name in wanted}
     if chunk_size is None:
         # Each torch kernel is a parallel region: give every thread about _CHUNK_ELEMENTS
@@ -315,78 +376,123 @@ def compute(
         threads = min(torch.get_num_threads(), 4) if device.type == "cpu" else 8
         chunk_size = max(1, _CHUNK_ELEMENTS * threads // (chains * draws))
     step = chunk_size
-    need_scores = bool(wanted & {"rhat_bulk", "rhat_folded", "ess_bulk"})
-    needs_full_sort = "ess_tail" in wanted and draws % 2 == 1
-
-    def statistic(stats: _ChainStats) -> Tensor:
-        if nested is None:
-            return _rhat_statistic(stats)
-        return _nested_statistic(stats, *nested)
-
-    def chunk(start: int) -> None:  # writes its slice of every result
+    for start in range(0, count, step):  # each chunk writes its slice of every result
         stop = min(count, start + step)
-        # Copy the chunk's slice first (contiguous runs), then transpose it in memory:
-        # twice as fast as gathering [q, chains, draws] straight from the strided input.
-        block = flat[:, :, start:stop].contiguous()
-        q = stop - start
-        split = torch.empty(q, 2, chains, half, dtype=dtype, device=device)
-        split[:, 0] = block[:, :half].permute(2, 0, 1)
-        split[:, 1] = block[:, draws - half :].permute(2, 0, 1)
-        split = split.view(q, 2 * chains, half)
-        rows = split.view(q, size)
-        finite = bool(rows.sum().isfinite()) or bool(rows.isfinite().all())  # sum: one pass
-        has_nan = rows.isnan().any(dim=-1) if not finite else rows.new_zeros(q, dtype=torch.bool)
-        if draws % 2:
-            has_nan |= block[:, half].isnan().any(dim=0)
-        if bool(has_nan.any()):
-            split = split.masked_fill(has_nan.view(q, 1, 1), 0.0)
-            rows = split.view(q, size)
-        out: dict[str, Tensor] = {}
-        ordered = None
-        if need_scores:
-            scores, ordered = normal_scores(rows, finite=finite)
-            scores = scores.view_as(split)
-            stats = _chain_stats(scores)
-            if "rhat_bulk" in wanted:
-                out["rhat_bulk"] = statistic(stats)
-            if "ess_bulk" in wanted:
-                tied_throughout = ordered[:, 0] == ordered[:, -1]  # the only constant scores
-                out["ess_bulk"] = _ess_statistic(scores, stats, tied_throughout)
-            del scores, stats
-            if "rhat_folded" in wanted:
-                median = (ordered[:, size // 2 - 1] + ordered[:, size // 2]) / 2
-                # |theta - median| <= max - min, so it is finite when that range is.
-                range_finite = finite and bool((ordered[:, -1] - ordered[:, 0]).isfinite().all())
-                folded, _ = normal_scores((rows - median.unsqueeze(-1)).abs(), finite=range_finite)
-                out["rhat_folded"] = statistic(_chain_stats(folded.view_as(split)))
-                del folded
+        part = _split_chunk(flat, start, stop, dtype)
+        out, ordered = _score_statistics(part, wanted, nested)
         if wanted & {"rhat_split", "ess_mean"}:
-            stats = _chain_stats(split)
+            stats = _chain_stats(part.split)
             if "rhat_split" in wanted:
-                out["rhat_split"] = statistic(stats)
+                out["rhat_split"] = _r_statistic(stats, nested)
             if "ess_mean" in wanted:
-                out["ess_mean"] = _ess_statistic(split, stats)
+                out["ess_mean"] = _ess_statistic(part.split, stats)
         if "ess_tail" in wanted:
-            if needs_full_sort:
-                full = block.permute(2, 0, 1).reshape(q, chains * draws).to(dtype)
-                ordered = sort_values(full.masked_fill(has_nan.unsqueeze(-1), 0.0))
-            elif ordered is None:
-                ordered = sort_values(rows)
-            ordered = ordered.to(device)
-            tails = []
-            for p in (prob, 1.0 - prob):
-                indicator = (split <= linear_quantile(ordered, p).view(q, 1, 1)).to(dtype)
-                stats = _chain_stats(indicator)
-                fraction = stats.mean.mean(dim=-1)  # an indicator is constant iff 0 or 1
-                constant = (fraction == 0) | (fraction == 1)
-                tails.append(_ess_statistic(indicator, stats, constant))
-            out["ess_tail"] = torch.minimum(*tails)
+            out["ess_tail"] = _tail_ess(part, ordered, prob, dtype)
         for name, value in out.items():
-            results[name][start:stop] = value.masked_fill(has_nan, math.nan).to(dtype)
-
-    for start in range(0, count, step):
-        chunk(start)
+            results[name][start:stop] = value.masked_fill(part.has_nan, math.nan).to(dtype)
     return {name: value.reshape(trailing) for name, value in results.items()}
+
+
+def _r_statistic(stats: _ChainStats, nested: tuple[Tensor, int] | None) -> Tensor:
+    """Split-R-hat, or nested R-hat with ``nested`` = (order, count)."""
+    if nested is None:
+        return _rhat_statistic(stats)
+    return _nested_statistic(stats, *nested)
+
+
+def _split_chunk(flat: Tensor, start: int, stop: int, dtype: torch.dtype) -> _Split:
+    """Quantities ``start:stop`` of ``flat`` ``[chains, draws, count]`` as half-chains."""
+    chains, draws = flat.shape[:2]
+    half = draws // 2
+    size = 2 * chains * half
+    # Copy the chunk's slice first (contiguous runs), then transpose it in memory:
+    # twice as fast as gathering [q, chains, draws] straight from the strided input.
+    block = flat[:, :, start:stop].contiguous()
+    q = stop - start
+    split = torch.empty(q, 2, chains, half, dtype=dtype, device=flat.device)
+    split[:, 0] = block[:, :half].permute(2, 0, 1)
+    split[:, 1] = block[:, draws - half :].permute(2, 0, 1)
+    split = split.view(q, 2 * chains, half)
+    rows = split.view(q, size)
+    finite = bool(rows.sum().isfinite()) or bool(rows.isfinite().all())  # sum: one pass
+    has_nan = rows.isnan().any(dim=-1) if not finite else rows.new_zeros(q, dtype=torch.bool)
+    if draws % 2:
+        has_nan |= block[:, half].isnan().any(dim=0)
+    if bool(has_nan.any()):
+        split = split.masked_fill(has_nan.view(q, 1, 1), 0.0)
+        rows = split.view(q, size)
+    return _Split(block, split, rows, finite, has_nan)
+
+
+def _score_statistics(
+    part: _Split, wanted: set[str], nested: tuple[Tensor, int] | None
+) -> tuple[dict[str, Tensor], Tensor | None]:
+    """The rank-normalised statistics (bulk and folded R-hat, bulk-ESS) that are wanted.
+
+    Returns them with the chunk's sorted draws (None when none is wanted).
+    """
+    out: dict[str, Tensor] = {}
+    if not wanted & {"rhat_bulk", "rhat_folded", "ess_bulk"}:
+        return out, None
+    split, rows, size = part.split, part.rows, part.rows.shape[-1]
+    scores, ordered = normal_scores(rows, finite=part.finite)
+    scores = scores.view_as(split)
+    stats = _chain_stats(scores)
+    if "rhat_bulk" in wanted:
+        out["rhat_bulk"] = _r_statistic(stats, nested)
+    if "ess_bulk" in wanted:
+        tied_throughout = ordered[:, 0] == ordered[:, -1]  # the only constant scores
+        out["ess_bulk"] = _ess_statistic(scores, stats, tied_throughout)
+    del scores, stats
+    if "rhat_folded" in wanted:
+        median = (ordered[:, size // 2 - 1] + ordered[:, size // 2]) / 2
+        # |theta - median| <= max - min, so it is finite when that range is.
+        range_finite = part.finite and bool((ordered[:, -1] - ordered[:, 0]).isfinite().all())
+        folded, _ = normal_scores((rows - median.unsqueeze(-1)).abs(), finite=range_finite)
+        out["rhat_folded"] = _r_statistic(_chain_stats(folded.view_as(split)), nested)
+        del folded
+    return out, ordered
+
+
+def _tail_ess(part: _Split, ordered: Tensor | None, prob: float, dtype: torch.dtype) -> Tensor:
+    """Tail-ESS: the smaller ESS of the ``prob`` and ``1 - prob`` quantile indicators.
+
+    ``ordered``: the chunk's sorted half-chain draws if sorted already, else None. With an
+    odd number of draws the quantiles are those of every draw, the middle one included.
+    """
+    block, split, has_nan = part.block, part.split, part.has_nan
+    chains, draws, q = block.shape
+    if draws % 2 == 1:
+        full = block.permute(2, 0, 1).reshape(q, chains * draws).to(dtype)
+        ordered = sort_values(full.masked_fill(has_nan.unsqueeze(-1), 0.0))
+    elif ordered is None:
+        ordered = sort_values(part.rows)
+    ordered = ordered.to(split.device)
+    tails = []
+    for p in (prob, 1.0 - prob):
+        indicator = (split <= linear_quantile(ordered, p).view(q, 1, 1)).to(dtype)
+        stats = _chain_stats(indicator)
+        fraction = stats.mean.mean(dim=-1)  # an indicator is constant iff 0 or 1
+        constant = (fraction == 0) | (fraction == 1)
+        tails.append(_ess_statistic(indicator, stats, constant))
+    return torch.minimum(*tails)
+
+
+def rhat_of(samples: object, method: str, chunk_size: object, *, name: str) -> Tensor:
+    """R-hat of ``method`` for every quantity of ``samples`` (checked, named ``name``)."""
+    samples = check_samples(samples, min_chains=2, purpose="R-hat", name=name)
+    check_choice("method", method, RHAT_METHODS)
+    results = compute(samples, rhat_names(method), chunk_size=check_chunk_size(chunk_size))
+    return combine_rhat(results, method)
+
+
+def worst_per_input(values: Tensor) -> Tensor:
+    """The largest R-hat over each test input's outputs, ``[B]`` (NaN ignored, unless all)."""
+    if values.dim() == 1:
+        return values
+    flat = values.reshape(values.shape[0], -1)
+    worst = torch.where(flat.isnan(), -math.inf, flat).amax(dim=-1)
+    return torch.where(flat.isnan().all(dim=-1), math.nan, worst)
 
 
 def rhat_names(method: str) -> set[str]:

@@ -404,6 +404,32 @@ def looped_call(
     return tree_unflatten(stacked_leaves, spec)
 
 
+def vmapped_else_looped(
+    module: nn.Module,
+    stacked: Mapping[str, Tensor],
+    vmapped: Callable[[], Any],
+    looped: Callable[[], Any],
+) -> tuple[Any, Exception | None]:
+    """``vmapped()``; where it raises, ``looped()`` with the buffers put back first.
+
+    For a forward that falls back to :func:`looped_call` where vmap cannot trace the model
+    (``ParallelEnsemble``'s ``backend="auto"``): the buffers among ``stacked`` are kept
+    first, in case the failed attempt updated some (BatchNorm statistics) before vmap gave
+    up. Returns the outputs and the vmapped call's error (None if it worked); an error of
+    ``looped()`` propagates (a model that fails there too has a bug of its own).
+    """
+    parameters = {name for name, _ in module.named_parameters()}
+    with torch.no_grad():
+        kept = {n: t.clone() for n, t in stacked.items() if n not in parameters}
+    try:
+        return vmapped(), None
+    except Exception as error:
+        with torch.no_grad():
+            for name, value in kept.items():
+                stacked[name].copy_(value)
+        return looped(), error
+
+
 def call_stacked(
     module: nn.Module,
     stacked: Mapping[str, Tensor],
