@@ -115,7 +115,7 @@ def reduction(width: int, rounds: int, repeat: int) -> dict[str, float]:
         for spread in (False, True):
             contenders[f"{name}, {'with spread' if spread else 'means'}"] = partial(
                 group_sums,
-                "sghmc",
+                SGHMC.definition.temperature_rule,
                 group,
                 0,
                 optimizer.state,

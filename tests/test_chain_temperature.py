@@ -33,7 +33,6 @@ from linear_chains import sghmc_mode, sgld_mode, spectral_radius, stationary_cov
 import samplers_as_optim as sao
 from samplers_as_optim import diagnostics
 from samplers_as_optim.names import set_member_dims
-from samplers_as_optim.sgmcmc import chain_temperature
 from samplers_as_optim.sgmcmc.chain_temperature import (
     TemperatureSums,
     chi2_quantile,
@@ -42,6 +41,7 @@ from samplers_as_optim.sgmcmc.chain_temperature import (
 from samplers_as_optim.sgmcmc.optimizer import SamplerOptimizer
 from samplers_as_optim.sgmcmc.sgld import DEFINITION as SGLD_DEFINITION
 from samplers_as_optim.sgmcmc.temperature_coordinates import coordinate_subsets
+from samplers_as_optim.sgmcmc.temperature_rule import TemperatureRule
 
 Z = 4.5
 N = 100
@@ -687,20 +687,23 @@ def test_a_group_of_one_scalar_has_no_configurational_band() -> None:
 
 
 @pytest.mark.parametrize(
-    ("cls", "rule", "kwargs"),
+    ("cls", "kwargs"),
     [
-        (sao.SGHMC, "sghmc", {"momentum": 0.8, "weight_decay": 0.3, "maximize": True}),
-        (sao.BAOA, "baoa", {"momentum": 0.7}),
+        (sao.SGHMC, {"momentum": 0.8, "weight_decay": 0.3, "maximize": True}),
+        (sao.BAOA, {"momentum": 0.7}),
     ],
 )
 @pytest.mark.parametrize("coordinates", [4096, 40, None])
-def test_the_common_path_gives_the_general_paths_sums(cls, rule, kwargs, coordinates, monkeypatch):
-    """An unstacked SGHMC/BAOA group takes a leaner path (``_plain_sums``), the same sums
-    as the general loop to rounding, with and without the terms' spread, after an lr
-    change (the buffers' recorded rate) too."""
+def test_the_common_path_gives_the_general_paths_sums(cls, kwargs, coordinates, monkeypatch):
+    """An unstacked SGHMC/BAOA group (a ``plain`` rule) takes a leaner path
+    (``_plain_kinetic``, ``_plain_configurational``), the same sums as the general loop to
+    rounding, with and without the terms' spread, after an lr change (the buffers'
+    recorded rate) too."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.Tanh(), torch.nn.Linear(20, 3))
     optimizer = cls(model.parameters(), lr=1e-3, num_data=500, seed=0, **kwargs)
+    rule = optimizer.definition.temperature_rule
+    assert rule.plain
     x, y = torch.randn(16, 30), torch.randn(16, 3)
     for lr in (1e-3, 3e-3):
         optimizer.param_groups[0]["lr"] = lr
@@ -713,7 +716,7 @@ def test_the_common_path_gives_the_general_paths_sums(cls, rule, kwargs, coordin
     for spread in (False, True):
         lean = group_sums(rule, group, 0, optimizer.state, spread=spread, coordinates=coordinates)
         with monkeypatch.context() as patch:
-            patch.setattr(chain_temperature, "_LEAN_RULES", ())
+            patch.setattr(TemperatureRule, "plain", property(lambda self: False))
             general = group_sums(
                 rule, group, 0, optimizer.state, spread=spread, coordinates=coordinates
             )

@@ -34,7 +34,7 @@ from samplers_as_optim import BAOA, SGHMC, SGLD, SGNHT, AdamWSGHMC  # noqa: E402
 from samplers_as_optim.core.streams import parameter_key  # noqa: E402
 from samplers_as_optim.names import set_parameter_layout  # noqa: E402
 from samplers_as_optim.sgmcmc import _fused_launch, _sghmc_fused, fused  # noqa: E402
-from samplers_as_optim.sgmcmc import optimizer as optimizer_module  # noqa: E402
+from samplers_as_optim.sgmcmc import _fused_step as fused_step_module  # noqa: E402
 from samplers_as_optim.sgmcmc.fused import fused_normal  # noqa: E402
 from samplers_as_optim.sgmcmc.sghmc import sghmc_direction  # noqa: E402
 from samplers_as_optim.sgmcmc.sgld import sgld_direction  # noqa: E402
@@ -78,9 +78,12 @@ def test_importing_the_package_does_not_import_triton():
     of torch imports Triton itself on the way (2.11 did, within what the package
     imports from torch); a CPU build does not, so there Triton must stay unimported."""
     code = (
-        "import sys, torch, samplers_as_optim\n"
+        "import pathlib, sys, torch, samplers_as_optim\n"
         "from samplers_as_optim.sgmcmc import SAMPLERS\n"
-        "names = {c.definition.fused_kernel for c in SAMPLERS} | {'_fused_normal'}\n"
+        "names = {f'_{c.definition.transform_name}_fused' for c in SAMPLERS\n"
+        "         if c.definition.fused_kernel} | {'_fused_normal', '_fused_io', '_pooled_fused'}\n"
+        "folder = pathlib.Path(samplers_as_optim.__file__).parent / 'sgmcmc'\n"
+        "assert len(names) == 9 and all((folder / f'{n}.py').is_file() for n in names), names\n"
         "kernels = [m for m in sys.modules if m.startswith('samplers_as_optim.')\n"
         "           and m.rsplit('.', 1)[1] in names]\n"
         "assert not kernels, kernels\n"
@@ -283,18 +286,18 @@ def test_resume_is_exact():
 # ------------------------------------------------------------------ when it is fused
 def spy_on_the_kernel(monkeypatch) -> list[str]:
     calls: list[str] = []
-    original = optimizer_module.fused_kernel
+    original = fused_step_module.fused_kernel
 
     def spied(definition):
         calls.append(definition.name)
         return original(definition)
 
-    monkeypatch.setattr(optimizer_module, "fused_kernel", spied)
+    monkeypatch.setattr(fused_step_module, "fused_kernel", spied)
     return calls
 
 
 def test_fused_none_takes_the_fused_path_only_where_it_can_run(monkeypatch):
-    assert optimizer_module.DEFAULT_ON_CUDA  # (validated on an H100: bash .ci/gpu fused)
+    assert fused.DEFAULT_ON_CUDA  # (validated on an H100: bash .ci/gpu fused)
     calls = spy_on_the_kernel(monkeypatch)
     params = named(w=(3, 4))
     grads = gradients(params, 1)

@@ -24,8 +24,8 @@ pytest.importorskip("triton")
 from samplers_as_optim import PSGLD, AdamWSGHMC  # noqa: E402
 from samplers_as_optim.core.streams import parameter_key  # noqa: E402
 from samplers_as_optim.names import set_member_dims, set_parameter_layout  # noqa: E402
-from samplers_as_optim.sgmcmc import fused  # noqa: E402
 from samplers_as_optim.sgmcmc import _fused_step as fused_step_module  # noqa: E402
+from samplers_as_optim.sgmcmc import fused  # noqa: E402
 from samplers_as_optim.sgmcmc._pooled_fused import compact_layout, layout  # noqa: E402
 from samplers_as_optim.sgmcmc.adamw_sghmc import adamw_sghmc_direction  # noqa: E402
 from samplers_as_optim.sgmcmc.fused import fused_normal  # noqa: E402

@@ -251,7 +251,7 @@ def test_fused_none_takes_the_fused_path_only_where_it_can_run(monkeypatch):
     chain(transforms.sgnht(0.01, num_data=N, seed=1), params, grads)
     chain(transforms.baoa(0.01, num_data=N, seed=1), params, grads)
     assert calls == [1, 1, 1]
-    monkeypatch.delitem(_transform_fused.HOW, "_sgnht_fused")  # as a sampler without one
+    monkeypatch.delitem(_transform_fused.HOW, "SGNHT")  # as a sampler without one
     chain(transforms.sgnht(0.01, num_data=N, seed=1), params, grads)
     tx = transforms.sghmc(0.01, num_data=N, seed=1, momentum=0.0)
     torch.func.vmap(
@@ -270,7 +270,7 @@ def fused_error(reason):
 
 def test_fused_true_refusals_name_the_reason(monkeypatch):
     with monkeypatch.context() as patch:  # as a sampler without a fused update
-        patch.delitem(_transform_fused.HOW, "_sgnht_fused")
+        patch.delitem(_transform_fused.HOW, "SGNHT")
         with pytest.raises(ValueError) as error:
             transforms.sgnht(0.01, num_data=N, fused=True)
     assert str(error.value) == fused_error("transforms.sgnht has no fused update yet")

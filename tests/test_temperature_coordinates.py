@@ -14,6 +14,10 @@ from samplers_as_optim.names import set_member_dims
 from samplers_as_optim.sgmcmc.chain_temperature import group_sums
 from samplers_as_optim.sgmcmc.temperature_coordinates import coordinate_subsets
 
+#: the samplers' temperature rules, as their definitions hold them
+SGHMC_RULE = sao.SGHMC.definition.temperature_rule
+ADAMW_SGHMC_RULE = sao.AdamWSGHMC.definition.temperature_rule
+
 MLP_SHAPES = [(1024, 784), (1024,), (1024, 1024), (1024,), (10, 1024), (10,)]
 
 
@@ -117,7 +121,7 @@ def test_group_sums_over_a_subset_are_the_hand_sums_over_its_positions(budget):
     params = list(model.parameters())
     subsets = coordinate_subsets([p.shape for p in params], budget)
     positions = [np.asarray(s.positions()) for s in subsets]
-    sums = group_sums("sghmc", optimizer.param_groups[0], 0, optimizer.state, coordinates=budget)
+    sums = group_sums(SGHMC_RULE, optimizer.param_groups[0], 0, optimizer.state, coordinates=budget)
     kin, conf, variance, d = hand_sums(
         params,
         [p.grad for p in params],
@@ -136,7 +140,7 @@ def test_group_sums_over_a_subset_are_the_hand_sums_over_its_positions(budget):
     assert float(sums.conf[0]) == pytest.approx(conf, rel=1e-5)
     assert float(sums.conf_variance[0]) == pytest.approx(variance, rel=1e-4)
     cheap = group_sums(
-        "sghmc", optimizer.param_groups[0], 0, optimizer.state, coordinates=budget, spread=False
+        SGHMC_RULE, optimizer.param_groups[0], 0, optimizer.state, coordinates=budget, spread=False
     )
     assert float(cheap.conf[0]) == pytest.approx(conf, rel=1e-5)
 
@@ -163,9 +167,9 @@ def test_the_twins_subset_reads_its_preconditioner_at_the_same_positions(precond
         torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
     group = optimizer.param_groups[0]
-    full = group_sums("adamw_sghmc", group, 0, optimizer.state, coordinates=None)
+    full = group_sums(ADAMW_SGHMC_RULE, group, 0, optimizer.state, coordinates=None)
     # a budget above the group's size reads it whole (joined: the same sums up to rounding)
-    whole = group_sums("adamw_sghmc", group, 0, optimizer.state, coordinates=10**6)
+    whole = group_sums(ADAMW_SGHMC_RULE, group, 0, optimizer.state, coordinates=10**6)
     assert whole.kinetic_dof == full.kinetic_dof and whole.conf_dof == full.conf_dof
     torch.testing.assert_close(whole.kinetic, full.kinetic, rtol=1e-6, atol=0)
     torch.testing.assert_close(whole.conf, full.conf, rtol=1e-6, atol=0)
@@ -173,7 +177,7 @@ def test_the_twins_subset_reads_its_preconditioner_at_the_same_positions(precond
     params = list(model.parameters())
     budget = 300
     subsets = coordinate_subsets([p.shape for p in params], budget)
-    sub = group_sums("adamw_sghmc", group, 0, optimizer.state, coordinates=budget)
+    sub = group_sums(ADAMW_SGHMC_RULE, group, 0, optimizer.state, coordinates=budget)
     kin_terms, conf_terms = [], []
     beta1 = group["betas"][0]
     for param, subset in zip(params, subsets, strict=True):
@@ -215,7 +219,7 @@ def test_stacked_members_read_the_same_positions_each_and_report_apart():
         optimizer.step()
     buffer = optimizer.state[param]["momentum_buffer"]
     (subset,) = coordinate_subsets([(size,)], 1000)
-    sums = group_sums("sghmc", optimizer.param_groups[0], 0, optimizer.state, coordinates=1000)
+    sums = group_sums(SGHMC_RULE, optimizer.param_groups[0], 0, optimizer.state, coordinates=1000)
     index = list(subset.positions())
     expected = buffer[:, index].double().square().sum(1) * 100 * 0.5 * 1.9 / 2
     assert sums.members == members and sums.kinetic_dof == subset.count < 1000 + 1
@@ -280,7 +284,7 @@ def test_a_channels_last_model_reads_the_same_coordinates_as_a_contiguous_one():
             optimizer.step()
         assert model.weight.is_contiguous() == (memory_format is torch.contiguous_format)
         group = optimizer.param_groups[0]
-        sums.append(group_sums("sghmc", group, 0, optimizer.state, coordinates=200))
+        sums.append(group_sums(SGHMC_RULE, group, 0, optimizer.state, coordinates=200))
     contiguous, channels_last = sums
     assert contiguous.conf_dof == channels_last.conf_dof < 16 * 8 * 9
     torch.testing.assert_close(contiguous.kinetic, channels_last.kinetic, rtol=1e-5, atol=0)

@@ -42,8 +42,10 @@ compiled for an sm_90 GPU by Triton's compiler
 Mixed precision (``_fused_launch``'s module docstring): with a GradScaler scale
 :math:`s` the gradient is read as :math:`g/s` (float64 division, rounded once to the
 position's dtype); a float16/bfloat16 parameter with a float32 master steps on the
-master, as a float32 parameter would, and receives its rounding to nearest; one without
-master (temperature 0) is computed in float32 and stored, with its state, in its dtype.
+master, as a float32 parameter would, and receives its rounding to nearest. (One
+without a master exists at temperature 0 only, where torch's fused AdamW steps it, the
+transforms' fused path taking float32 and float64 only: the kernel has no ``NARROW``
+variant.)
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import _fused_io as fio
 from ._fused_launch import (
     FusedInput,
     KernelArg,
@@ -62,17 +65,11 @@ from ._fused_launch import (
     constexpr,
     launch_elementwise,
     parts,
-    torch_gradient,
 )
 from ._fused_launch import optional_module as _optional_module
-from ._pooled_fused import (
-    Layout,
-    compact_layout,
-    preconditioner_before_kernel,
-    refused_step_fallback,
-)
-from .adamw_sghmc import _torch_adam, adamw_sghmc_noise_scale
-from .sampling_preconditioner import advanced, freeze_mark, freezes_now, released
+from ._pooled_fused import kernel_preconditioner, pooled, second_moment
+from .noise_scales import adamw_sghmc_noise_scale, torch_adamw
+from .sampling_preconditioner import advanced, released
 
 __all__ = ["launch", "unsupported"]
 
@@ -135,110 +132,49 @@ def _adamw_sghmc(
     UPDATE: constexpr,  # noqa: N803
     UNSCALE: constexpr,  # noqa: N803
     MASTER: constexpr,  # noqa: N803
-    NARROW: constexpr,  # noqa: N803
     BF16: constexpr,  # noqa: N803
 ) -> None:
-    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    # nothing is read or written unless every gradient is finite: the largest absolute
-    # gradient is at most the largest float64 (false for NaN and infinity)
-    worst = tl.load(largest)
-    mask = index < tl.where(worst <= 1.7976931348623157e308, numel, 0)
-    lr = lr_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    beta1 = beta1_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    beta2 = beta2_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    eps = eps_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    position = master if MASTER else param  # where the chain's position is kept
-    p = tl.load(position + index, mask=mask)
-    if NARROW:  # a half parameter without master: in float32, its state in its dtype
-        p = p.to(tl.float32)
-    g = tl.load(grad + index, mask=mask)
-    if UNSCALE:  # g / s divided in float64, rounded once to the position's dtype
-        g = (g.to(tl.float64) / tl.load(grad_scale).to(tl.float64)).to(p.dtype)
-    elif MASTER or NARROW:
-        g = g.to(tl.float32)
-    if MAXIMIZE:
-        g = -g
+    index, mask = fio.elements(tl.program_id(0).to(tl.int64), numel, largest, BLOCK)
+    lr, eps = fio.float64(lr_bits), fio.float64(eps_bits)
+    beta1, beta2 = fio.float64(beta1_bits), fio.float64(beta2_bits)
+    position, p, g = fio.position_and_gradient(
+        param, master, grad, grad_scale, index, mask, UNSCALE, MASTER, False
+    )
+    g = fio.effective_gradient(g, p, decay_bits, MAXIMIZE, False)  # (the decay is decoupled)
     g64 = g.to(tl.float64)
-    v = tl.load(exp_avg_sq + index, mask=mask).to(tl.float64)
-    v = (beta2 * v + (1.0 - beta2) * g64 * g64).to(p.dtype)
-    kept = v
-    if NARROW:  # the state in the parameter's dtype, through float32
-        kept = v.to(tl.float32)
-        if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
-            bits = kept.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            kept = (bits >> 16 << 16).to(tl.float32, bitcast=True)
-    tl.store(exp_avg_sq + index, kept.to(exp_avg_sq.dtype.element_ty), mask=mask)
-    correction = correction_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    v = second_moment(exp_avg_sq, g64, beta2, p, index, mask)
+    tl.store(exp_avg_sq + index, v.to(exp_avg_sq.dtype.element_ty), mask=mask)
+    correction = fio.float64(correction_bits)
     if POOLED:
-        member = index // inner
-        entry = member * (rows * columns) + ((index // row_stride) % rows) * columns
-        entry = entry + (index // column_stride) % columns
-        a = tl.load(pre + entry, mask=mask, other=1.0)
+        a = pooled(pre, index, mask, inner, row_stride, rows, column_stride, columns)
     elif NOISE:
         a = (tl.sqrt(v.to(tl.float64) / correction) + eps).to(p.dtype)
     else:  # AdamW's own denominator (temperature 0)
         second = v
         if AMSGRAD:
             second = tl.maximum(tl.load(max_exp_avg_sq + index, mask=mask), v)
-            kept = second
-            if NARROW:  # the state in the parameter's dtype, through float32
-                kept = second.to(tl.float32)
-                if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
-                    bits = kept.to(tl.uint32, bitcast=True)
-                    kept = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).to(
-                        tl.float32, bitcast=True
-                    )
-            tl.store(max_exp_avg_sq + index, kept.to(max_exp_avg_sq.dtype.element_ty), mask=mask)
+            tl.store(max_exp_avg_sq + index, second.to(max_exp_avg_sq.dtype.element_ty), mask=mask)
         a = (tl.sqrt(second.to(tl.float64)) / tl.sqrt(correction) + eps).to(p.dtype)
     a64 = a.to(tl.float64)
     kick = g64
-    if NOISE:
-        eps_here = eps.to(p.dtype)
-        root = tl.where(a == eps_here, 0.0, tl.sqrt(a64).to(p.dtype))
-        xi = tl.randn(seed, offset + index).to(tl.float64)
-        kick = g64 + scale * xi * root.to(tl.float64)
+    if NOISE:  # sqrt(a), 0 where a = eps (no scale: no noise)
+        root = tl.where(a == eps.to(p.dtype), 0.0, tl.sqrt(a64).to(p.dtype))
+        xi = fio.normal(seed, offset, index).to(tl.float64)
+        kick = g64 + fio.float64(scale_bits) * xi * root.to(tl.float64)
     m = tl.load(exp_avg + index, mask=mask).to(tl.float64)
     m = (m + (1.0 - beta1) * (kick - m)).to(p.dtype)
-    kept = m
-    if NARROW:  # the state in the parameter's dtype, through float32
-        kept = m.to(tl.float32)
-        if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
-            bits = kept.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            kept = (bits >> 16 << 16).to(tl.float32, bitcast=True)
-    tl.store(exp_avg + index, kept.to(exp_avg.dtype.element_ty), mask=mask)
+    tl.store(exp_avg + index, m.to(exp_avg.dtype.element_ty), mask=mask)
     d = m.to(tl.float64) / a64
     if not NOISE:  # AdamW's bias correction of the momentum (temperature 0 only)
-        d = d / first_correction_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        d = d / fio.float64(first_correction_bits)
     if DECAY:
-        decay = decay_bits.to(tl.int64).to(tl.float64, bitcast=True)
-        d = d + decay * p.to(tl.float64)
-    if UPDATE:
-        tl.store(out + index, (-lr * d).to(p.dtype), mask=mask)
-    else:
-        new = (p.to(tl.float64) - lr * d).to(p.dtype)
-        if MASTER or NARROW:  # the parameter: the position rounded to nearest (even)
-            half = new
-            if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
-                bits = half.to(tl.uint32, bitcast=True)
-                half = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).to(
-                    tl.float32, bitcast=True
-                )
-            tl.store(param + index, half.to(param.dtype.element_ty), mask=mask)
-        if not NARROW:
-            tl.store(position + index, new, mask=mask)
+        d = d + fio.float64(decay_bits) * p.to(tl.float64)
+    fio.store_step(out, param, position, p, lr, d, index, mask, UPDATE, MASTER, False, BF16)
 
 
 def unsupported(group: Mapping[str, Any], temperature: float) -> str | None:
     """Every AdamWSGHMC option is supported (``amsgrad`` only at temperature 0, as unfused)."""
     return None
-
-
-def _root(scale: Tensor, eps: float) -> Tensor:
-    r"""The kept :math:`\sqrt{a}`, 0 where :math:`a` has no scale (as the reference keeps it)."""
-    return scale.sqrt().masked_fill(scale == eps, 0.0)
 
 
 def _adamw(
@@ -267,7 +203,7 @@ def _adamw(
         maxima = buffers.get("max_exp_avg_sq") or []
         # torch's fused AdamW writes the gradients it unscales: it gets copies of them
         grads = [inputs.grads[i] for i in index]
-        _torch_adam()(
+        torch_adamw()(
             [inputs.params[i] for i in index],
             grads if part.scale is None else [grad.clone() for grad in grads],
             [buffers["exp_avg"][i] for i in index],
@@ -322,81 +258,56 @@ def _launch_one(
 ) -> None:
     """The step of ``part``'s one parameter :math:`i`; its state fields advanced in ``buffers``."""
     (i,) = part.members
+    assert not part.narrow  # (a half parameter without master takes torch's step: T = 0)
     lr, temperature = float(group["lr"]), float(group["temperature"])
     amsgrad = bool(group["amsgrad"]) and temperature == 0
     beta1, beta2 = (float(beta) for beta in group["betas"])
-    eps, weight_decay = float(group["eps"]), float(group["weight_decay"])
-    maximize = bool(group["maximize"])
-    how, warmup = group["preconditioner"], group["preconditioner_warmup"]
-    scale = adamw_sghmc_noise_scale(lr, temperature, group["num_data"])
-    param, seed, offset, largest = (
-        inputs.params[i],
-        inputs.seeds[i],
-        inputs.offsets[i],
-        inputs.largest[i],
-    )
+    weight_decay = float(group["weight_decay"])
+    param = inputs.params[i]
     (position,) = part.positions(inputs)
-    square = buffers["exp_avg_sq"][i]
     buffers["step"][i] = advanced(buffers["step"][i], True)
     step = float(buffers["step"][i])
     correction = 1 - beta2**step
-    flag, frozen = buffers["preconditioner_step"][i], buffers["preconditioner"][i]
-    kept = frozen is not None and buffers["preconditioner_root"][i] is not None
-    pre = None
-    if temperature == 0:
-        buffers["preconditioner_step"][i] = released(flag, True)
-    elif float(flag) > 0 and kept:
-        pre = frozen
-    else:
-        freeze = freezes_now(float(flag), step, warmup)
-        if how != "elementwise" or freeze:
-            pre = preconditioner_before_kernel(
-                square,
-                torch_gradient(inputs, i),
-                position,
-                beta=beta2,
-                correction=correction,
-                eps=eps,
-                how=how,
-                weight_decay=0.0,
-                maximize=maximize,
-            )
-        if freeze:
-            assert pre is not None
-            before = 1 - beta2 ** (step - 1) or 1.0  # (V is still 0 at step 1)
-            fallback = refused_step_fallback(
-                pre, square, param, largest, correction=before, eps=eps, how=how
-            )
-            buffers["preconditioner"][i] = fallback
-            buffers["preconditioner_root"][i] = _root(fallback, eps)
-            buffers["preconditioner_step"][i] = freeze_mark(flag, step)
-    where = Layout(1, 1, 1, 1, 1) if pre is None else compact_layout(param, pre)
+    scale = adamw_sghmc_noise_scale(lr, temperature, group["num_data"])
+    pre, where = kernel_preconditioner(
+        group,
+        inputs,
+        i,
+        position,
+        buffers,
+        square="exp_avg_sq",
+        beta=beta2,
+        correction=correction,
+        before=1 - beta2 ** (step - 1) or 1.0,  # (V is still 0 at step 1)
+        weight_decay=0.0,
+        root=True,
+    )
     launch_elementwise(
         _adamw_sghmc,
         param,
         inputs.grads[i],
         buffers["exp_avg"][i],
-        square,
+        buffers["exp_avg_sq"][i],
         buffers["max_exp_avg_sq"][i] if amsgrad else param,  # (param: never read)
         param if pre is None else pre,
         param if updates is None else updates[i],
-        largest,
+        inputs.largest[i],
         position,
         part.scale_argument(inputs),
         param.numel(),
-        offset,
-        seed,
+        inputs.offsets[i],
+        inputs.seeds[i],
         as_float64_bits(lr),
         as_float64_bits(beta1),
         as_float64_bits(beta2),
-        as_float64_bits(eps),
+        as_float64_bits(float(group["eps"])),
         as_float64_bits(correction),
         as_float64_bits(1 - beta1**step),
         as_float64_bits(weight_decay),
         as_float64_bits(scale),
         *where,
         do_not_specialize=_VARYING,
-        MAXIMIZE=maximize,
+        MAXIMIZE=bool(group["maximize"]),
         DECAY=weight_decay != 0,
         POOLED=pre is not None,
         NOISE=temperature > 0,

@@ -35,6 +35,7 @@ from typing import Any, cast
 
 from torch import Tensor
 
+from . import _fused_io as fio
 from ._fused_launch import (
     FusedInput,
     KernelArg,
@@ -44,7 +45,7 @@ from ._fused_launch import (
     parts,
 )
 from ._fused_launch import optional_module as _optional_module
-from .baoa import baoa_noise_scale
+from .noise_scales import baoa_noise_scale
 
 __all__ = ["launch", "unsupported"]
 
@@ -90,66 +91,22 @@ def _baoa(
     NARROW: constexpr,  # noqa: N803
     BF16: constexpr,  # noqa: N803
 ) -> None:
-    if MULTI:  # this program's tensor and block, from the table (_fused_launch.launch_tensors)
-        code = tl.load(table + tl.program_id(0))
-        t = code >> 32
-        block = code & 0xFFFFFFFF
-        rows = table + programs
-        numel = tl.load(rows + t)
-        offset = tl.load(rows + count + t)
-        seed = tl.load(rows + 2 * count + t)
-        param = tl.load(rows + 3 * count + t).to(param.dtype, bitcast=True)
-        grad = tl.load(rows + 4 * count + t).to(grad.dtype, bitcast=True)
-        buffer = tl.load(rows + 5 * count + t).to(buffer.dtype, bitcast=True)
-        largest = tl.load(rows + 6 * count + t).to(largest.dtype, bitcast=True)
-        master = tl.load(rows + 7 * count + t).to(master.dtype, bitcast=True)
-    else:
-        block = tl.program_id(0).to(tl.int64)
-    index = block * BLOCK + tl.arange(0, BLOCK)
-    # nothing is read or written unless every gradient is finite: the largest absolute
-    # gradient is at most the largest float64 (false for NaN and infinity)
-    worst = tl.load(largest)
-    mask = index < tl.where(worst <= 1.7976931348623157e308, numel, 0)
-    lr = lr_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    momentum = momentum_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    position = master if MASTER else param  # where the chain's position is kept
-    p = tl.load(position + index, mask=mask)
-    if NARROW:  # a half parameter without master: in float32, as torch's fused SGD
-        p = p.to(tl.float32)
-    g = tl.load(grad + index, mask=mask)
-    if UNSCALE:  # g / s divided in float64, rounded once to the position's dtype
-        g = (g.to(tl.float64) / tl.load(grad_scale).to(tl.float64)).to(p.dtype)
-    elif MASTER or NARROW:
-        g = g.to(tl.float32)
-    if MAXIMIZE:
-        g = -g
-    if DECAY:
-        decay = decay_bits.to(tl.int64).to(tl.float64, bitcast=True)
-        g = (g.to(tl.float64) + decay * p.to(tl.float64)).to(p.dtype)
+    _, rows, index, mask, offset, seed = fio.this_block(
+        table, count, programs, numel, offset, seed, largest, 6, BLOCK, MULTI
+    )
+    param, position, p, g = fio.read_inputs(
+        rows, count, param, grad, master, 7, grad_scale, index, mask, MULTI, UNSCALE, MASTER, NARROW
+    )
+    buffer = fio.column(rows, count, 5, buffer, MULTI)
+    g = fio.effective_gradient(g, p, decay_bits, MAXIMIZE, DECAY)
     v = tl.load(buffer + index, mask=mask).to(tl.float64) + g.to(tl.float64)  # B: the kick
-    b = momentum * v  # O
+    b = fio.float64(momentum_bits) * v  # O
     if NOISE:
-        scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
-        b = b + scale * tl.randn(seed, offset + index).to(tl.float64)
-    kept = b
-    if NARROW:  # the buffer in the parameter's dtype, through float32
-        kept = b.to(tl.float32)
-        if BF16:
-            bits = kept.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            kept = (bits >> 16 << 16).to(tl.float32, bitcast=True)
-    tl.store(buffer + index, kept.to(buffer.dtype.element_ty), mask=mask)
+        b = b + fio.float64(scale_bits) * fio.normal(seed, offset, index).to(tl.float64)
+    fio.store_state(buffer, b, index, mask, NARROW, BF16)
     d = ((v + b) * 0.5).to(p.dtype)  # the two half drifts (A)
-    new = (p.to(tl.float64) - lr * d.to(tl.float64)).to(p.dtype)
-    if MASTER or NARROW:  # the parameter: the position rounded to nearest (even)
-        half = new
-        if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
-            bits = half.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            half = (bits >> 16 << 16).to(tl.float32, bitcast=True)
-        tl.store(param + index, half.to(param.dtype.element_ty), mask=mask)
-    if not NARROW:
-        tl.store(position + index, new, mask=mask)
+    new = (p.to(tl.float64) - fio.float64(lr_bits) * d.to(tl.float64)).to(p.dtype)
+    fio.store_position(param, position, new, index, mask, MASTER, NARROW, BF16)
 
 
 def unsupported(group: Mapping[str, Any], temperature: float) -> str | None:
@@ -162,6 +119,7 @@ def launch(group: Mapping[str, Any], inputs: FusedInput) -> Mapping[str, list[Te
     lr, temperature = float(group["lr"]), float(group["temperature"])
     momentum, weight_decay = float(group["momentum"]), float(group["weight_decay"])
     buffers = cast(list[Tensor], inputs.buffers["momentum_buffer"])  # set by the state's init
+    # the O step's noise (0 at T = 0, where none is drawn)
     noise_scale = baoa_noise_scale(lr, momentum, temperature, group["num_data"])
     for part in parts(inputs):
         launch_tensors(
@@ -179,6 +137,7 @@ def launch(group: Mapping[str, Any], inputs: FusedInput) -> Mapping[str, list[Te
             MAXIMIZE=bool(group["maximize"]),
             DECAY=weight_decay != 0,
             NOISE=temperature > 0,
+            NARROW=part.narrow,
             **part.flags(),
         )
     return {"momentum_buffer": buffers}

@@ -21,9 +21,10 @@ and data pointers in a table of 64-bit integers copied to the device once per ca
 global index)``: each tensor keeps its own Philox key, so the numbers are those of one
 launch per tensor, bit for bit (checked through Triton's interpreter).
 
-Mixed precision (:class:`FusedInput`'s ``grad_scales`` and ``masters``; issue #24). Every
-kernel takes the same four compile-time flags, set per :class:`Part` (one kernel call
-each, so tensors with and without a master never share a launch):
+Mixed precision (:class:`FusedInput`'s ``grad_scales`` and ``masters``; issue #24). The
+kernels take these compile-time flags, set per :class:`Part` (one kernel call each, so
+tensors with and without a master never share a launch), and read and write through
+``_fused_io``'s Triton functions:
 
 * ``UNSCALE``: gradient element :math:`g` is read as :math:`g/s`, with :math:`s` the
   ``torch.amp.GradScaler`` scale read on the device (one pointer per call, not a table
@@ -39,12 +40,14 @@ each, so tensors with and without a master never share a launch):
   rounded to nearest even.
 * ``NARROW``: a float16/bfloat16 parameter without master (temperature 0): computed in
   float32, as torch's fused SGD and AdamW compute it, the parameter and its buffers
-  stored in its dtype.
+  stored in its dtype. Only BAOA's and PSGLD's kernels have it: at temperature 0 SGLD
+  and SGHMC take torch's fused SGD step and AdamWSGHMC torch's fused AdamW step (the
+  transforms' fused path takes float32 and float64 only), and SGNHT refuses temperature
+  0, so no other kernel is given such a parameter.
 * ``BF16``: the parameter is bfloat16. Triton's interpreter truncates a conversion to
   bfloat16 (and mangles one from float64), so a value stored in bfloat16 is first rounded
-  to nearest even on its float32 bits (:math:`(b + \texttt{0x7FFF} + (b \gg 16 \mathbin{\&}
-  1)) \gg 16 \ll 16`), exact in float32, which the GPU and the interpreter then convert
-  alike.
+  to nearest even on its float32 bits (``_fused_io.narrowed``), exact in float32, which
+  the GPU and the interpreter then convert alike.
 
 A non-finite step flag writes nothing: the parameter, the master and every buffer keep
 every bit.
@@ -91,18 +94,18 @@ HALF = (torch.float16, torch.bfloat16)
 MULTI_TENSOR_BLOCKS = 16
 
 
-class constexpr(int):  # noqa: N801 (Triton reads "constexpr" in the annotation's text)
-    """The annotation of a kernel's compile-time arguments; to a type checker an int.
-
-    Marked as one of Triton's own names, so that its compiler accepts the annotation.
-    """
-
-    __triton_builtin__ = True
-
-
 if TYPE_CHECKING:
+    constexpr = int  # (a flag or a size)
     KernelArg = Any
 else:
+
+    class constexpr(int):  # noqa: N801 (Triton reads "constexpr" in the annotation's text)
+        """The annotation of a kernel's compile-time arguments; to a type checker an int.
+
+        Marked as one of Triton's own names, so that its compiler accepts the annotation.
+        """
+
+        __triton_builtin__ = True
 
     class KernelArg:
         """The annotation of a kernel's runtime arguments (``Any`` to a type checker).
@@ -358,9 +361,10 @@ class Part(NamedTuple):
         members: their indices in the input, in its order.
         scale: the GradScaler scale they all read (one tensor), or None.
         master: whether they keep float32 masters (the kernels' ``MASTER``).
-        narrow: whether they are float16/bfloat16 parameters without a master (the
-            kernels' ``NARROW``: computed in float32, as torch's fused SGD and AdamW
-            compute a half parameter, the parameter and its state stored in its dtype).
+        narrow: whether they are float16/bfloat16 parameters without a master (BAOA's
+            and PSGLD's kernels' ``NARROW``: computed in float32, as torch's fused SGD
+            and AdamW compute a half parameter, the parameter and its state stored in its
+            dtype; no other kernel is given such a part).
         bf16: whether the parameters are bfloat16 (the kernels' ``BF16``: with a
             master or narrow, the stored bfloat16 values are rounded to nearest even on
             the float32 bits, as the GPU rounds; Triton's interpreter truncates).
@@ -392,13 +396,12 @@ class Part(NamedTuple):
         return self._replace(members=[i])
 
     def flags(self) -> dict[str, bool]:
-        """The compile-time arguments ``UNSCALE``, ``MASTER``, ``NARROW`` and ``BF16``."""
-        return {
-            "UNSCALE": self.scale is not None,
-            "MASTER": self.master,
-            "NARROW": self.narrow,
-            "BF16": self.bf16,
-        }
+        """The compile-time arguments ``UNSCALE``, ``MASTER`` and ``BF16``.
+
+        A kernel with a ``NARROW`` variant (BAOA's, PSGLD's) takes ``NARROW=self.narrow``
+        too; the others are never given a narrow part (``_fused_launch``'s docstring).
+        """
+        return {"UNSCALE": self.scale is not None, "MASTER": self.master, "BF16": self.bf16}
 
 
 def parts(inputs: FusedInput) -> list[Part]:
@@ -434,7 +437,7 @@ def torch_gradient(inputs: FusedInput, i: int) -> Tensor:
 
 
 class FusedKernel(Protocol):
-    """What the module named by ``SamplerDefinition.fused_kernel`` provides."""
+    """What a fused kernel module provides (the one ``SamplerDefinition.fused_kernel`` returns)."""
 
     def unsupported(self, group: Mapping[str, Any], temperature: float) -> str | None:
         """Why the kernel cannot take a param group's step (an option), or None."""

@@ -1,7 +1,8 @@
 """The fused noise stream's numbers drawn alone: ``tl.randn(seed, offset + i)``.
 
-What the fused kernels draw in registers, written to a tensor (``fused.fused_normal``),
-so that a test can give the reference update the very noise of a fused step.
+What the fused kernels draw in registers (``_fused_io.normal``), written to a tensor
+(``fused.fused_normal``), so that a test can give the reference update the very noise of
+a fused step.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Any
 
 from torch import Tensor
 
+from ._fused_io import normal
 from ._fused_launch import KernelArg, constexpr, launch_elementwise, optional_module
 
 __all__ = ["draw_"]
@@ -25,8 +27,7 @@ def _draw(
     BLOCK: constexpr,  # noqa: N803
 ) -> None:
     index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = index < numel
-    tl.store(out + index, tl.randn(seed, offset + index), mask=mask)
+    tl.store(out + index, normal(seed, offset, index), mask=index < numel)
 
 
 def draw_(out: Tensor, *, seed: int, offset: int) -> Tensor:

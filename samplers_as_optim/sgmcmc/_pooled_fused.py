@@ -25,27 +25,41 @@ of the contiguous compact :math:`a`, with :math:`n` the elements per member
 C` the sizes of the two pooled-over dimensions kept (the rows and columns of
 Adafactor's estimate) and :math:`s_r, s_c` their strides in the tensor (:class:`Layout`).
 A vector (one value per member) has :math:`R = C = 1`; an unpooled (elementwise)
-:math:`a` has :math:`n = 1`, :math:`R = C = 1`, so entry :math:`i`.
+:math:`a` has :math:`n = 1`, :math:`R = C = 1`, so entry :math:`i` (:func:`pooled`, a
+Triton function: this module, imported by the kernel modules only, imports Triton).
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..names import member_dims
-from .sampling_preconditioner import sampling_preconditioner
+from ._fused_io import jit
+from ._fused_launch import FusedInput, KernelArg, optional_module, torch_gradient
+from .sampling_preconditioner import (
+    freeze_mark,
+    freezes_now,
+    released,
+    sampling_preconditioner,
+)
 
 __all__ = [
     "Layout",
     "compact_layout",
+    "kernel_preconditioner",
     "layout",
+    "pooled",
     "preconditioner_before_kernel",
     "refused_step_fallback",
+    "second_moment",
 ]
+
+tl: Any = optional_module("triton.language")
 
 
 class Layout(NamedTuple):
@@ -56,6 +70,10 @@ class Layout(NamedTuple):
     rows: int
     column_stride: int
     columns: int
+
+
+#: the layout of a full-size ``a`` (entry ``i``), passed too where the kernel reads none
+_UNPOOLED = Layout(1, 1, 1, 1, 1)
 
 
 def layout(param: Tensor, how: str) -> Layout:
@@ -69,7 +87,7 @@ def layout(param: Tensor, how: str) -> Layout:
     shape = tuple(param.shape)
     every = list(range(members, len(shape)))
     if how == "elementwise" or not every:
-        return Layout(1, 1, 1, 1, 1)
+        return _UNPOOLED
     inner = math.prod(shape[members:])
     if len(every) < 2:
         return Layout(inner, 1, 1, 1, 1)
@@ -77,6 +95,45 @@ def layout(param: Tensor, how: str) -> Layout:
     row, column = sorted(order[-2:])
     rows, columns = shape[row], shape[column]
     return Layout(inner, math.prod(shape[row + 1 :]), rows, math.prod(shape[column + 1 :]), columns)
+
+
+@jit
+def pooled(
+    pre: KernelArg,
+    index: KernelArg,
+    mask: KernelArg,
+    inner: KernelArg,
+    row_stride: KernelArg,
+    rows: KernelArg,
+    column_stride: KernelArg,
+    columns: KernelArg,
+) -> KernelArg:
+    """In a kernel: each element's entry of the compact ``a`` at ``pre`` (the module docstring).
+
+    ``inner`` to ``columns``: the tensor's :class:`Layout`; 1 where ``mask`` is off.
+    """
+    member = index // inner
+    entry = member * (rows * columns) + ((index // row_stride) % rows) * columns
+    entry = entry + (index // column_stride) % columns
+    return tl.load(pre + entry, mask=mask, other=1.0)
+
+
+@jit
+def second_moment(
+    square: KernelArg,
+    g64: KernelArg,
+    beta: KernelArg,
+    p: KernelArg,
+    index: KernelArg,
+    mask: KernelArg,
+) -> KernelArg:
+    r"""In a kernel: this step's :math:`V' = \beta V + (1-\beta)\,g'^2` (``_second_moment``).
+
+    In float64 from the kept :math:`V`, rounded to the position ``p``'s dtype, as RMSprop
+    and AdamW keep it.
+    """
+    v = tl.load(square + index, mask=mask).to(tl.float64)
+    return (beta * v + (1.0 - beta) * g64 * g64).to(p.dtype)
 
 
 def compact_layout(param: Tensor, pre: Tensor) -> Layout:
@@ -87,7 +144,7 @@ def compact_layout(param: Tensor, pre: Tensor) -> Layout:
             loaded from another parameter).
     """
     if pre.numel() == param.numel():
-        return Layout(1, 1, 1, 1, 1)
+        return _UNPOOLED
     found = layout(param, "factored")
     if pre.numel() * found.inner != param.numel() * found.rows * found.columns:
         raise ValueError(
@@ -166,3 +223,66 @@ def refused_step_fallback(
     )
     finite = largest.isfinite().reshape(())
     return torch.where(finite, fresh, old.to(fresh.dtype)).contiguous()
+
+
+def kernel_preconditioner(
+    group: Mapping[str, Any],
+    inputs: FusedInput,
+    i: int,
+    position: Tensor,
+    buffers: dict[str, list[Any]],
+    *,
+    square: str,
+    beta: float,
+    correction: float,
+    before: float,
+    weight_decay: float,
+    root: bool,
+) -> tuple[Tensor | None, Layout]:
+    r"""The compact :math:`a` parameter ``i``'s kernel reads at this step, and its layout.
+
+    For PSGLD's and AdamWSGHMC's launches, after the step count ``buffers["step"][i]``
+    was advanced; the state fields are advanced in ``buffers``. None (the kernel then
+    computes :math:`a` in registers, or AdamW's denominator): at temperature 0, where
+    the preconditioner is released, and for ``"elementwise"`` before its freeze.
+    Frozen (its mark set, and with ``root`` its root kept), :math:`a` as kept; else this
+    step's (:func:`preconditioner_before_kernel` of the second moment
+    ``buffers[square]`` with ``beta``, ``correction`` and ``weight_decay``), which, at
+    the step the warm-up ends, freezes: the preconditioner kept is
+    :func:`refused_step_fallback`'s (``before``: the correction of the moment a refused
+    step leaves), and with ``root`` its :math:`\sqrt{a}` (0 where :math:`a` has no
+    scale, as AdamWSGHMC's reference keeps it).
+    """
+    flag, frozen = buffers["preconditioner_step"][i], buffers["preconditioner"][i]
+    eps, how, maximize = float(group["eps"]), group["preconditioner"], bool(group["maximize"])
+    param, moment = inputs.params[i], buffers[square][i]
+    if float(group["temperature"]) == 0:
+        buffers["preconditioner_step"][i] = released(flag, True)
+        return None, _UNPOOLED
+    kept = frozen is not None and (not root or buffers["preconditioner_root"][i] is not None)
+    if float(flag) > 0 and kept:
+        return frozen, compact_layout(param, frozen)
+    step = float(buffers["step"][i])
+    freeze = freezes_now(float(flag), step, group["preconditioner_warmup"])
+    if how == "elementwise" and not freeze:
+        return None, _UNPOOLED
+    pre = preconditioner_before_kernel(
+        moment,
+        torch_gradient(inputs, i),
+        position,
+        beta=beta,
+        correction=correction,
+        eps=eps,
+        how=how,
+        weight_decay=weight_decay,
+        maximize=maximize,
+    )
+    if freeze:
+        fallback = refused_step_fallback(
+            pre, moment, param, inputs.largest[i], correction=before, eps=eps, how=how
+        )
+        buffers["preconditioner"][i] = fallback
+        if root:
+            buffers["preconditioner_root"][i] = fallback.sqrt().masked_fill(fallback == eps, 0.0)
+        buffers["preconditioner_step"][i] = freeze_mark(flag, step)
+    return pre, compact_layout(param, pre)

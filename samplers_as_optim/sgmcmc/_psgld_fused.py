@@ -54,6 +54,7 @@ from typing import Any
 
 from torch import Tensor
 
+from . import _fused_io as fio
 from ._fused_launch import (
     FusedInput,
     KernelArg,
@@ -62,17 +63,11 @@ from ._fused_launch import (
     constexpr,
     launch_elementwise,
     parts,
-    torch_gradient,
 )
 from ._fused_launch import optional_module as _optional_module
-from ._pooled_fused import (
-    Layout,
-    compact_layout,
-    preconditioner_before_kernel,
-    refused_step_fallback,
-)
+from ._pooled_fused import kernel_preconditioner, pooled, second_moment
 from ._psgld_dtypes import psgld_noise_scale
-from .sampling_preconditioner import advanced, freeze_mark, freezes_now, released
+from .sampling_preconditioner import advanced
 
 __all__ = ["launch", "unsupported"]
 
@@ -140,107 +135,92 @@ def _psgld(
     NARROW: constexpr,  # noqa: N803
     BF16: constexpr,  # noqa: N803
 ) -> None:
-    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    # nothing is read or written unless every gradient is finite: the largest absolute
-    # gradient is at most the largest float64 (false for NaN and infinity)
-    worst = tl.load(largest)
-    mask = index < tl.where(worst <= 1.7976931348623157e308, numel, 0)
-    lr = lr_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    alpha = alpha_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    eps = eps_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    position = master if MASTER else param  # where the chain's position is kept
-    p = tl.load(position + index, mask=mask)
-    if NARROW:  # a half parameter without master: in float32, its state in its dtype
-        p = p.to(tl.float32)
-    g = tl.load(grad + index, mask=mask)
-    if UNSCALE:  # g / s divided in float64, rounded once to the position's dtype
-        g = (g.to(tl.float64) / tl.load(grad_scale).to(tl.float64)).to(p.dtype)
-    elif MASTER or NARROW:
-        g = g.to(tl.float32)
-    if MAXIMIZE:
-        g = -g
-    if DECAY:
-        decay = decay_bits.to(tl.int64).to(tl.float64, bitcast=True)
-        g = (g.to(tl.float64) + decay * p.to(tl.float64)).to(p.dtype)
+    index, mask = fio.elements(tl.program_id(0).to(tl.int64), numel, largest, BLOCK)
+    lr, alpha, eps = fio.float64(lr_bits), fio.float64(alpha_bits), fio.float64(eps_bits)
+    position, p, g = fio.position_and_gradient(
+        param, master, grad, grad_scale, index, mask, UNSCALE, MASTER, NARROW
+    )
+    g = fio.effective_gradient(g, p, decay_bits, MAXIMIZE, DECAY)
     g64 = g.to(tl.float64)
-    v = tl.load(square + index, mask=mask).to(tl.float64)
-    v = (alpha * v + (1.0 - alpha) * g64 * g64).to(p.dtype)
-    kept = v
-    if NARROW:  # the state in the parameter's dtype, through float32
-        kept = v.to(tl.float32)
-        if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
-            bits = kept.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            kept = (bits >> 16 << 16).to(tl.float32, bitcast=True)
-    tl.store(square + index, kept.to(square.dtype.element_ty), mask=mask)
+    v = second_moment(square, g64, alpha, p, index, mask)
+    fio.store_state(square, v, index, mask, NARROW, BF16)
     v64 = v.to(tl.float64)
-    eps_here = eps.to(p.dtype).to(tl.float64)
     if POOLED:
-        member = index // inner
-        entry = member * (rows * columns) + ((index // row_stride) % rows) * columns
-        entry = entry + (index // column_stride) % columns
-        a = tl.load(pre + entry, mask=mask, other=1.0).to(tl.float64)
+        a = pooled(pre, index, mask, inner, row_stride, rows, column_stride, columns)
+        a = a.to(tl.float64)
     elif CENTERED:
-        mean = tl.load(grad_avg + index, mask=mask).to(tl.float64)
-        mean = (mean + (1.0 - alpha) * (g64 - mean)).to(p.dtype)
-        kept = mean
-        if NARROW:  # the state in the parameter's dtype, through float32
-            kept = mean.to(tl.float32)
-            if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
-                bits = kept.to(tl.uint32, bitcast=True)
-                kept = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).to(
-                    tl.float32, bitcast=True
-                )
-        tl.store(grad_avg + index, kept.to(grad_avg.dtype.element_ty), mask=mask)
-        mean64 = mean.to(tl.float64)
-        a = (tl.sqrt(v64 - mean64 * mean64) + eps).to(p.dtype).to(tl.float64)
+        a = _centered(grad_avg, g64, v64, p, alpha, eps, index, mask, NARROW, BF16)
     else:
         a = (tl.sqrt(v64) + eps).to(p.dtype).to(tl.float64)
     d = g64 / a
     if MOMENTUM:
-        momentum = momentum_bits.to(tl.int64).to(tl.float64, bitcast=True)
-        b = momentum * tl.load(momentum_buffer + index, mask=mask).to(tl.float64) + d
-        b = b.to(p.dtype)
-        kept = b
-        if NARROW:  # the state in the parameter's dtype, through float32
-            kept = b.to(tl.float32)
-            if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
-                bits = kept.to(tl.uint32, bitcast=True)
-                kept = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).to(
-                    tl.float32, bitcast=True
-                )
-        tl.store(momentum_buffer + index, kept.to(momentum_buffer.dtype.element_ty), mask=mask)
+        b = tl.load(momentum_buffer + index, mask=mask).to(tl.float64)
+        b = (fio.float64(momentum_bits) * b + d).to(p.dtype)
+        fio.store_state(momentum_buffer, b, index, mask, NARROW, BF16)
         d = b.to(tl.float64)
     if NOISE:
-        scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
-        xi = tl.randn(seed, offset + index).to(tl.float64)
-        d = d + tl.where(a == eps_here, 0.0, scale * xi / tl.sqrt(a))
+        xi = fio.normal(seed, offset, index).to(tl.float64)
+        eps_here = eps.to(p.dtype).to(tl.float64)  # (a = eps: no scale, no noise)
+        d = d + tl.where(a == eps_here, 0.0, fio.float64(scale_bits) * xi / tl.sqrt(a))
     if CORRECTION:
-        gamma_scale = gamma_bits.to(tl.int64).to(tl.float64, bitcast=True)
-        before = tl.load(previous_param + index, mask=mask).to(tl.float64)
-        moved = p.to(tl.float64) - before
-        last = tl.load(previous_grad + index, mask=mask).to(tl.float64)
-        curvature = tl.where(moved != 0.0, (g64 - last) / tl.where(moved != 0.0, moved, 1.0), 0.0)
-        root = tl.sqrt(v64)
-        safe = tl.where(root > 0.0, root, 1.0)
-        gamma = tl.where(root > 0.0, -(1.0 - alpha) * g64 * curvature / (a * a * safe), 0.0)
-        d = d - gamma_scale * gamma
-        tl.store(previous_param + index, p.to(previous_param.dtype.element_ty), mask=mask)
-        tl.store(previous_grad + index, g.to(previous_grad.dtype.element_ty), mask=mask)
-    if UPDATE:
-        tl.store(out + index, (-lr * d).to(p.dtype), mask=mask)
-    else:
-        new = (p.to(tl.float64) - lr * d).to(p.dtype)
-        if MASTER or NARROW:  # the parameter: the position rounded to nearest (even)
-            half = new
-            if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
-                bits = half.to(tl.uint32, bitcast=True)
-                half = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).to(
-                    tl.float32, bitcast=True
-                )
-            tl.store(param + index, half.to(param.dtype.element_ty), mask=mask)
-        if not NARROW:
-            tl.store(position + index, new, mask=mask)
+        gamma = _li_gamma(previous_param, previous_grad, p, g, g64, v64, a, alpha, index, mask)
+        d = d - fio.float64(gamma_bits) * gamma
+    fio.store_step(out, param, position, p, lr, d, index, mask, UPDATE, MASTER, NARROW, BF16)
+
+
+@fio.jit
+def _centered(
+    grad_avg: KernelArg,
+    g64: KernelArg,
+    v64: KernelArg,
+    p: KernelArg,
+    alpha: KernelArg,
+    eps: KernelArg,
+    index: KernelArg,
+    mask: KernelArg,
+    NARROW: constexpr,  # noqa: N803
+    BF16: constexpr,  # noqa: N803
+) -> KernelArg:
+    r"""``centered``'s :math:`a = \sqrt{V - \bar g^2} + \epsilon`, :math:`\bar g` moved and stored.
+
+    :math:`\bar g \leftarrow \bar g + (1-\alpha)(g' - \bar g)`, as ``torch.optim.RMSprop``.
+    """
+    mean = tl.load(grad_avg + index, mask=mask).to(tl.float64)
+    mean = (mean + (1.0 - alpha) * (g64 - mean)).to(p.dtype)
+    fio.store_state(grad_avg, mean, index, mask, NARROW, BF16)
+    mean64 = mean.to(tl.float64)
+    return (tl.sqrt(v64 - mean64 * mean64) + eps).to(p.dtype).to(tl.float64)
+
+
+@fio.jit
+def _li_gamma(
+    previous_param: KernelArg,
+    previous_grad: KernelArg,
+    p: KernelArg,
+    g: KernelArg,
+    g64: KernelArg,
+    v64: KernelArg,
+    a: KernelArg,
+    alpha: KernelArg,
+    index: KernelArg,
+    mask: KernelArg,
+) -> KernelArg:
+    r"""Li et al.'s :math:`\Gamma` from the secant of the last step (``_li_correction``).
+
+    The curvature :math:`(g' - g'_{-1}) / (\theta - \theta_{-1})` (0 where the parameter
+    did not move), :math:`\Gamma = -(1-\alpha)\, g' \cdot \text{curvature} / (a^2
+    \sqrt{V})` (0 where :math:`V = 0`); this step's parameter and gradient are stored
+    for the next.
+    """
+    moved = p.to(tl.float64) - tl.load(previous_param + index, mask=mask).to(tl.float64)
+    last = tl.load(previous_grad + index, mask=mask).to(tl.float64)
+    curvature = tl.where(moved != 0.0, (g64 - last) / tl.where(moved != 0.0, moved, 1.0), 0.0)
+    root = tl.sqrt(v64)
+    safe = tl.where(root > 0.0, root, 1.0)
+    gamma = tl.where(root > 0.0, -(1.0 - alpha) * g64 * curvature / (a * a * safe), 0.0)
+    tl.store(previous_param + index, p.to(previous_param.dtype.element_ty), mask=mask)
+    tl.store(previous_grad + index, g.to(previous_grad.dtype.element_ty), mask=mask)
+    return gamma
 
 
 def unsupported(group: Mapping[str, Any], temperature: float) -> str | None:
@@ -274,50 +254,25 @@ def _launch_one(
     """The step of ``part``'s one parameter :math:`i`; its state fields advanced in ``buffers``."""
     (i,) = part.members
     lr, temperature = float(group["lr"]), float(group["temperature"])
-    alpha, eps = float(group["alpha"]), float(group["eps"])
-    weight_decay, maximize = float(group["weight_decay"]), bool(group["maximize"])
+    alpha, weight_decay = float(group["alpha"]), float(group["weight_decay"])
     momentum, centered = float(group["momentum"]), bool(group["centered"])
-    how, warmup = group["preconditioner"], group["preconditioner_warmup"]
     correction = bool(group["correction"]) and temperature > 0
-    scale = psgld_noise_scale(lr, temperature, group["num_data"])
-    param, seed, offset, largest = (
-        inputs.params[i],
-        inputs.seeds[i],
-        inputs.offsets[i],
-        inputs.largest[i],
-    )
+    param = inputs.params[i]
     (position,) = part.positions(inputs)
-    square = buffers["square_avg"][i]
     buffers["step"][i] = advanced(buffers["step"][i], True)
-    step = float(buffers["step"][i])
-    pre = None
-    if temperature == 0:
-        buffers["preconditioner_step"][i] = released(buffers["preconditioner_step"][i], True)
-    else:
-        flag, frozen = buffers["preconditioner_step"][i], buffers["preconditioner"][i]
-        if float(flag) > 0 and frozen is not None:
-            pre = frozen
-        else:
-            freeze = freezes_now(float(flag), step, warmup)
-            if how != "elementwise" or freeze:
-                pre = preconditioner_before_kernel(
-                    square,
-                    torch_gradient(inputs, i),
-                    position,
-                    beta=alpha,
-                    correction=1.0,
-                    eps=eps,
-                    how=how,
-                    weight_decay=weight_decay,
-                    maximize=maximize,
-                )
-            if freeze:
-                assert pre is not None
-                buffers["preconditioner"][i] = refused_step_fallback(
-                    pre, square, param, largest, correction=1.0, eps=eps, how=how
-                )
-                buffers["preconditioner_step"][i] = freeze_mark(flag, step)
-    where = Layout(1, 1, 1, 1, 1) if pre is None else compact_layout(param, pre)
+    pre, where = kernel_preconditioner(
+        group,
+        inputs,
+        i,
+        position,
+        buffers,
+        square="square_avg",
+        beta=alpha,
+        correction=1.0,
+        before=1.0,
+        weight_decay=weight_decay,
+        root=False,
+    )
     fallback = param  # (a pointer for the buffers an option does not keep: never read)
     momentum_buffer = buffers["momentum_buffer"][i] if temperature == 0 and momentum else None
     grad_avg = buffers["grad_avg"][i] if temperature == 0 and centered else None
@@ -326,29 +281,29 @@ def _launch_one(
         _psgld,
         param,
         inputs.grads[i],
-        square,
+        buffers["square_avg"][i],
         fallback if pre is None else pre,
         fallback if momentum_buffer is None else momentum_buffer,
         fallback if grad_avg is None else grad_avg,
         fallback if previous is None else previous[0],
         fallback if previous is None else previous[1],
         fallback if updates is None else updates[i],
-        largest,
+        inputs.largest[i],
         position,
         part.scale_argument(inputs),
         param.numel(),
-        offset,
-        seed,
+        inputs.offsets[i],
+        inputs.seeds[i],
         as_float64_bits(lr),
         as_float64_bits(alpha),
-        as_float64_bits(eps),
+        as_float64_bits(float(group["eps"])),
         as_float64_bits(weight_decay),
-        as_float64_bits(scale),
+        as_float64_bits(psgld_noise_scale(lr, temperature, group["num_data"])),
         as_float64_bits(momentum),
         as_float64_bits(temperature / group["num_data"]),
         *where,
         do_not_specialize=_VARYING,
-        MAXIMIZE=maximize,
+        MAXIMIZE=bool(group["maximize"]),
         DECAY=weight_decay != 0,
         NOISE=temperature > 0,
         POOLED=pre is not None,
@@ -356,5 +311,6 @@ def _launch_one(
         CENTERED=grad_avg is not None,
         CORRECTION=previous is not None,
         UPDATE=updates is not None,
+        NARROW=part.narrow,
         **part.flags(),
     )

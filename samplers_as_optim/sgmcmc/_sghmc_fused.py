@@ -25,8 +25,8 @@ Mixed precision (``_fused_launch``'s module docstring): with a GradScaler scale
 :math:`s` the gradient is read as :math:`g/s` (float64 division, rounded once to the
 position's dtype); a float16/bfloat16 parameter with a float32 master steps on the
 master, as a float32 parameter would, and receives its rounding to nearest. (One
-without a master exists at temperature 0 only, where torch's op steps it: the kernel's
-``NARROW`` branch is reached by no call of ``launch``.)
+without a master exists at temperature 0 only, where torch's op steps it: the kernel
+has no ``NARROW`` variant.)
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import _fused_io as fio
 from . import _sgld_fused
 from ._fused_launch import (
     FusedInput,
@@ -48,7 +49,7 @@ from ._fused_launch import (
     torch_fused_sgd,
 )
 from ._fused_launch import optional_module as _optional_module
-from .sghmc import sghmc_noise_scale
+from .noise_scales import sghmc_noise_scale
 
 __all__ = ["launch", "unsupported"]
 
@@ -94,73 +95,28 @@ def _sghmc(
     NESTEROV: constexpr,  # noqa: N803
     UNSCALE: constexpr,  # noqa: N803
     MASTER: constexpr,  # noqa: N803
-    NARROW: constexpr,  # noqa: N803
     BF16: constexpr,  # noqa: N803
 ) -> None:
-    if MULTI:  # this program's tensor and block, from the table (_fused_launch.launch_tensors)
-        code = tl.load(table + tl.program_id(0))
-        t = code >> 32
-        block = code & 0xFFFFFFFF
-        rows = table + programs
-        numel = tl.load(rows + t)
-        offset = tl.load(rows + count + t)
-        seed = tl.load(rows + 2 * count + t)
-        param = tl.load(rows + 3 * count + t).to(param.dtype, bitcast=True)
-        grad = tl.load(rows + 4 * count + t).to(grad.dtype, bitcast=True)
-        buffer = tl.load(rows + 5 * count + t).to(buffer.dtype, bitcast=True)
-        largest = tl.load(rows + 6 * count + t).to(largest.dtype, bitcast=True)
-        master = tl.load(rows + 7 * count + t).to(master.dtype, bitcast=True)
-    else:
-        block = tl.program_id(0).to(tl.int64)
-    index = block * BLOCK + tl.arange(0, BLOCK)
-    # nothing is read or written unless every gradient is finite: the largest absolute
-    # gradient is at most the largest float64 (false for NaN and infinity)
-    worst = tl.load(largest)
-    mask = index < tl.where(worst <= 1.7976931348623157e308, numel, 0)
-    lr = lr_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    momentum = momentum_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    position = master if MASTER else param  # where the chain's position is kept
-    p = tl.load(position + index, mask=mask)
-    if NARROW:  # a half parameter without master: in float32, as torch's fused SGD
-        p = p.to(tl.float32)
-    g = tl.load(grad + index, mask=mask)
-    if UNSCALE:  # g / s divided in float64, rounded once to the position's dtype
-        g = (g.to(tl.float64) / tl.load(grad_scale).to(tl.float64)).to(p.dtype)
-    elif MASTER or NARROW:
-        g = g.to(tl.float32)
-    if MAXIMIZE:
-        g = -g
-    if DECAY:
-        decay = decay_bits.to(tl.int64).to(tl.float64, bitcast=True)
-        g = (g.to(tl.float64) + decay * p.to(tl.float64)).to(p.dtype)
+    _, rows, index, mask, offset, seed = fio.this_block(
+        table, count, programs, numel, offset, seed, largest, 6, BLOCK, MULTI
+    )
+    param, position, p, g = fio.read_inputs(
+        rows, count, param, grad, master, 7, grad_scale, index, mask, MULTI, UNSCALE, MASTER, False
+    )
+    g = fio.effective_gradient(g, p, decay_bits, MAXIMIZE, DECAY)
+    momentum = fio.float64(momentum_bits)
+    buffer = fio.column(rows, count, 5, buffer, MULTI)
     if FIRST:
         b = g.to(tl.float64)
     else:
-        gain = gain_bits.to(tl.int64).to(tl.float64, bitcast=True)
         old = tl.load(buffer + index, mask=mask)
-        b = momentum * old.to(tl.float64) + gain * g.to(tl.float64)
-    scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    xi = tl.randn(seed, offset + index)  # (T > 0 only: at T = 0 torch's fused SGD steps)
-    b = b + scale * xi.to(tl.float64)
-    kept = b
-    if NARROW:  # the buffer in the parameter's dtype, through float32
-        kept = b.to(tl.float32)
-        if BF16:
-            bits = kept.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            kept = (bits >> 16 << 16).to(tl.float32, bitcast=True)
-    tl.store(buffer + index, kept.to(buffer.dtype.element_ty), mask=mask)
+        b = momentum * old.to(tl.float64) + fio.float64(gain_bits) * g.to(tl.float64)
+    xi = fio.normal(seed, offset, index)  # (T > 0 only: at T = 0 torch's fused SGD steps)
+    b = b + fio.float64(scale_bits) * xi.to(tl.float64)
+    tl.store(buffer + index, b.to(buffer.dtype.element_ty), mask=mask)
     d = (g.to(tl.float64) + momentum * b).to(p.dtype) if NESTEROV else b.to(p.dtype)
-    new = (p.to(tl.float64) - lr * d.to(tl.float64)).to(p.dtype)
-    if MASTER or NARROW:  # the parameter: the position rounded to nearest (even)
-        half = new
-        if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
-            bits = half.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            half = (bits >> 16 << 16).to(tl.float32, bitcast=True)
-        tl.store(param + index, half.to(param.dtype.element_ty), mask=mask)
-    if not NARROW:
-        tl.store(position + index, new, mask=mask)
+    new = (p.to(tl.float64) - fio.float64(lr_bits) * d.to(tl.float64)).to(p.dtype)
+    fio.store_position(param, position, new, index, mask, MASTER, False, BF16)
 
 
 def unsupported(group: Mapping[str, Any], temperature: float) -> str | None:
@@ -179,7 +135,6 @@ def launch(group: Mapping[str, Any], inputs: FusedInput) -> Mapping[str, list[Te
         return _sgld_fused.launch(group, inputs)
     lr, temperature = float(group["lr"]), float(group["temperature"])
     weight_decay = float(group["weight_decay"])
-    scale = sghmc_noise_scale(lr, momentum, temperature, group["num_data"])
     buffers: list[Tensor] = []
     created: list[bool] = []
     for buffer, position in zip(inputs.buffers["momentum_buffer"], _positions(inputs), strict=True):
@@ -190,12 +145,14 @@ def launch(group: Mapping[str, Any], inputs: FusedInput) -> Mapping[str, list[Te
     if temperature == 0:  # torch.optim.SGD(fused=True)'s own step
         torch_fused_sgd(group, inputs, buffers, created)
         return {"momentum_buffer": buffers}
+    scale = sghmc_noise_scale(lr, momentum, temperature, group["num_data"])
     for part in parts(inputs):
         for first in (True, False):  # FIRST is a compile-time argument: one call for each
             chosen = [i for i in part.members if created[i] is first]
             if not chosen:
                 continue
             here = part._replace(members=chosen)
+            assert not here.narrow  # (a half parameter keeps a master at T > 0)
             launch_tensors(
                 _sghmc,
                 [here.take(column) for column in (inputs.params, inputs.grads, buffers)]

@@ -20,8 +20,8 @@ Mixed precision (``_fused_launch``'s module docstring): with a GradScaler scale
 :math:`s` the gradient is read as :math:`g/s` (float64 division, rounded once to the
 position's dtype); a float16/bfloat16 parameter with a float32 master steps on the
 master, as a float32 parameter would, and receives its rounding to nearest. (One
-without a master exists at temperature 0 only, where torch's op steps it: the kernel's
-``NARROW`` branch is reached by no call of ``launch``.)
+without a master exists at temperature 0 only, where torch's op steps it: the kernel
+has no ``NARROW`` variant.)
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any
 
 from torch import Tensor
 
+from . import _fused_io as fio
 from ._fused_launch import (
     FusedInput,
     KernelArg,
@@ -72,57 +73,19 @@ def _sgld(
     DECAY: constexpr,  # noqa: N803
     UNSCALE: constexpr,  # noqa: N803
     MASTER: constexpr,  # noqa: N803
-    NARROW: constexpr,  # noqa: N803
     BF16: constexpr,  # noqa: N803
 ) -> None:
-    if MULTI:  # this program's tensor and block, from the table (_fused_launch.launch_tensors)
-        code = tl.load(table + tl.program_id(0))
-        t = code >> 32
-        block = code & 0xFFFFFFFF
-        rows = table + programs
-        numel = tl.load(rows + t)
-        offset = tl.load(rows + count + t)
-        seed = tl.load(rows + 2 * count + t)
-        param = tl.load(rows + 3 * count + t).to(param.dtype, bitcast=True)
-        grad = tl.load(rows + 4 * count + t).to(grad.dtype, bitcast=True)
-        largest = tl.load(rows + 5 * count + t).to(largest.dtype, bitcast=True)
-        master = tl.load(rows + 6 * count + t).to(master.dtype, bitcast=True)
-    else:
-        block = tl.program_id(0).to(tl.int64)
-    index = block * BLOCK + tl.arange(0, BLOCK)
-    # nothing is read or written unless every gradient is finite: the largest absolute
-    # gradient is at most the largest float64 (false for NaN and infinity)
-    worst = tl.load(largest)
-    mask = index < tl.where(worst <= 1.7976931348623157e308, numel, 0)
-    lr = lr_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    position = master if MASTER else param  # where the chain's position is kept
-    p = tl.load(position + index, mask=mask)
-    if NARROW:  # a half parameter without master: in float32, as torch's fused SGD
-        p = p.to(tl.float32)
-    g = tl.load(grad + index, mask=mask)
-    if UNSCALE:  # g / s divided in float64, rounded once to the position's dtype
-        g = (g.to(tl.float64) / tl.load(grad_scale).to(tl.float64)).to(p.dtype)
-    elif MASTER or NARROW:
-        g = g.to(tl.float32)
-    if MAXIMIZE:
-        g = -g
-    if DECAY:
-        decay = decay_bits.to(tl.int64).to(tl.float64, bitcast=True)
-        g = (g.to(tl.float64) + decay * p.to(tl.float64)).to(p.dtype)
-    direction = g.to(tl.float64)
-    scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    xi = tl.randn(seed, offset + index)  # (T > 0 only: at T = 0 torch's fused SGD steps)
-    direction = direction - scale * xi.to(tl.float64)
-    new = (p.to(tl.float64) - lr * direction).to(p.dtype)
-    if MASTER or NARROW:  # the parameter: the position rounded to nearest (even)
-        half = new
-        if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
-            bits = half.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            half = (bits >> 16 << 16).to(tl.float32, bitcast=True)
-        tl.store(param + index, half.to(param.dtype.element_ty), mask=mask)
-    if not NARROW:
-        tl.store(position + index, new, mask=mask)
+    _, rows, index, mask, offset, seed = fio.this_block(
+        table, count, programs, numel, offset, seed, largest, 5, BLOCK, MULTI
+    )
+    param, position, p, g = fio.read_inputs(
+        rows, count, param, grad, master, 6, grad_scale, index, mask, MULTI, UNSCALE, MASTER, False
+    )
+    g = fio.effective_gradient(g, p, decay_bits, MAXIMIZE, DECAY)
+    xi = fio.normal(seed, offset, index)  # (T > 0 only: at T = 0 torch's fused SGD steps)
+    direction = g.to(tl.float64) - fio.float64(scale_bits) * xi.to(tl.float64)
+    new = (p.to(tl.float64) - fio.float64(lr_bits) * direction).to(p.dtype)
+    fio.store_position(param, position, new, index, mask, MASTER, False, BF16)
 
 
 def unsupported(group: Mapping[str, Any], temperature: float) -> str | None:
@@ -139,6 +102,7 @@ def launch(group: Mapping[str, Any], inputs: FusedInput) -> Mapping[str, list[Te
     weight_decay = float(group["weight_decay"])
     scale = math.sqrt(2.0 * temperature / (group["num_data"] * lr))
     for part in parts(inputs):
+        assert not part.narrow  # (a half parameter keeps a master at T > 0)
         launch_tensors(
             _sgld,
             [part.take(column) for column in (inputs.params, inputs.grads, inputs.largest)]

@@ -42,8 +42,9 @@ Triton's interpreter on the CPU only: no GPU has run these kernels).
 Mixed precision (``_fused_launch``'s module docstring): with a GradScaler scale
 :math:`s` the gradient is read as :math:`g/s` (float64 division, rounded once to the
 position's dtype); a float16/bfloat16 parameter with a float32 master steps on the
-master, as a float32 parameter would, and receives its rounding to nearest; one without
-master (temperature 0) is computed in float32 and stored, with its state, in its dtype.
+master, as a float32 parameter would, and receives its rounding to nearest. (SGNHT
+refuses temperature 0, where a half parameter would have no master: the kernel has no
+``NARROW`` variant.)
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from . import _fused_io as fio
 from . import _fused_launch
 from ._fused_launch import (
     FusedInput,
@@ -104,73 +106,30 @@ def _sgnht(
     SYMMETRIC: constexpr,  # noqa: N803
     UNSCALE: constexpr,  # noqa: N803
     MASTER: constexpr,  # noqa: N803
-    NARROW: constexpr,  # noqa: N803
     BF16: constexpr,  # noqa: N803
 ) -> None:
     """Phase 1: the buffer, the parameter and each block's sum of :math:`e^2`."""
-    if MULTI:  # this program's tensor and block, from the table (_fused_launch.launch_tensors)
-        code = tl.load(table + tl.program_id(0))
-        t = code >> 32
-        block = code & 0xFFFFFFFF
-        rows = table + programs
-        numel = tl.load(rows + t)
-        offset = tl.load(rows + count + t)
-        seed = tl.load(rows + 2 * count + t)
-        param = tl.load(rows + 3 * count + t).to(param.dtype, bitcast=True)
-        grad = tl.load(rows + 4 * count + t).to(grad.dtype, bitcast=True)
-        buffer = tl.load(rows + 5 * count + t).to(buffer.dtype, bitcast=True)
-        thermostat = tl.load(rows + 6 * count + t).to(thermostat.dtype, bitcast=True)
-        largest = tl.load(rows + 7 * count + t).to(largest.dtype, bitcast=True)
-        partials = tl.load(rows + 8 * count + t).to(partials.dtype, bitcast=True)
-        master = tl.load(rows + 9 * count + t).to(master.dtype, bitcast=True)
-    else:
-        block = tl.program_id(0).to(tl.int64)
-    index = block * BLOCK + tl.arange(0, BLOCK)
-    # nothing is read or written unless every gradient is finite: the largest absolute
-    # gradient is at most the largest float64 (false for NaN and infinity)
-    worst = tl.load(largest)
-    mask = index < tl.where(worst <= 1.7976931348623157e308, numel, 0)
-    lr = lr_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    scale = scale_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    block, rows, index, mask, offset, seed = fio.this_block(
+        table, count, programs, numel, offset, seed, largest, 7, BLOCK, MULTI
+    )
+    param, position, p, g = fio.read_inputs(
+        rows, count, param, grad, master, 9, grad_scale, index, mask, MULTI, UNSCALE, MASTER, False
+    )
+    g = fio.effective_gradient(g, p, decay_bits, MAXIMIZE, DECAY)
+    thermostat = fio.column(rows, count, 6, thermostat, MULTI)
     friction = 1.0 - tl.load(thermostat).to(tl.float64)
-    position = master if MASTER else param  # where the chain's position is kept
-    p = tl.load(position + index, mask=mask)
-    if NARROW:  # a half parameter without master: in float32, as torch's fused SGD
-        p = p.to(tl.float32)
-    g = tl.load(grad + index, mask=mask)
-    if UNSCALE:  # g / s divided in float64, rounded once to the position's dtype
-        g = (g.to(tl.float64) / tl.load(grad_scale).to(tl.float64)).to(p.dtype)
-    elif MASTER or NARROW:
-        g = g.to(tl.float32)
-    if MAXIMIZE:
-        g = -g
-    if DECAY:
-        decay = decay_bits.to(tl.int64).to(tl.float64, bitcast=True)
-        g = (g.to(tl.float64) + decay * p.to(tl.float64)).to(p.dtype)
+    buffer = fio.column(rows, count, 5, buffer, MULTI)
+    partials = fio.column(rows, count, 8, partials, MULTI)
     old = tl.load(buffer + index, mask=mask).to(tl.float64)
-    kick = g.to(tl.float64) + scale * tl.randn(seed, offset + index).to(tl.float64)
+    xi = fio.normal(seed, offset, index)
+    kick = g.to(tl.float64) + fio.float64(scale_bits) * xi.to(tl.float64)
     b = friction * old + kick
     energy = (friction + 1.0) * old + kick if SYMMETRIC else b
     tl.store(partials + block, tl.sum(tl.where(mask, energy * energy, 0.0)))
-    kept = b
-    if NARROW:  # the buffer in the parameter's dtype, through float32
-        kept = b.to(tl.float32)
-        if BF16:
-            bits = kept.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            kept = (bits >> 16 << 16).to(tl.float32, bitcast=True)
-    tl.store(buffer + index, kept.to(buffer.dtype.element_ty), mask=mask)
+    tl.store(buffer + index, b.to(buffer.dtype.element_ty), mask=mask)
     d = b.to(p.dtype)
-    new = (p.to(tl.float64) - lr * d.to(tl.float64)).to(p.dtype)
-    if MASTER or NARROW:  # the parameter: the position rounded to nearest (even)
-        half = new
-        if BF16:  # (on the bits: Triton's interpreter truncates to bfloat16)
-            bits = half.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            half = (bits >> 16 << 16).to(tl.float32, bitcast=True)
-        tl.store(param + index, half.to(param.dtype.element_ty), mask=mask)
-    if not NARROW:
-        tl.store(position + index, new, mask=mask)
+    new = (p.to(tl.float64) - fio.float64(lr_bits) * d.to(tl.float64)).to(p.dtype)
+    fio.store_position(param, position, new, index, mask, MASTER, False, BF16)
 
 
 def _thermostat(
@@ -196,12 +155,10 @@ def _thermostat(
     for start in range(0, blocks, BLOCK):
         index = start + tl.arange(0, BLOCK)
         total += tl.sum(tl.load(partials + index, mask=index < blocks, other=0.0))
-    factor = factor_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    cooling = cooling_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    factor, cooling = fio.float64(factor_bits), fio.float64(cooling_bits)
     alpha = tl.load(thermostat).to(tl.float64)
     alpha = alpha + (total * (factor / numel.to(tl.float64)) - cooling)
-    finite = tl.load(largest) <= 1.7976931348623157e308
-    tl.store(thermostat, alpha.to(thermostat.dtype.element_ty), mask=finite)
+    tl.store(thermostat, alpha.to(thermostat.dtype.element_ty), mask=fio.step_is_finite(largest))
 
 
 def unsupported(group: Mapping[str, Any], temperature: float) -> str | None:
@@ -225,6 +182,7 @@ def launch(group: Mapping[str, Any], inputs: FusedInput) -> Mapping[str, list[Te
     partials = _partial_sums(inputs.params)
     noise_scale = sghmc_noise_scale(lr, float(group["momentum"]), temperature, num_data)
     for part in parts(inputs):
+        assert not part.narrow  # (a half parameter keeps a master at T > 0)
         columns = (inputs.params, inputs.grads, buffers, thermostats, inputs.largest, partials)
         launch_tensors(
             _sgnht,

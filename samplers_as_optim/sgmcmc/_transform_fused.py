@@ -2,14 +2,15 @@ r"""The transforms' fused path: a sampler's fused kernel computing a torchopt up
 
 A transformation returns the update :math:`u = -lr\,d` and leaves the parameters to
 ``torchopt.apply_updates``; the fused kernels take an Optimizer's step
-:math:`\theta \leftarrow \theta - lr\,d` in place. Two ways join them, per kernel module
+:math:`\theta \leftarrow \theta - lr\,d` in place. Two ways join them, per sampler
 (:data:`HOW`):
 
-* ``"update"`` (``_psgld_fused``, ``_adamw_sghmc_fused``): the kernel's ``launch`` takes
-  ``updates`` and writes :math:`-lr\,d` there, reading the parameter only for the weight
-  decay (and PSGLD's correction);
-* ``"from zero"`` (``_sgld_fused``, ``_sghmc_fused``, ``_sgnht_fused``, ``_baoa_fused``,
-  which read the parameter only for the weight decay): the kernel steps a zero
+* ``"update"`` (PSGLD's ``_psgld_fused``, AdamWSGHMC's ``_adamw_sghmc_fused``): the
+  kernel's ``launch`` takes ``updates`` and writes :math:`-lr\,d` there, reading the
+  parameter only for the weight decay (and PSGLD's correction);
+* ``"from zero"`` (SGLD's ``_sgld_fused``, SGHMC's ``_sghmc_fused``, SGNHT's
+  ``_sgnht_fused``, BAOA's ``_baoa_fused``, which read the parameter only for the weight
+  decay): the kernel steps a zero
   "parameter", :math:`0 - lr\,d`, with :math:`g' = \pm g + \lambda\theta` formed before
   it (torch operations, one pass) and passed as the gradient. The buffers are the
   transformation's state, updated by the kernel as an Optimizer's are: SGNHT's
@@ -49,12 +50,13 @@ from .fused import triton_importable as _triton_importable
 
 __all__ = ["HOW", "fused_update", "fused_update_refusal"]
 
-#: how each sampler's fused kernel gives a transform's update (module docstring)
-HOW = {"_psgld_fused": "update", "_adamw_sghmc_fused": "update"} | {
-    "_sgld_fused": "from zero",
-    "_sghmc_fused": "from zero",
-    "_sgnht_fused": "from zero",
-    "_baoa_fused": "from zero",
+#: how each sampler's fused kernel gives a transform's update (module docstring), by the
+#: sampler's name (``SamplerDefinition.name``)
+HOW = {"PSGLD": "update", "AdamWSGHMC": "update"} | {
+    "SGLD": "from zero",
+    "SGHMC": "from zero",
+    "SGNHT": "from zero",
+    "BAOA": "from zero",
 }
 
 
@@ -72,7 +74,7 @@ def fused_update_refusal(
     names it: ``"updates['w']"``). Checked in the order of cost: Triton is imported
     only where the rest allows the fused path.
     """
-    if definition.fused_kernel is None or definition.fused_kernel not in HOW:
+    if definition.fused_kernel is None or definition.name not in HOW:
         return f"{name} has no fused update yet"
     if functorch:
         return "inside a torch.func transform (vmap, grad) the Triton kernels cannot run"
@@ -127,7 +129,7 @@ def fused_update(
         ]
         for field, values in buffers.items()
     }
-    if HOW[definition.fused_kernel] == "update":
+    if HOW[definition.name] == "update":
         outs = grads if inplace else [torch.empty_like(grad) for grad in grads]
         inputs = FusedInput(params, grads, given, seeds, offsets, largest)
         new = kernel.launch(group, inputs, updates=outs)  # type: ignore[call-arg]

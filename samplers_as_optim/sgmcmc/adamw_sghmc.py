@@ -91,8 +91,6 @@ DTensor parameters (the pooled means would need a collective), and
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -101,7 +99,8 @@ import torch
 from torch import Tensor
 
 from ..core.validation import check_bool, refuse
-from ..names import member_dims
+from ._adamw_sghmc_kernel import Settings, directions
+from ._adamw_sghmc_temperature import ADAMW_SGHMC_RULE
 from .arguments import (
     DIFFERENTIABLE,
     FOREACH,
@@ -117,6 +116,7 @@ from .arguments import (
     sampling_meaningless,
 )
 from .definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
+from .noise_scales import adamw_sghmc_noise_scale, torch_adamw
 from .optimizer import SamplerOptimizer
 from .sampling_preconditioner import (
     FROZEN_AT,
@@ -124,12 +124,7 @@ from .sampling_preconditioner import (
     PRECONDITIONER,
     PRECONDITIONER_WARMUP,
     STEP,
-    advanced,
     check_eps,
-    freeze_mark,
-    freezes_now,
-    released,
-    sampling_preconditioner,
 )
 from .transformation import pick, transformation_of
 
@@ -141,13 +136,6 @@ __all__ = [
     "adamw_sghmc_direction",
     "adamw_sghmc_noise_scale",
 ]
-
-
-def adamw_sghmc_noise_scale(lr: float, temperature: float, num_data: int) -> float:
-    r""":math:`\sigma = \sqrt{2T/(N\,lr)}`; the gradient's noise is :math:`\sigma\sqrt{a}\,\xi`."""
-    if temperature == 0:
-        return 0.0
-    return math.sqrt(2.0 * temperature / (num_data * lr))
 
 
 def _check_betas(value: Any, where: str) -> tuple[float, float]:
@@ -198,6 +186,7 @@ def adamw_sghmc_direction(
 
     :math:`V` updated as AdamW's, :math:`a` AdamW's own denominator at temperature 0 and
     the pooled, frozen sampling preconditioner at temperature > 0 (module docstring).
+    Computed one parameter at a time in ``_adamw_sghmc_kernel``.
 
     Args:
         params: the parameters (read only, for the weight decay).
@@ -227,78 +216,37 @@ def adamw_sghmc_direction(
 
     Returns:
         ``(directions, state)``: ``state`` maps ``"step"``, ``"exp_avg"``,
-        ``"exp_avg_sq"``, ``"max_exp_avg_sq"``, ``"preconditioner"`` and
-        ``"preconditioner_step"`` to their new values.
+        ``"exp_avg_sq"``, ``"max_exp_avg_sq"``, ``"preconditioner"``,
+        ``"preconditioner_root"`` and ``"preconditioner_step"`` to their new values.
     """
-    count = len(params)
-    preconditioners = list(preconditioners) if preconditioners is not None else [None] * count
-    roots = list(roots) if roots is not None else [None] * count
-    flags = list(frozen_at) if frozen_at is not None else [0.0] * count
-    maxima: list[Tensor | None] = list(max_exp_avg_sqs) if amsgrad and max_exp_avg_sqs else []
-    sigma = adamw_sghmc_noise_scale(lr, temperature, num_data)
-    directions: list[Tensor] = []
-    new_steps, new_ms, new_vs = [], [], []
-    for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
-        grad = -grad if maximize else grad
-        step = advanced(steps[i], inplace)
-        t = float(step)
-        m = exp_avgs[i] if inplace else exp_avgs[i].clone()
-        v = exp_avg_sqs[i] if inplace else exp_avg_sqs[i].clone()
-        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        correction1, correction2 = 1 - beta1**t, 1 - beta2**t
-        if noise is None:
-            m.lerp_(grad, 1 - beta1)
-            second = v
-            if amsgrad:
-                peak = maxima[i]
-                assert peak is not None
-                peak = peak if inplace else peak.clone()
-                torch.maximum(peak, v, out=peak)
-                maxima[i] = second = peak
-            denominator = second.sqrt().div(math.sqrt(correction2)).add(eps)
-            flags[i] = released(flags[i], inplace)
-        else:
-            frozen, root = preconditioners[i], roots[i]
-            if float(flags[i]) > 0 and frozen is not None and root is not None:
-                denominator = frozen
-            else:
-                denominator = sampling_preconditioner(
-                    v,
-                    correction=correction2,
-                    eps=eps,
-                    how=preconditioner,
-                    inplace=inplace,
-                    members=member_dims(param),
-                )
-                # no noise where the preconditioner has no scale (sampling_preconditioner)
-                root = denominator.sqrt().masked_fill(denominator == eps, 0.0)
-                if freezes_now(float(flags[i]), t, preconditioner_warmup):
-                    preconditioners[i], roots[i] = denominator, root
-                    flags[i] = freeze_mark(flags[i], t)
-            kick = torch.addcmul(grad, noise[i], root, value=sigma)
-            m.lerp_(kick, 1 - beta1)
-        direction = m.div(denominator)
-        if noise is None and correction1 != 1:  # (at T > 0 the momentum starts at 0: doc)
-            direction = direction.div_(correction1) if inplace else direction.div(correction1)
-        if weight_decay != 0:
-            direction = (
-                direction.add_(param, alpha=weight_decay)
-                if inplace
-                else direction.add(param, alpha=weight_decay)
-            )
-        directions.append(direction)
-        new_steps.append(step)
-        new_ms.append(m)
-        new_vs.append(v)
-    return directions, {
-        "step": new_steps,
-        "exp_avg": new_ms,
-        "exp_avg_sq": new_vs,
-        "max_exp_avg_sq": maxima,
-        "preconditioner": preconditioners,
-        "preconditioner_root": roots,
-        "preconditioner_step": flags,
-    }
+    settings = Settings(
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        temperature=temperature,
+        num_data=num_data,
+        maximize=maximize,
+        amsgrad=amsgrad,
+        preconditioner=preconditioner,
+        preconditioner_warmup=preconditioner_warmup,
+        inplace=inplace,
+    )
+    return directions(
+        params,
+        grads,
+        steps,
+        exp_avgs,
+        exp_avg_sqs,
+        noise,
+        settings,
+        sigma=adamw_sghmc_noise_scale(lr, temperature, num_data),
+        max_exp_avg_sqs=max_exp_avg_sqs,
+        preconditioners=preconditioners,
+        roots=roots,
+        frozen_at=frozen_at,
+    )
 
 
 def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:
@@ -334,20 +282,11 @@ def _update(
     )
 
 
-def _torch_adam() -> Any:
-    """The functional AdamW of torch: ``adam(decoupled_weight_decay=True)`` (torch >= 2.6)."""
-    from torch.optim import adam, adamw
-
-    if "decoupled_weight_decay" in inspect.signature(adam.adam).parameters:
-        return functools.partial(adam.adam, decoupled_weight_decay=True)
-    return adamw.adamw
-
-
 def _adamw_step(group: Mapping[str, Any], inputs: UpdateInput, *, foreach: bool) -> bool:
     """At temperature 0: ``torch.optim.AdamW``'s step, by torch's own functional Adam."""
     buffers = inputs.buffers
     beta1, beta2 = group["betas"]
-    _torch_adam()(
+    torch_adamw()(
         inputs.params,
         inputs.grads,
         buffers["exp_avg"],
@@ -377,6 +316,13 @@ def _adamw_step(group: Mapping[str, Any], inputs: UpdateInput, *, foreach: bool)
 
 def _zeros(param: Tensor, group: Mapping[str, Any]) -> Tensor:
     return torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def load_fused_kernel() -> Any:
+    """AdamWSGHMC's fused Triton kernel, ``_adamw_sghmc_fused`` (imported on first use)."""
+    from . import _adamw_sghmc_fused
+
+    return _adamw_sghmc_fused
 
 
 DEFINITION = SamplerDefinition(
@@ -489,7 +435,7 @@ DEFINITION = SamplerDefinition(
         FROZEN_AT,
     ),
     update=_update,
-    temperature_rule="adamw_sghmc",
+    temperature_rule=ADAMW_SGHMC_RULE,
     example="lr=1e-3",
     check=_check,
     momentum_in_lr_units=True,
@@ -499,7 +445,7 @@ DEFINITION = SamplerDefinition(
     dtensor_unsupported_reason="its pooled preconditioner takes means over whole tensors",
     transform_fixed={"capturable": False},
     zero_temperature_step=_adamw_step,
-    fused_kernel="_adamw_sghmc_fused",
+    fused_kernel=load_fused_kernel,
     optimizer_doc=r"""SGHMC preconditioned by Adam's second moment, a drop-in for AdamW.
 
     Each step is one transition of the Markov chain

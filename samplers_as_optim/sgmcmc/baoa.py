@@ -57,7 +57,6 @@ scale :math:`\sigma`; with :math:`\sigma = 1` and its log posterior the sum over
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,17 +67,12 @@ from ..core.validation import check_momentum
 from ._common import bucketed_grads, effective_grad
 from .arguments import DAMPENING, NESTEROV, sampling_meaningless, sgd_signature
 from .definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
+from .noise_scales import baoa_noise_scale
 from .optimizer import SamplerOptimizer
+from .temperature_rule import TemperatureRule, UnitMass
 from .transformation import pick, transformation_of
 
 __all__ = ["BAOA", "DEFINITION", "BAOAState", "baoa", "baoa_direction", "baoa_noise_scale"]
-
-
-def baoa_noise_scale(lr: float, momentum: float, temperature: float, num_data: int) -> float:
-    r"""The O step's noise on the buffer, :math:`\sqrt{(1-\mu^2)T/(N\,lr)}` (standard deviation)."""
-    if temperature == 0:
-        return 0.0
-    return math.sqrt((1.0 - momentum * momentum) * temperature / (num_data * lr))
 
 
 def baoa_direction(
@@ -204,6 +198,14 @@ MOMENTUM = Hyperparameter(
     positional=True,
 )
 
+
+def load_fused_kernel() -> Any:
+    """BAOA's fused Triton kernel, ``_baoa_fused`` (imported on first use: it imports Triton)."""
+    from . import _baoa_fused
+
+    return _baoa_fused
+
+
 DEFINITION = SamplerDefinition(
     name="BAOA",
     transform_name="baoa",
@@ -230,8 +232,8 @@ DEFINITION = SamplerDefinition(
         ),
     ),
     update=_update,
-    fused_kernel="_baoa_fused",
-    temperature_rule="baoa",
+    fused_kernel=load_fused_kernel,
+    temperature_rule=TemperatureRule("baoa", kinetic=UnitMass()),
     example="lr=1e-3, momentum=0.9",
     check=_check,
     momentum_in_lr_units=True,

@@ -11,9 +11,9 @@ A sampler module declares, once, everything that makes the sampler what it is:
   (:class:`UpdateInput`), directions and new buffers out, nothing else touched;
 * the rules that join hyperparameters (``check``), and what the sampler cannot do
   (a temperature of 0, chunked or DTensor parameters).
-* optionally, its **fused kernel** (``fused_kernel``): the module beside it holding
-  the Triton kernel that takes the same step in one pass per tensor on CUDA
-  (``sgmcmc/fused``).
+* optionally, its **fused kernel** (``fused_kernel``): a function that imports the
+  module beside it holding the Triton kernel that takes the same step in one pass per
+  tensor on CUDA (``sgmcmc/fused``).
 
 From a :class:`SamplerDefinition`, ``sgmcmc/optimizer.py`` builds the
 ``torch.optim.Optimizer`` class and ``sgmcmc/transformation.py`` the torchopt
@@ -36,6 +36,7 @@ from torch import Tensor
 
 from ..core.chain import NOISE_KEY
 from .momentum_units import MOMENTUM_RATE
+from .temperature_rule import TemperatureRule
 
 __all__ = [
     "REQUIRED",
@@ -232,16 +233,17 @@ class SamplerDefinition:
             ``zero_temperature_step(group, inputs, *, foreach)`` takes the Optimizer's
             step itself (parameters and buffers in place) and returns True, or returns
             False where it does not apply.
-        fused_kernel: the module beside the sampler's (in ``sgmcmc/``, ``"_sghmc_fused"``)
-            that holds its fused Triton kernel, which takes the Optimizer's step in one
-            pass per tensor where it can run (``sgmcmc/fused``); imported on first use, so
-            that importing the package never imports Triton. None: no fused kernel yet
-            (``fused=True`` is refused).
-        temperature_rule: how ``sgmcmc/chain_temperature`` reads the chain's kinetic
-            temperature from a group's state (which buffer, its mass and discrete
-            factor) and the prior in its configurational temperature: ``"sghmc"``,
-            ``"sgnht"``, ``"baoa"``, ``"adamw_sghmc"`` (decoupled decay, mass
-            :math:`a`) or ``"langevin"`` (no momentum; coupled decay). None: no
+        fused_kernel: a function without arguments that imports and returns the module
+            beside the sampler's holding its fused Triton kernel (SGHMC's
+            ``load_fused_kernel`` returns ``sgmcmc/_sghmc_fused``), which takes the
+            Optimizer's step in one pass per tensor where it can run (``sgmcmc/fused``);
+            called on first use, so that importing the package never imports Triton.
+            None: no fused kernel yet (``fused=True`` is refused).
+        temperature_rule: what the sampler means by its temperature
+            (:class:`~.temperature_rule.TemperatureRule`, built in its module): how
+            ``sgmcmc/chain_temperature`` reads the kinetic temperature from a group's
+            state (which buffer, its mass and discrete factor) and the prior in the
+            configurational one (coupled decay, or a decoupled decay's scale). None: no
             temperature diagnostics (refused by ``temperature_estimates``).
     """
 
@@ -265,8 +267,8 @@ class SamplerDefinition:
     transform_fixed: Mapping[str, Any] = field(default_factory=dict)
     check_parameters: Callable[[Mapping[str, Any], list[Tensor], str], None] | None = None
     zero_temperature_step: Callable[..., bool] | None = None
-    fused_kernel: str | None = None
-    temperature_rule: str | None = None
+    fused_kernel: Callable[[], Any] | None = None
+    temperature_rule: TemperatureRule | None = None
 
     def __post_init__(self) -> None:
         names = [h.name for h in self.hyperparameters]

@@ -1,19 +1,20 @@
 r"""The fused path of the SG-MCMC samplers: the step in Triton kernels, one pass per tensor.
 
-A sampler whose definition names a fused kernel (``SamplerDefinition.fused_kernel``: the
-module beside its reference update that holds the Triton kernel, imported on first use,
-so that importing the package never imports Triton) takes its step, with ``fused=True``
-or by default (``fused=None``) where every parameter is on CUDA, in one kernel per
-tensor that reads the parameter, its gradient and its buffers once, draws the noise in
-registers and writes the parameter and its buffers once (a tensor of more than
-``_fused_launch.MULTI_TENSOR_BLOCKS`` blocks gets a launch of its own; smaller ones
-share one launch per device and dtypes, through a table of their pointers, sizes,
-offsets and noise keys). This module holds what the Optimizer asks of the fused path:
-whether it can run (:func:`fused_refusal`, whose reasons ``fused=True`` raises), the
-keys of its noise (:func:`fused_noise_seed`), a sampler's kernel module
+A sampler whose definition has a fused kernel (``SamplerDefinition.fused_kernel``: a
+function of its module that imports the module beside it holding the Triton kernel,
+called on first use, so that importing the package never imports Triton) takes its
+step, with ``fused=True`` or by default (``fused=None``) where every parameter is on
+CUDA, in one kernel per tensor that reads the parameter, its gradient and its buffers
+once, draws the noise in registers and writes the parameter and its buffers once (a
+tensor of more than ``_fused_launch.MULTI_TENSOR_BLOCKS`` blocks gets a launch of its
+own; smaller ones share one launch per device and dtypes, through a table of their
+pointers, sizes, offsets and noise keys). This module holds what the Optimizer asks of
+the fused path: whether it can run (:func:`fused_refusal`, whose reasons ``fused=True``
+raises), the keys of its noise (:func:`fused_noise_seed`), a sampler's kernel module
 (:func:`fused_kernel`), and the numbers of its noise stream drawn alone
-(:func:`fused_normal`); ``_fused_launch`` holds what the kernel modules share (the
-launch, float64 scalars), ``_fused_nonfinite`` the device flag every kernel reads (no
+(:func:`fused_normal`); ``_fused_launch`` holds what the kernel modules share on the
+host (the launch, float64 scalars), ``_fused_io`` what they share in Triton (reading and
+writing their elements), ``_fused_nonfinite`` the device flag every kernel reads (no
 host synchronisation in a fused step).
 
 The fused noise stream. Element :math:`i` (its index in the whole flattened tensor) of a
@@ -42,7 +43,6 @@ imported (``tests/test_fused.py``).
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Mapping, Sequence
 from functools import cache
@@ -149,11 +149,10 @@ def parameter_offset(param: Tensor) -> int:
 
 
 def fused_kernel(definition: SamplerDefinition) -> FusedKernel:
-    """The module of ``definition``'s fused kernel (imported now: it imports Triton)."""
+    """The module of ``definition``'s fused kernel (its loader imports it now, and Triton)."""
     if definition.fused_kernel is None:
         raise ValueError(f"{definition.name} has no fused kernel")
-    module = importlib.import_module(f"{__package__}.{definition.fused_kernel}")
-    return cast("FusedKernel", module)
+    return cast("FusedKernel", definition.fused_kernel())
 
 
 def _on_supported_device(tensor: Tensor) -> bool:

@@ -109,10 +109,8 @@ import torch
 from torch import Tensor
 
 from ..core.validation import check_bool, check_nonnegative, refuse
-from ..names import member_dims
-from ._common import buckets, effective_grad, effective_grads
-from ._li_correction import corrected
-from ._psgld_dtypes import check_dtypes, lift, psgld_noise_scale
+from ._psgld_dtypes import check_dtypes, psgld_noise_scale
+from ._psgld_kernel import Settings, directions, rmsprop_step_
 from .arguments import (
     DIFFERENTIABLE,
     FOREACH,
@@ -135,11 +133,9 @@ from .sampling_preconditioner import (
     PRECONDITIONER,
     PRECONDITIONER_WARMUP,
     STEP,
-    advanced,
     check_eps,
-    released,
-    sampling_scale,
 )
+from .temperature_rule import LANGEVIN
 from .transformation import pick, transformation_of
 
 __all__ = ["DEFINITION", "PSGLD", "PSGLDState", "psgld", "psgld_direction", "psgld_noise_scale"]
@@ -150,62 +146,6 @@ def _check_alpha(value: Any, where: str) -> float:
     if not number < 1.0:
         refuse("alpha", value, "a number in [0, 1)", where)
     return number
-
-
-def _preconditioner(
-    grads: list[Tensor],
-    square_avgs: list[Tensor],
-    grad_avgs: list[Tensor | None],
-    *,
-    alpha: float,
-    eps: float,
-    centered: bool,
-    foreach: bool,
-    inplace: bool,
-) -> tuple[list[Tensor], list[Tensor], list[Tensor | None]]:
-    """RMSprop's ``avg`` (new tensors) and new second moments, in RMSprop's operations."""
-    new_grad_avgs: list[Tensor | None]
-    if not foreach:
-        avgs, new_squares, new_grad_avgs = [], [], []
-        for i, grad in enumerate(grads):
-            square = square_avgs[i] if inplace else square_avgs[i].clone()
-            square.mul_(alpha).addcmul_(grad, grad, value=1 - alpha)
-            grad_avg = grad_avgs[i]
-            if centered:
-                assert grad_avg is not None
-                grad_avg = grad_avg if inplace else grad_avg.clone()
-                grad_avg.lerp_(grad, 1 - alpha)
-                avg = square.addcmul(grad_avg, grad_avg, value=-1)
-                avg = avg.sqrt_() if inplace else avg.sqrt()
-            else:
-                avg = square.sqrt()
-            # in place where no graph is kept (the sqrt's backward needs its output)
-            avgs.append(avg.add_(eps) if inplace else avg.add(eps))
-            new_squares.append(square)
-            new_grad_avgs.append(grad_avg)
-        return avgs, new_squares, new_grad_avgs
-    squares = square_avgs if inplace else [square.clone() for square in square_avgs]
-    torch._foreach_mul_(squares, alpha)
-    torch._foreach_addcmul_(squares, grads, grads, value=1 - alpha)
-    if centered:
-        means = [avg for avg in grad_avgs if avg is not None]
-        means = means if inplace else [avg.clone() for avg in means]
-        torch._foreach_lerp_(means, grads, 1 - alpha)
-        avgs = list(torch._foreach_addcmul(squares, means, means, value=-1))
-        if inplace:
-            torch._foreach_sqrt_(avgs)
-        else:
-            avgs = list(torch._foreach_sqrt(avgs))
-        new_grad_avgs = list(means)
-    else:
-        avgs = list(torch._foreach_sqrt(squares))
-        new_grad_avgs = list(grad_avgs)
-    # in place where no graph is kept (the sqrt's backward needs its output)
-    if inplace:
-        torch._foreach_add_(avgs, eps)
-    else:
-        avgs = list(torch._foreach_add(avgs, eps))
-    return avgs, list(squares), new_grad_avgs
 
 
 def psgld_direction(
@@ -245,7 +185,8 @@ def psgld_direction(
     the step being :math:`\theta \leftarrow \theta - lr\, d` (see the module docstring
     for :math:`\Gamma`, used when ``previous`` is given). At :math:`T = 0` with
     ``momentum`` the direction is RMSprop's buffer :math:`b \leftarrow \mu b + g'/a`;
-    with ``centered`` :math:`a` uses the centred second moment, as in RMSprop.
+    with ``centered`` :math:`a` uses the centred second moment, as in RMSprop. Computed
+    one (device, dtype) bucket at a time, step by step, in ``_psgld_kernel``.
 
     Args:
         params: the parameters (read only, for weight decay and the correction).
@@ -293,150 +234,35 @@ def psgld_direction(
             largest noise scale does not fit the dtype (module docstring). Raised before
             anything changes.
     """
-    if (noise is None) != (temperature == 0):
-        raise ValueError("noise must be given exactly when temperature > 0")
-    check_dtypes(
-        {tensor.dtype for tensor in (*params, *grads)},
-        eps=eps,
+    settings = Settings(
         lr=lr,
+        alpha=alpha,
+        eps=eps,
         temperature=temperature,
         num_data=num_data,
+        weight_decay=weight_decay,
+        maximize=maximize,
+        foreach=foreach,
+        momentum=momentum,
+        centered=centered,
+        inplace=inplace,
+        split=split,
+        preconditioner=preconditioner,
+        preconditioner_warmup=preconditioner_warmup,
     )
-    grad_avgs = [None] * len(grads) if grad_avgs is None else grad_avgs
-    scale = psgld_noise_scale(lr, temperature, num_data)
-    directions: list[Tensor] = list(grads)
-    state: dict[str, list[Any]] = {
-        "square_avg": list(square_avgs),
-        "grad_avg": list(grad_avgs),
-        "momentum_buffer": list(momentum_buffers) if momentum_buffers is not None else [],
-        "previous_param": [],
-        "previous_grad": [],
-        "numerator": [None] * len(grads),
-        "denominator": [None] * len(grads),
-        "step": [],
-        "preconditioner": list(preconditioners or [None] * len(grads)),
-        "preconditioner_step": list(frozen_at or [0.0] * len(grads)),
-    }
-    if steps is not None:
-        state["step"] = [advanced(count, inplace) for count in steps]
-    if previous is not None:
-        state["previous_param"], state["previous_grad"] = list(previous[0]), list(previous[1])
-    for index in buckets(params) if foreach else [[i] for i in range(len(params))]:
-        # float16 at temperature > 0: computed in float32, rounded once at the end (module doc)
-        upcast = temperature > 0 and any(
-            tensor.dtype == torch.float16 for i in index for tensor in (params[i], grads[i])
-        )
-        lifted = [lift(params[i], upcast and weight_decay != 0) for i in index]
-        if foreach:
-            gs, _ = effective_grads(
-                [lift(grads[i], upcast) for i in index],
-                lifted,
-                weight_decay=weight_decay,
-                maximize=maximize,
-            )
-            gs = list(gs)
-        else:
-            gs = [
-                effective_grad(
-                    lift(grads[i], upcast), param, weight_decay=weight_decay, maximize=maximize
-                )
-                for i, param in zip(index, lifted, strict=True)
-            ]
-        avgs, squares, means = _preconditioner(
-            gs,
-            [lift(square_avgs[i], upcast) for i in index],
-            [grad_avgs[i] for i in index],
-            alpha=alpha,
-            eps=eps,
-            centered=centered,
-            foreach=foreach,
-            inplace=inplace,
-        )
-        for position, i in enumerate(index):
-            square = squares[position]
-            if square.dtype != square_avgs[i].dtype:  # computed in float32, kept rounded
-                square = (
-                    square_avgs[i].copy_(square) if inplace else square.to(square_avgs[i].dtype)
-                )
-            state["square_avg"][i] = square
-            state["grad_avg"][i] = means[position]
-            if temperature == 0:
-                state["preconditioner_step"][i] = released(state["preconditioner_step"][i], inplace)
-                continue
-            # the sampling preconditioner: pooled, frozen after the warm-up
-            step = float(state["step"][i]) if steps is not None else 0.0
-            sampled, state["preconditioner"][i], state["preconditioner_step"][i] = sampling_scale(
-                squares[position],
-                state["preconditioner"][i],
-                state["preconditioner_step"][i],
-                step,
-                correction=1.0,
-                eps=eps,
-                how=preconditioner,
-                warmup=preconditioner_warmup if steps is not None else None,
-                inplace=inplace,
-                members=member_dims(params[i]),
-            )
-            if sampled.shape != gs[position].shape:
-                sampled = sampled.expand_as(gs[position])
-            avgs[position] = sampled
-        if temperature == 0 and momentum > 0:
-            assert momentum_buffers is not None
-            bufs = [momentum_buffers[i] for i in index]
-            bufs = bufs if inplace else [buf.clone() for buf in bufs]
-            if foreach:
-                torch._foreach_mul_(bufs, momentum)
-                torch._foreach_addcdiv_(bufs, gs, avgs)
-            else:
-                for buf, grad, avg in zip(bufs, gs, avgs, strict=True):
-                    buf.mul_(momentum).addcdiv_(grad, avg)
-            for position, i in enumerate(index):
-                state["momentum_buffer"][i] = bufs[position]
-                directions[i] = bufs[position]
-            continue
-        if temperature == 0 and split:
-            for position, i in enumerate(index):
-                state["numerator"][i] = gs[position]
-                state["denominator"][i] = avgs[position]
-            continue
-        if foreach:
-            ds = list(torch._foreach_div(gs, avgs))
-        else:
-            ds = [grad.div(avg) for grad, avg in zip(gs, avgs, strict=True)]
-        if noise is not None:
-            # the noise variance follows the preconditioner: xi * scale / sqrt(a), none
-            # where a has no scale (sampling_preconditioner)
-            for d, avg, i in zip(ds, avgs, index, strict=True):
-                kick = lift(noise[i], upcast).div(avg.sqrt()).masked_fill(avg == eps, 0.0)
-                d.add_(kick, alpha=scale)
-        if previous is not None and temperature > 0:
-            squares_now = [state["square_avg"][i] for i in index]
-            ds = corrected(
-                ds,
-                gs,
-                avgs,
-                squares_now,
-                params,
-                previous,
-                index,
-                alpha=alpha,
-                temperature=temperature,
-                num_data=num_data,
-            )
-            for position, i in enumerate(index):
-                if inplace:
-                    state["previous_param"][i].copy_(params[i])
-                    state["previous_grad"][i].copy_(gs[position])
-                else:
-                    state["previous_param"][i] = params[i].detach().clone()
-                    kept = gs[position].detach()
-                    dtype = previous[1][i].dtype
-                    kept = kept.to(dtype) if kept.dtype != dtype else kept.clone()
-                    state["previous_grad"][i] = kept
-        for position, i in enumerate(index):
-            direction = ds[position]
-            directions[i] = direction.to(grads[i].dtype) if upcast else direction
-    return directions, state
+    return directions(
+        params,
+        grads,
+        square_avgs,
+        noise,
+        settings,
+        momentum_buffers=momentum_buffers,
+        grad_avgs=grad_avgs,
+        previous=previous,
+        steps=steps,
+        preconditioners=preconditioners,
+        frozen_at=frozen_at,
+    )
 
 
 def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:
@@ -506,18 +332,7 @@ def _rmsprop_step(group: Mapping[str, Any], inputs: UpdateInput, *, foreach: boo
         return False
     _, new = _update(group, inputs, foreach=foreach, inplace=True, split=True)
     params, numerators, denominators = inputs.params, new["numerator"], new["denominator"]
-    lr = group["lr"]
-    if not foreach:
-        for param, numerator, denominator in zip(params, numerators, denominators, strict=True):
-            param.addcdiv_(numerator, denominator, value=-lr)
-        return True
-    for index in buckets(params):
-        torch._foreach_addcdiv_(
-            [params[i] for i in index],
-            [numerators[i] for i in index],
-            [denominators[i] for i in index],
-            value=-lr,
-        )
+    rmsprop_step_(params, numerators, denominators, lr=group["lr"], foreach=foreach)
     return True
 
 
@@ -528,6 +343,13 @@ def _per_leaf(old: Mapping[str, Any], value: Any) -> tuple[Any, ...]:
 
 def _zeros(param: Tensor, group: Mapping[str, Any]) -> Tensor:
     return torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def load_fused_kernel() -> Any:
+    """PSGLD's fused Triton kernel, ``_psgld_fused`` (imported on first use: it imports Triton)."""
+    from . import _psgld_fused
+
+    return _psgld_fused
 
 
 DEFINITION = SamplerDefinition(
@@ -673,13 +495,13 @@ DEFINITION = SamplerDefinition(
         dataclasses.replace(FROZEN_AT, legacy=lambda old: _per_leaf(old, lambda _: 0.0)),
     ),
     update=_update,
-    temperature_rule="langevin",
+    temperature_rule=LANGEVIN,
     example="lr=1e-3",
     check=_check,
     transform_fixed={"capturable": False},
     check_parameters=_check_parameters,
     zero_temperature_step=_rmsprop_step,
-    fused_kernel="_psgld_fused",
+    fused_kernel=load_fused_kernel,
     chunked_kernel=False,
     supports_dtensor=False,
     dtensor_unsupported_reason="its pooled preconditioner takes means over whole tensors",

@@ -77,7 +77,6 @@ blocks of ``torch.randn`` the unfused update is given, and it rounds as
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -88,22 +87,13 @@ from ..core.validation import check_momentum
 from ._common import bucketed_grads, effective_grad, known_buffer
 from .arguments import sampling_meaningless, sgd_signature
 from .definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
+from .noise_scales import sghmc_noise_scale
 from .optimizer import SamplerOptimizer
 from .sgld import sgld_direction
+from .temperature_rule import TemperatureRule, UnitMass, midpoint_factor
 from .transformation import pick, transformation_of
 
 __all__ = ["DEFINITION", "SGHMC", "SGHMCState", "sghmc", "sghmc_direction", "sghmc_noise_scale"]
-
-
-def sghmc_noise_scale(lr: float, momentum: float, temperature: float, num_data: int) -> float:
-    r"""Standard deviation of the noise added to SGHMC's buffer: :math:`\sqrt{2(1-\mu)T/(N\,lr)}`.
-
-    In parameter units (one step from a common state) it is ``lr`` times this,
-    :math:`\sqrt{2(1-\mu)\,lr\,T/N}`.
-    """
-    if temperature == 0:
-        return 0.0
-    return math.sqrt(2.0 * (1.0 - momentum) * temperature / (num_data * lr))
 
 
 def sghmc_direction(
@@ -169,31 +159,79 @@ def sghmc_direction(
         return directions, list(momentum_buffers)
     if (noise is None) != (temperature == 0):
         raise ValueError("noise must be given exactly when temperature > 0")
-    scale = sghmc_noise_scale(lr, momentum, temperature, num_data)
-    if not foreach:
-        single_directions: list[Tensor] = []
-        single_buffers: list[Tensor | None] = []
-        for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
-            grad = effective_grad(grad, param, weight_decay=weight_decay, maximize=maximize)
-            buffer = momentum_buffers[i]
-            if buffer is None:
-                buffer = grad.detach().clone()
-            else:
-                buffer = buffer.mul_(momentum) if inplace else buffer.mul(momentum)
-                buffer.add_(grad, alpha=1 - dampening)
-            if noise is not None:
-                buffer.add_(noise[i], alpha=scale)
-            single_buffers.append(buffer)
-            single_directions.append(grad.add(buffer, alpha=momentum) if nesterov else buffer)
-        return single_directions, single_buffers
+    return (_foreach_sghmc if foreach else _single_tensor_sghmc)(
+        params,
+        grads,
+        momentum_buffers,
+        noise,
+        scale=sghmc_noise_scale(lr, momentum, temperature, num_data),
+        momentum=momentum,
+        dampening=dampening,
+        nesterov=nesterov,
+        weight_decay=weight_decay,
+        maximize=maximize,
+        inplace=inplace,
+    )
 
+
+def _next_buffer(
+    buffer: Tensor | None, grad: Tensor, momentum: float, dampening: float, inplace: bool
+) -> Tensor:
+    """``torch.optim.SGD``'s buffer: ``g'`` at the first step, then ``mu b + (1-dampening) g'``."""
+    if buffer is None:
+        return grad.detach().clone()
+    buffer = buffer.mul_(momentum) if inplace else buffer.mul(momentum)
+    return buffer.add_(grad, alpha=1 - dampening)
+
+
+def _single_tensor_sghmc(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor | None],
+    noise: list[Tensor] | None,
+    *,
+    scale: float,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    weight_decay: float,
+    maximize: bool,
+    inplace: bool,
+) -> tuple[list[Tensor], list[Tensor | None]]:
+    """The reference loop of :func:`sghmc_direction`, ``scale`` its noise scale."""
+    directions: list[Tensor] = []
+    buffers: list[Tensor | None] = []
+    for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
+        grad = effective_grad(grad, param, weight_decay=weight_decay, maximize=maximize)
+        buffer = _next_buffer(momentum_buffers[i], grad, momentum, dampening, inplace)
+        if noise is not None:
+            buffer.add_(noise[i], alpha=scale)
+        buffers.append(buffer)
+        directions.append(grad.add(buffer, alpha=momentum) if nesterov else buffer)
+    return directions, buffers
+
+
+def _foreach_sghmc(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor | None],
+    noise: list[Tensor] | None,
+    *,
+    scale: float,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    weight_decay: float,
+    maximize: bool,
+    inplace: bool,
+) -> tuple[list[Tensor], list[Tensor | None]]:
+    """:func:`_single_tensor_sghmc` with foreach operations, per (device, dtype) bucket."""
     directions = [grads[0]] * len(grads)
     buffers: list[Tensor | None] = list(momentum_buffers)
     for index, bucket_grads, _ in bucketed_grads(
         params, grads, weight_decay=weight_decay, maximize=maximize
     ):
         old = [momentum_buffers[i] for i in index]
-        new: list[Tensor] = []
         if all(buffer is not None for buffer in old):
             # in place, as torch.optim.SGD (on the CPU that rounds the momentum to a
             # bfloat16/float16 buffer's dtype first): new buffers are copies, then scaled
@@ -202,13 +240,10 @@ def sghmc_direction(
             torch._foreach_mul_(new, momentum)
             torch._foreach_add_(new, bucket_grads, alpha=1 - dampening)
         else:
-            for buffer, grad in zip(old, bucket_grads, strict=True):
-                if buffer is None:
-                    buffer = grad.detach().clone()
-                else:
-                    buffer = buffer.mul_(momentum) if inplace else buffer.mul(momentum)
-                    buffer.add_(grad, alpha=1 - dampening)
-                new.append(buffer)
+            new = [
+                _next_buffer(buffer, grad, momentum, dampening, inplace)
+                for buffer, grad in zip(old, bucket_grads, strict=True)
+            ]
         if noise is not None:
             torch._foreach_add_(new, [noise[i] for i in index], alpha=scale)
         bucket_directions: Sequence[Tensor] = (
@@ -303,6 +338,14 @@ _OPTIMIZER_DOC = r"""Stochastic gradient Hamiltonian Monte Carlo, a drop-in for 
         Carlo. ICML. Eq. (15).
     """
 
+
+def load_fused_kernel() -> Any:
+    """SGHMC's fused Triton kernel, ``_sghmc_fused`` (imported on first use: it imports Triton)."""
+    from . import _sghmc_fused
+
+    return _sghmc_fused
+
+
 DEFINITION = SamplerDefinition(
     name="SGHMC",
     transform_name="sghmc",
@@ -317,11 +360,11 @@ DEFINITION = SamplerDefinition(
         ),
     ),
     update=_update,
-    temperature_rule="sghmc",
+    temperature_rule=TemperatureRule("sghmc", kinetic=UnitMass(midpoint_factor)),
     example="lr=1e-3, momentum=0.9",
     check=_check,
     momentum_in_lr_units=True,
-    fused_kernel="_sghmc_fused",
+    fused_kernel=load_fused_kernel,
     optimizer_doc=_OPTIMIZER_DOC,
     transform_doc=r"""Stochastic gradient Hamiltonian Monte Carlo as a torchopt transformation.
 

@@ -51,6 +51,7 @@ from ._common import bucketed_grads, effective_grad
 from .arguments import NESTEROV, sampling_meaningless, sgd_signature
 from .definition import Hyperparameter, SamplerDefinition, UpdateInput, UpdateOutput
 from .optimizer import SamplerOptimizer
+from .temperature_rule import LANGEVIN
 from .transformation import pick, transformation_of
 
 __all__ = ["DEFINITION", "SGLD", "SGLDState", "sgld", "sgld_direction", "sgld_noise_scale"]
@@ -162,6 +163,14 @@ MOMENTUM = Hyperparameter(
     kept=False,
 )
 
+
+def load_fused_kernel() -> Any:
+    """SGLD's fused Triton kernel, ``_sgld_fused`` (imported on first use: it imports Triton)."""
+    from . import _sgld_fused
+
+    return _sgld_fused
+
+
 DEFINITION = SamplerDefinition(
     name="SGLD",
     transform_name="sgld",
@@ -173,10 +182,10 @@ DEFINITION = SamplerDefinition(
     ),
     state=(),
     update=_update,
-    temperature_rule="langevin",
+    temperature_rule=LANGEVIN,
     example="lr=1e-3",
     check=_check,
-    fused_kernel="_sgld_fused",
+    fused_kernel=load_fused_kernel,
     optimizer_doc=r"""Stochastic gradient Langevin dynamics, a drop-in for ``torch.optim.SGD``.
 
     Each step is one transition of the Markov chain

@@ -110,8 +110,9 @@ from ..core.validation import check_choice, check_momentum
 from ._common import bucketed_grads, effective_grad
 from .arguments import DAMPENING, NESTEROV, TEMPERATURE, sampling_meaningless, sgd_signature
 from .definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
+from .noise_scales import sghmc_noise_scale
 from .optimizer import SamplerOptimizer
-from .sghmc import sghmc_noise_scale
+from .temperature_rule import TemperatureRule, thermostat_kinetic
 from .transformation import pick, transformation_of
 
 __all__ = [
@@ -193,36 +194,87 @@ def sgnht_direction(
     if kinetic_energy not in KINETIC_ENERGY:
         raise ValueError(f"kinetic_energy must be one of {KINETIC_ENERGY}")
     symmetric = kinetic_energy == "symmetric"
-    scale = sghmc_noise_scale(lr, momentum, temperature, num_data)
-    cooling = lr * temperature / num_data
-    # |b|^2 lr^2 / n, or |(b_old + b_new) / 2|^2 lr^2 / n
-    factor = lr * lr / 4 if symmetric else lr * lr
-    if not foreach:
-        buffers, new_thermostats = [], []
-        for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
-            grad = effective_grad(grad, param, weight_decay=weight_decay, maximize=maximize)
-            thermostat = thermostats[i]
-            friction = torch.sub(1.0, thermostat)
-            buffer = momentum_buffers[i]
-            midpoint = None
-            if symmetric:  # b_old + b_new = (2 - alpha) b_old + (g' + s xi)
-                kick = grad.add(noise[i], alpha=scale)
-                midpoint = buffer.mul(torch.add(friction, 1.0)).add_(kick)
-            # out of place: the in-place product's dtype (a 0-dim buffer would be promoted)
-            buffer = buffer.mul_(friction) if inplace else buffer.mul(friction).to(buffer.dtype)
-            if symmetric:
-                buffer.add_(kick)
-            else:
-                buffer.add_(grad).add_(noise[i], alpha=scale)
-            if buffer.numel() > 0:  # an empty tensor has nothing to thermostat
-                energy = buffer if midpoint is None else midpoint
-                kinetic = torch.linalg.vector_norm(energy, dtype=thermostat.dtype).square()
-                increment = kinetic.mul_(factor / buffer.numel()).sub_(cooling)
-                thermostat = thermostat.add_(increment) if inplace else thermostat.add(increment)
-            buffers.append(buffer)
-            new_thermostats.append(thermostat)
-        return list(buffers), buffers, new_thermostats
+    buffers, new_thermostats = (_foreach_sgnht if foreach else _single_tensor_sgnht)(
+        params,
+        grads,
+        momentum_buffers,
+        thermostats,
+        noise,
+        scale=sghmc_noise_scale(lr, momentum, temperature, num_data),
+        cooling=lr * temperature / num_data,
+        # |b|^2 lr^2 / n, or |(b_old + b_new) / 2|^2 lr^2 / n
+        factor=lr * lr / 4 if symmetric else lr * lr,
+        symmetric=symmetric,
+        weight_decay=weight_decay,
+        maximize=maximize,
+        inplace=inplace,
+    )
+    return list(buffers), buffers, new_thermostats
 
+
+def _single_tensor_sgnht(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    thermostats: list[Tensor],
+    noise: list[Tensor],
+    *,
+    scale: float,
+    cooling: float,
+    factor: float,
+    symmetric: bool,
+    weight_decay: float,
+    maximize: bool,
+    inplace: bool,
+) -> tuple[list[Tensor], list[Tensor]]:
+    r"""The reference loop of :func:`sgnht_direction`: ``(momentum_buffers, thermostats)``.
+
+    ``scale`` is the noise's :math:`\sqrt{2(1-\mu)T/(N\,lr)}`, ``cooling``
+    :math:`lr\,T/N`, ``factor`` the kinetic energy's :math:`lr^2` (:math:`lr^2/4` with
+    ``symmetric``, whose energy is that of :math:`b_{\text{old}} + b`).
+    """
+    buffers, new_thermostats = [], []
+    for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
+        grad = effective_grad(grad, param, weight_decay=weight_decay, maximize=maximize)
+        thermostat = thermostats[i]
+        friction = torch.sub(1.0, thermostat)
+        buffer = momentum_buffers[i]
+        midpoint = None
+        if symmetric:  # b_old + b_new = (2 - alpha) b_old + (g' + s xi)
+            kick = grad.add(noise[i], alpha=scale)
+            midpoint = buffer.mul(torch.add(friction, 1.0)).add_(kick)
+        # out of place: the in-place product's dtype (a 0-dim buffer would be promoted)
+        buffer = buffer.mul_(friction) if inplace else buffer.mul(friction).to(buffer.dtype)
+        if symmetric:
+            buffer.add_(kick)
+        else:
+            buffer.add_(grad).add_(noise[i], alpha=scale)
+        if buffer.numel() > 0:  # an empty tensor has nothing to thermostat
+            energy = buffer if midpoint is None else midpoint
+            kinetic = torch.linalg.vector_norm(energy, dtype=thermostat.dtype).square()
+            increment = kinetic.mul_(factor / buffer.numel()).sub_(cooling)
+            thermostat = thermostat.add_(increment) if inplace else thermostat.add(increment)
+        buffers.append(buffer)
+        new_thermostats.append(thermostat)
+    return buffers, new_thermostats
+
+
+def _foreach_sgnht(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    thermostats: list[Tensor],
+    noise: list[Tensor],
+    *,
+    scale: float,
+    cooling: float,
+    factor: float,
+    symmetric: bool,
+    weight_decay: float,
+    maximize: bool,
+    inplace: bool,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """:func:`_single_tensor_sgnht` with foreach operations, per (device, dtype) bucket."""
     buffers = list(momentum_buffers)
     new_thermostats = list(thermostats)
     for index, bucket_grads, _ in bucketed_grads(
@@ -267,7 +319,7 @@ def sgnht_direction(
             alphas = list(torch._foreach_add(alphas, kinetics))
         for position, alpha in zip(full, alphas, strict=True):
             new_thermostats[index[position]] = alpha
-    return list(buffers), buffers, new_thermostats
+    return buffers, new_thermostats
 
 
 def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:
@@ -360,6 +412,14 @@ _OPTIMIZER_DOC = r"""Stochastic gradient Nosé--Hoover thermostat, a drop-in for
         Bayesian sampling using stochastic gradient thermostats. NeurIPS. Algorithm 1.
     """
 
+
+def load_fused_kernel() -> Any:
+    """SGNHT's fused Triton kernel, ``_sgnht_fused`` (imported on first use: it imports Triton)."""
+    from . import _sgnht_fused
+
+    return _sgnht_fused
+
+
 DEFINITION = SamplerDefinition(
     name="SGNHT",
     transform_name="sgnht",
@@ -400,8 +460,8 @@ DEFINITION = SamplerDefinition(
         ),
     ),
     update=_update,
-    fused_kernel="_sgnht_fused",
-    temperature_rule="sgnht",
+    fused_kernel=load_fused_kernel,
+    temperature_rule=TemperatureRule("sgnht", kinetic=thermostat_kinetic),
     example="lr=1e-3",
     check=_check,
     momentum_in_lr_units=True,  # the buffer; the thermostat's equilibrium is lr-free

@@ -42,6 +42,7 @@ from ._grad_scaler import scaler_input
 from ._temperature_window import StepSums, StepWindow
 from .chain_temperature import ChainTemperatureReport, TemperatureSums, group_sums
 from .optimizer import SamplerOptimizer
+from .temperature_rule import TemperatureRule
 
 __all__ = ["ChainTemperatureWarning", "TemperatureMonitor"]
 
@@ -169,7 +170,7 @@ class TemperatureMonitor:
                 "definition declares a temperature_rule)"
             )
         self.optimizer = optimizer
-        self.rule: str = rule
+        self.rule: TemperatureRule = rule
         self.history: list[tuple[int, list[ChainTemperatureReport]]] = []
         self.warned = False
         self._steps = 0

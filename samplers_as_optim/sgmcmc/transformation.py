@@ -26,6 +26,7 @@ multiply-add, which can differ from the two roundings by one unit in the last pl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -40,6 +41,8 @@ from ..core.validation import check_seed
 from . import fused as fused_module
 from ._common import buckets, default_foreach, may_be_non_finite
 from ._transform_fused import fused_update, fused_update_refusal
+from ._transform_state import PUBLIC_MODULE as PUBLIC_MODULE  # re-exported: langevin_noise
+from ._transform_state import buffer_names, initial_buffers, state_class
 from .arguments import RETURNS_DOC
 from .definition import SamplerDefinition, UpdateInput, arguments_doc, generated_function
 from .fused import check_fused, fused_message
@@ -271,7 +274,7 @@ def sampler_transformation(
     group = {**_NEUTRAL, **arguments}
     seed = group.pop("seed")
     validate = optimizer_class.check_hyperparameters
-    scheduled = [key for key in ("lr", "temperature") if callable(group[key])]
+    scheduled = tuple(key for key in ("lr", "temperature") if callable(group[key]))
     validate({**group, **{key: _resolve(group[key], 0) for key in scheduled}}, where="")
     seed = check_seed(seed)
     seed = seed_from_global_rng() if seed is None else seed
@@ -284,14 +287,50 @@ def sampler_transformation(
         reason = refusal(at_start, [], False)
         if reason is not None:
             raise ValueError(fused_message(reason))
+    sampler = _Sampler(
+        name=name,
+        state_type=state_type,
+        group=group,
+        seed=seed,
+        validate=validate,
+        scheduled=scheduled,
+        static=static,
+        init_buffers=init_buffers,
+        kernel=kernel,
+        scale_by_lr=scale_by_lr,
+        fused=fused,
+        refusal=refusal,
+    )
+    return GradientTransformation(sampler.init, sampler.update)
 
-    def fused_here(updates: Any, leaves: list[Any], params: list[Any], values: Any) -> bool:
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Sampler:
+    """:func:`sampler_transformation`'s ``init`` and ``update``, on its Args validated once."""
+
+    name: str
+    state_type: type[Any]
+    #: the hyperparameters and their neutral values; ``lr`` and ``temperature`` may be schedules
+    group: dict[str, Any]
+    seed: int
+    validate: Callable[..., Any]
+    #: which of ``lr`` and ``temperature`` are schedules
+    scheduled: tuple[str, ...]
+    #: those that are not, as floats
+    static: dict[str, float]
+    init_buffers: Callable[[list[Tensor | None]], tuple[tuple[Any, ...], ...]]
+    kernel: Kernel
+    scale_by_lr: bool
+    fused: bool | None
+    refusal: FusedRefusal | None
+
+    def fused_here(self, updates: Any, leaves: list[Any], params: list[Any], values: Any) -> bool:
         """Whether this update is fused; with ``fused=True``, raise if it cannot be."""
         if (
-            fused is False
-            or refusal is None
-            or (fused is None and not fused_module.DEFAULT_ON_CUDA)
-            or (fused is None and float(values["temperature"]) == 0)  # torchopt.sgd's own
+            self.fused is False
+            or self.refusal is None
+            or (self.fused is None and not fused_module.DEFAULT_ON_CUDA)
+            or (self.fused is None and float(values["temperature"]) == 0)  # torchopt.sgd's own
         ):
             return False
         paths, _, _ = pytree.tree_flatten_with_path(updates, none_is_leaf=True)
@@ -301,64 +340,93 @@ def sampler_transformation(
             if leaf is not None
         ]
         present = [leaf for _, leaf, _ in given]
-        reason = refusal(values, given, _in_functorch(present))
-        if reason is not None and fused:
+        reason = self.refusal(values, given, _in_functorch(present))
+        if reason is not None and self.fused:
             raise ValueError(fused_message(reason))
         return reason is None
 
-    def hyperparameters_at(count: int) -> dict[str, Any]:
-        if not scheduled:
-            return {**group, **static}
-        values = {**group, **{key: _resolve(group[key], count) for key in scheduled}}
-        validate(values, where=f" at schedule step {count}")
+    def hyperparameters_at(self, count: int) -> dict[str, Any]:
+        """The hyperparameters at step ``count``: the schedules' values, validated."""
+        if not self.scheduled:
+            return {**self.group, **self.static}
+        values = {**self.group, **{key: _resolve(self.group[key], count) for key in self.scheduled}}
+        self.validate(values, where=f" at schedule step {count}")
         return {**values, "lr": float(values["lr"]), "temperature": float(values["temperature"])}
 
-    def init_fn(params: Any) -> Any:
+    def init(self, params: Any) -> Any:
+        """Torchopt's ``init``: the initial buffers, the chain's seed and a count of 0."""
         leaves = pytree.tree_leaves(params, none_is_leaf=True)
-        return state_type(*init_buffers(leaves), seed=seed, count=0)
+        return self.state_type(*self.init_buffers(leaves), seed=self.seed, count=0)
 
-    def update_fn(
-        updates: Any, state: Any, *, params: Any = None, inplace: bool = True
+    def update(
+        self, updates: Any, state: Any, *, params: Any = None, inplace: bool = True
     ) -> tuple[Any, Any]:
-        if not isinstance(state, state_type):
+        """Torchopt's ``update``: refusals first, then the kernel's step (:meth:`step`)."""
+        if not isinstance(state, self.state_type):
             raise TypeError(
-                f"Invalid state: {type(state).__name__} (expected the {state_type.__name__} "
-                f"that {name}(...).init returns)"
+                f"Invalid state: {type(state).__name__} (expected the "
+                f"{self.state_type.__name__} that {self.name}(...).init returns)"
             )
         count = state.count
-        values = hyperparameters_at(count)
+        values = self.hyperparameters_at(count)
         lr, temperature = values["lr"], values["temperature"]
         leaves, treespec = pytree.tree_flatten(updates, none_is_leaf=True)
-        param_leaves = _param_leaves(params, leaves, group["weight_decay"])
+        param_leaves = _param_leaves(params, leaves, self.group["weight_decay"])
         if temperature > 0:
             _refuse_half_precision(updates if params is None else params, leaves, params is None)
-        _refuse_non_finite(name, updates, leaves, count)
+        _refuse_non_finite(self.name, updates, leaves, count)
         active = [i for i, leaf in enumerate(leaves) if leaf is not None]
-        grads = [leaves[i] for i in active]
         if not active or (temperature > 0 and lr == 0):
             # a step of length zero: no time passes, nothing but the counter changes
-            if scale_by_lr:
+            if self.scale_by_lr:
+                grads = [leaves[i] for i in active]
                 zeros = [grad.zero_() if inplace else torch.zeros_like(grad) for grad in grads]
                 leaves = _scatter(leaves, active, zeros)
             return pytree.tree_unflatten(treespec, leaves), state._replace(count=count + 1)
+        directions, buffers = self.step(
+            updates, state, values, (leaves, treespec), param_leaves, active, inplace=inplace
+        )
+        return (
+            pytree.tree_unflatten(treespec, _scatter(leaves, active, directions)),
+            self.state_type(*buffers, seed=state.seed, count=count + 1),
+        )
+
+    def step(
+        self,
+        updates: Any,
+        state: Any,
+        values: dict[str, Any],
+        flat: tuple[list[Any], Any],
+        param_leaves: list[Any],
+        active: list[int],
+        *,
+        inplace: bool,
+    ) -> tuple[list[Tensor], tuple[Any, ...]]:
+        """The kernel on the ``active`` leaves: their updates and the new buffer fields.
+
+        ``flat`` is ``(leaves, treespec)`` of ``updates``; ``values`` the hyperparameters at
+        this step (:meth:`hyperparameters_at`).
+        """
+        (leaves, treespec), count = flat, state.count
+        grads = [leaves[i] for i in active]
         # Parameters enter a kernel only through weight decay. As in torchopt, they are
         # detached unless the updates carry a graph (MetaOptimizer), so that no graph grows
         # from step to step inside torchopt.Optimizer.
         params_in = [
             param_leaves[i] if leaves[i].requires_grad else param_leaves[i].detach() for i in active
         ]
-        foreach = group["foreach"]
+        foreach = self.group["foreach"]
         if foreach is None:  # torch.optim's choice, but vmap has no rule for foreach ops
             foreach = default_foreach(grads) and not _in_functorch(grads)
         noise = None
         keys = leaf_noise_keys(treespec)
-        fusing = fused_here(updates, leaves, param_leaves, values)
-        if temperature > 0 and not fusing:
+        fusing = self.fused_here(updates, leaves, param_leaves, values)
+        if values["temperature"] > 0 and not fusing:
             noise = NoiseStream(state.seed).standard_normal(
                 grads, [keys[i] for i in active], step=count
             )
         fields = state[:-2]
-        directions, new_fields = kernel(
+        directions, new_fields = self.kernel(
             {**values, "count": count, "inplace": inplace, "foreach": foreach},
             KernelInput(
                 params_in,
@@ -371,8 +439,10 @@ def sampler_transformation(
         )
         if fusing:  # the kernel's results are the updates (written into grads if inplace)
             pass
-        elif scale_by_lr:
-            directions = _scale_by_neg_lr(directions, grads, lr, inplace=inplace, foreach=foreach)
+        elif self.scale_by_lr:
+            directions = _scale_by_neg_lr(
+                directions, grads, values["lr"], inplace=inplace, foreach=foreach
+            )
         elif inplace:
             for direction, grad in zip(directions, grads, strict=True):
                 if direction is not grad:
@@ -382,12 +452,7 @@ def sampler_transformation(
             tuple(_scatter(list(field), active, new)) if field else field
             for field, new in zip(fields, new_fields, strict=True)
         )
-        return (
-            pytree.tree_unflatten(treespec, _scatter(leaves, active, directions)),
-            state_type(*buffers, seed=state.seed, count=count + 1),
-        )
-
-    return GradientTransformation(init_fn, update_fn)
+        return directions, buffers
 
 
 def _refusal(
@@ -425,36 +490,6 @@ def _scatter(values: list[Any], index: list[int], new: list[Any]) -> list[Any]:
     return out
 
 
-def _loading_legacy_states(base: type[Any], definition: SamplerDefinition) -> type[Any]:
-    """``base`` whose constructor also takes the fields of an older version's state.
-
-    A state pickled before some fields existed (``StateField.legacy``) is rebuilt with
-    ``cls(*old_values)`` (or by keyword): the missing fields are derived from the old ones.
-    """
-    added = [state for state in definition.state if state.legacy is not None]
-    new_names = {state.name for state in added}
-    old_names = [name for name in base._fields if name not in new_names]
-
-    def __new__(cls: type[Any], *args: Any, **kwargs: Any) -> Any:  # noqa: N807
-        given = dict(zip(base._fields, args, strict=False)) | kwargs
-        if len(args) == len(old_names) and not kwargs:
-            given = dict(zip(old_names, args, strict=True))
-        if not all(name in given for name in new_names):
-            old = {name: given[name] for name in old_names if name in given}
-            for state in added:
-                assert state.legacy is not None
-                given.setdefault(state.name, state.legacy(old))
-        make: Any = base.__new__
-        return make(cls, **given)
-
-    namespace: dict[str, Any] = {"__slots__": (), "__new__": __new__}
-    return type(base.__name__, (base,), namespace)
-
-
-#: the module whose names the transformations' state classes are (for pickling)
-PUBLIC_MODULE = "samplers_as_optim.transforms"
-
-
 def transformation_of(
     definition: SamplerDefinition, optimizer_class: type[SamplerOptimizer]
 ) -> tuple[Callable[..., GradientTransformation], type[Any]]:
@@ -463,108 +498,13 @@ def transformation_of(
     The state is a NamedTuple named ``<Name>State`` with one field per declared buffer
     (each a tuple with one entry per leaf, or empty where the hyperparameters keep no such
     buffer), ``momentum_lr`` for a sampler whose momentum is kept in SGD units (the rate
-    each buffer was written at, a float or None), then ``seed`` and ``count``. The factory
-    has the declared signature (the hyperparameters with ``transform=True``) and validates
-    with ``optimizer_class.check_hyperparameters``, so that both front ends refuse the
-    same values with the same messages.
+    each buffer was written at, a float or None), then ``seed`` and ``count``
+    (``_transform_state``). The factory has the declared signature (the hyperparameters
+    with ``transform=True``) and validates with ``optimizer_class.check_hyperparameters``,
+    so that both front ends refuse the same values with the same messages.
     """
-    rated = definition.momentum_in_lr_units
-    momentum = definition.momentum_buffer
-    names = [state.name for state in definition.state] + ([MOMENTUM_RATE] if rated else [])
-    lines = [f"The state of :func:`{definition.transform_name}`: buffers and the chain's "]
-    lines[0] += "random state.\n\nAttributes:"
-    for state in definition.state:
-        lines.append(f"    {state.name}: {state.doc}")
-    if rated:
-        lines.append(
-            f"    {MOMENTUM_RATE}: per leaf, the learning rate (a float) at which its momentum "
-            "buffer was last written, None before its first update at temperature > 0: a "
-            "later update at another ``lr`` first rescales the buffer (docs/design.md)."
-        )
-    lines.append("    seed: the seed of the chain's noise.")
-    lines.append(
-        "    count: the number of updates taken, the step of the next noise draw and of "
-        "the schedules."
-    )
-    fields = [(name, tuple[Any, ...]) for name in names] + [("seed", int), ("count", int)]
-    state_type: type[Any] = NamedTuple(f"{definition.name}State", fields)  # type: ignore[misc]
-    if any(state.legacy is not None for state in definition.state):
-        state_type = _loading_legacy_states(state_type, definition)  # type: ignore[misc]
-    state_type.__module__ = PUBLIC_MODULE
-    state_type.__doc__ = "\n".join(lines)
-
-    def init_buffers(group: Mapping[str, Any], leaves: list[Tensor | None]) -> tuple[Any, ...]:
-        used = definition.state_fields(group)
-        buffers: list[tuple[Any, ...]] = []
-        for state in definition.state:
-            if state.name not in used:
-                buffers.append(())
-                continue
-            init = state.init or (lambda leaf, _: torch.zeros_like(leaf))
-            if state.host:  # a number read in Python: a float here (``StateField.host``)
-                buffers.append(
-                    tuple(None if leaf is None else float(init(leaf, group)) for leaf in leaves)
-                )
-                continue
-            buffers.append(tuple(None if leaf is None else init(leaf, group) for leaf in leaves))
-        if rated:
-            buffers.append((None,) * len(leaves) if momentum in used else ())
-        return tuple(buffers)
-
-    def kernel(group: dict[str, Any], inputs: KernelInput) -> KernelOutput:
-        given = dict(zip(names, inputs.buffers, strict=True))
-        used = definition.state_fields(group)
-        rates: list[Any] = given.get(MOMENTUM_RATE, [])
-        if rated and given.get(momentum):
-            given[momentum], rates = rescale_momentum(
-                given[momentum],
-                rates,
-                **pick(group, "lr", "temperature", "foreach", "inplace"),
-            )
-        if inputs.keys is not None:  # fused: the kernel gives the updates themselves
-            updates, fresh = fused_update(
-                definition,
-                group,
-                inputs.grads,
-                inputs.params,
-                {name: given[name] for name in used},
-                seed=inputs.seed,
-                count=group["count"],
-                keys=inputs.keys,
-                inplace=group["inplace"],
-            )
-            kept = [
-                list(fresh[state.name]) if state.name in used else [] for state in definition.state
-            ]
-            return updates, (*kept, *([rates] if rated else []))
-        directions, new = definition.update(
-            {**group, "initial_state": group["count"] == 0},
-            UpdateInput(
-                inputs.params, inputs.grads, {name: given[name] for name in used}, inputs.noise
-            ),
-            foreach=group["foreach"],
-            inplace=group["inplace"],
-        )
-        out = [list(new[state.name]) if state.name in used else [] for state in definition.state]
-        return directions, (*out, *([rates] if rated else []))
-
+    state_type = state_class(definition)
     transform = definition.transform_hyperparameters()
-
-    def build(arguments: dict[str, Any]) -> GradientTransformation:
-        arguments = {**arguments, **definition.transform_fixed}
-        fused = arguments.pop("fused")
-        name = f"transforms.{definition.transform_name}"
-        return sampler_transformation(
-            arguments,
-            name=name,
-            state_type=state_type,
-            optimizer_class=optimizer_class,
-            init_buffers=functools.partial(init_buffers, arguments),
-            kernel=kernel,
-            fused=fused,
-            refusal=functools.partial(_refusal, definition, name),
-        )
-
     parameters = [
         (
             h.name,
@@ -583,9 +523,77 @@ def transformation_of(
     factory = generated_function(
         definition.transform_name,
         parameters,
-        build,
+        functools.partial(_build, definition, optimizer_class, state_type),
         returns="GradientTransformation",
         module=PUBLIC_MODULE,
         doc=doc,
     )
     return factory, state_type
+
+
+def _build(
+    definition: SamplerDefinition,
+    optimizer_class: type[SamplerOptimizer],
+    state_type: type[Any],
+    arguments: dict[str, Any],
+) -> GradientTransformation:
+    """The transformation that :func:`transformation_of`'s factory builds from its arguments."""
+    arguments = {**arguments, **definition.transform_fixed}
+    fused = arguments.pop("fused")
+    name = f"transforms.{definition.transform_name}"
+    return sampler_transformation(
+        arguments,
+        name=name,
+        state_type=state_type,
+        optimizer_class=optimizer_class,
+        init_buffers=functools.partial(initial_buffers, definition, arguments),
+        kernel=functools.partial(_definition_kernel, definition, buffer_names(definition)),
+        fused=fused,
+        refusal=functools.partial(_refusal, definition, name),
+    )
+
+
+def _definition_kernel(
+    definition: SamplerDefinition, names: list[str], group: dict[str, Any], inputs: KernelInput
+) -> KernelOutput:
+    """The :data:`Kernel` of a sampler's transformation: its definition's update, or fused.
+
+    ``names`` are the state's buffer fields (``_transform_state.buffer_names``). The
+    momentum in SGD units is first re-expressed at this step's ``lr`` (``momentum_units``);
+    the buffer fields the hyperparameters keep no buffer in are empty.
+    """
+    rated = definition.momentum_in_lr_units
+    momentum = definition.momentum_buffer
+    given = dict(zip(names, inputs.buffers, strict=True))
+    used = definition.state_fields(group)
+    rates: list[Any] = given.get(MOMENTUM_RATE, [])
+    if rated and given.get(momentum):
+        given[momentum], rates = rescale_momentum(
+            given[momentum],
+            rates,
+            **pick(group, "lr", "temperature", "foreach", "inplace"),
+        )
+    if inputs.keys is not None:  # fused: the kernel gives the updates themselves
+        updates, fresh = fused_update(
+            definition,
+            group,
+            inputs.grads,
+            inputs.params,
+            {name: given[name] for name in used},
+            seed=inputs.seed,
+            count=group["count"],
+            keys=inputs.keys,
+            inplace=group["inplace"],
+        )
+        kept = [list(fresh[state.name]) if state.name in used else [] for state in definition.state]
+        return updates, (*kept, *([rates] if rated else []))
+    directions, new = definition.update(
+        {**group, "initial_state": group["count"] == 0},
+        UpdateInput(
+            inputs.params, inputs.grads, {name: given[name] for name in used}, inputs.noise
+        ),
+        foreach=group["foreach"],
+        inplace=group["inplace"],
+    )
+    out = [list(new[state.name]) if state.name in used else [] for state in definition.state]
+    return directions, (*out, *([rates] if rated else []))
