@@ -8,15 +8,18 @@ chunk (``_chunked_update``), one block at a time; every way gives the numbers of
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from ..core.dtensor import is_dtensor, local_layout, wrap_like
 from ..core.streams import NoiseStream
 from ..names import parameter_layout
+from ._half_precision import HALF_DTYPES, MASTER
 from ._prefetch import NoisePrefetcher, NoiseRequest
 
-__all__ = ["PREFETCH_MIN_NUMEL", "GroupNoise", "drawn_ahead", "large"]
+__all__ = ["PREFETCH_MIN_NUMEL", "GroupNoise", "drawn_ahead", "large", "next_noise_requests"]
 
 #: Parameters with at least this many elements have their noise drawn ahead (on the
 #: worker thread, or a CUDA side stream: ``overlap_noise``); smaller ones draw in the step.
@@ -116,3 +119,41 @@ class GroupNoise:
         return self.stream.fill_block_(
             scratch[: stop - start], step=self.step, key=self.keys[i], block=block, shard=self.shard
         )
+
+
+def next_noise_requests(opt: Any) -> list[NoiseRequest]:
+    """The next step's draws to prefetch: large CPU and CUDA parameters of groups at T > 0.
+
+    Handing a draw to the worker costs about as much as drawing a few ten thousand
+    normals (the hand-off, and the worker's Python competing for the GIL), so smaller
+    parameters draw in the step, and a small model hands nothing over. A half-precision
+    parameter's noise is drawn like its float32 master (``_half_precision``).
+    """
+    requests = []
+    for group in opt.param_groups:
+        if not (float(group["temperature"]) > 0 and float(group["lr"]) > 0):
+            continue
+        params = [
+            param
+            for param in group["params"]
+            if large(param)
+            and param.requires_grad
+            and param.device.type in ("cpu", "cuda")
+            and parameter_layout(param) is None
+            and not is_dtensor(param)
+        ]
+        requests += [
+            NoiseRequest(_noise_like(opt, param), group["seed"], group["step"], key, opt._shard)
+            for param, key in zip(params, opt._noise_keys(params), strict=True)
+        ]
+    return requests
+
+
+def _noise_like(opt: Any, param: Tensor) -> Tensor:
+    """The tensor ``param``'s noise is drawn like: its float32 master where it has one."""
+    if param.dtype in HALF_DTYPES:
+        state = opt.state.get(param)
+        if state and isinstance(state.get(MASTER), Tensor):
+            master: Tensor = state[MASTER]
+            return master
+    return param

@@ -44,8 +44,8 @@ def describe_parameter(group: dict[str, Any], index: int, position: int) -> str:
 def refuse_non_finite_gradients(name: str, gathered: Gathered) -> None:
     """Raise, before anything changes, if any gradient holds NaN or infinity.
 
-    Fast path :func:`~._common.gradients_may_be_non_finite`; only on suspicion are the tensors checked one
-    by one, to name the culprit.
+    Fast path :func:`~._common.gradients_may_be_non_finite`; only on suspicion are the
+    tensors checked one by one, to name the culprit.
     """
     if not gradients_may_be_non_finite([grad for *_, grads in gathered for grad in grads]):
         return

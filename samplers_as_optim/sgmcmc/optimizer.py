@@ -55,7 +55,6 @@ from ..core.validation import (
     check_seed,
     check_temperature,
 )
-from ..names import parameter_layout
 from ._checkpoint import (
     MOMENTUM_RATE,
     check_saved_masters,
@@ -68,11 +67,11 @@ from ._checkpoint import (
 from ._common import HostScalars
 from ._fused_step import fused_step, takes_fused_step
 from ._grad_scaler import scaler_input
-from ._group_noise import large
+from ._group_noise import next_noise_requests
 from ._group_state import reexpress_state
-from ._half_precision import MASTER, MasterSync, is_half
+from ._half_precision import MasterSync
 from ._nonfinite import describe_parameter
-from ._prefetch import NoisePrefetcher, NoiseRequest
+from ._prefetch import NoisePrefetcher
 from ._reference_step import update_group
 from ._skipped_host import put_back_if_skipped, settle_skipped
 from ._step_guard import raise_deferred_refusal, verdict
@@ -384,9 +383,24 @@ class SamplerOptimizer(ChainOptimizer):
         gathered, rates = self._plan(compiling)
         if takes_fused_step(self, gathered, compiling=compiling):
             fused_step(self, gathered, rates, scaler)
-            for group in self.param_groups:
-                group["step"] += 1
-            return loss
+            self._advance()
+        else:
+            self._reference_step(gathered, rates, scaler, compiling=compiling)
+        return loss
+
+    def _advance(self) -> None:
+        """The chain's step counter, in every group: the next step's noise is the next."""
+        for group in self.param_groups:
+            group["step"] += 1
+
+    def _reference_step(
+        self, gathered: list[Any], rates: list[StepRates], scaler: Any, *, compiling: bool
+    ) -> None:
+        """Every group's step by the reference backend (``_reference_step``), guarded.
+
+        Then the counters advance, a skipped step's host record is put back
+        (``_skipped_host``) and the next step's large draws go to the worker (``_prefetch``).
+        """
         keep, record = verdict(self, gathered, scaler)
         prefetcher = None if compiling else self._prefetcher
         if prefetcher is not None:
@@ -400,12 +414,10 @@ class SamplerOptimizer(ChainOptimizer):
             )
             if temperature > 0:  # the keys the noise was drawn with (module docstring)
                 self._record_noise_keys(params)
-        for group in self.param_groups:
-            group["step"] += 1
+        self._advance()
         put_back_if_skipped(self._runtime, record, keep)  # (off the CPU: by the next call)
         if prefetcher is not None:
-            prefetcher.submit(self._next_noise_requests())
-        return loss
+            prefetcher.submit(next_noise_requests(self))
 
     def _plan(self, compiling: bool) -> tuple[list[Any], list[StepRates]]:
         """Each group's plan (``step_plan``), its parameters with a gradient, lr and T.
@@ -470,43 +482,6 @@ class SamplerOptimizer(ChainOptimizer):
                 "definition declares a temperature_rule)"
             )
         return temperature_reports(rule, self.param_groups, self.state, level)
-
-    def _next_noise_requests(self) -> list[NoiseRequest]:
-        """The next step's draws to prefetch: large CPU and CUDA parameters of groups at T > 0.
-
-        Handing a draw to the worker costs about as much as drawing a few ten thousand
-        normals (the hand-off, and the worker's Python competing for the GIL), so smaller
-        parameters draw in the step, and a small model hands nothing over.
-        """
-        requests = []
-        for group in self.param_groups:
-            if not (float(group["temperature"]) > 0 and float(group["lr"]) > 0):
-                continue
-            params = [
-                param
-                for param in group["params"]
-                if large(param)
-                and param.requires_grad
-                and param.device.type in ("cpu", "cuda")
-                and parameter_layout(param) is None
-                and not is_dtensor(param)
-            ]
-            requests += [
-                NoiseRequest(
-                    self._noise_like(param), group["seed"], group["step"], key, self._shard
-                )
-                for param, key in zip(params, self._noise_keys(params), strict=True)
-            ]
-        return requests
-
-    def _noise_like(self, param: Tensor) -> Tensor:
-        """The tensor ``param``'s noise is drawn like: its float32 master where it has one."""
-        if is_half(param):
-            state = self.state.get(param)
-            if state and isinstance(state.get(MASTER), Tensor):
-                master: Tensor = state[MASTER]
-                return master
-        return param
 
     def _agree_across_ranks(self) -> None:
         """Under ``torch.distributed``, agree on the seeds once (see ``_distributed``)."""
