@@ -219,3 +219,27 @@ def test_gradients_a_graph_may_hold_are_not_written():
         versions = [g._version for g in grads]
         assert not gradients_may_be_non_finite(grads)
         assert [g._version for g in grads] == versions
+
+
+# ------------------------------------------------------------------ the noise in one pass
+@pytest.mark.parametrize("shard", [None, 3])
+def test_the_noise_drawn_in_one_pass_is_each_parameters_own(shard):
+    """``KeyedNormal.draw_many``: every tensor's ``draw``, bit for bit, whatever its layout."""
+    from samplers_as_optim.core.keyed_normal import BLOCK, KeyedNormal
+
+    stream = KeyedNormal(2**63 + 12345)
+    likes = [
+        torch.zeros(16),
+        torch.zeros(3, 5, dtype=torch.float64),
+        torch.zeros(4, 3, 2, 2).to(memory_format=torch.channels_last),
+        torch.zeros(5, 4).t(),  # not contiguous
+        torch.zeros(7, dtype=torch.bfloat16),
+        torch.zeros(BLOCK + 5),  # two blocks
+        torch.zeros(0),
+    ]
+    keys = [1, 2**64 - 1, 77, 5, 9, 11, 12]
+    drawn = stream.draw_many(likes, keys, step=17, shard=shard)
+    for like, key, noise in zip(likes, keys, drawn, strict=True):
+        alone = stream.draw(like, step=17, key=key, shard=shard)
+        assert noise.shape == like.shape and noise.dtype == like.dtype and noise.is_contiguous()
+        assert torch.equal(noise, alone)

@@ -231,29 +231,33 @@ class KeyedNormal:
         """:meth:`draw` of each of ``likes`` (whole tensors) with its key: the same numbers.
 
         The seed's and the step's part of :func:`derive_seed` is mixed once for all of
-        them, and a tensor of one block is one ``manual_seed`` and one ``torch.randn``:
-        the per-tensor cost of a step's noise, for many small tensors.
+        them, and a tensor of one block is one ``manual_seed`` and one ``normal_`` into
+        a new contiguous tensor (``torch.randn`` is exactly that): the per-tensor cost of
+        a step's noise, for many small tensors.
         """
         prefix = extend_seed(_counter_hash(self.seed & _MASK64), step)
         tail = () if shard is None else (_counter_hash(shard & _MASK64),)
         first = _counter_hash(0)
         generators = self._generators
+        mix, hashed = _splitmix64, _counter_hash
         out = []
         for like, key in zip(likes, keys, strict=True):
             if like.numel() > BLOCK:
                 out.append(self.draw(like, step=step, key=key, shard=shard))
                 continue
-            h = _splitmix64(_splitmix64(prefix ^ _counter_hash(key & _MASK64)) ^ first)
+            h = mix(mix(prefix ^ hashed(key & _MASK64)) ^ first)
             for mixed in tail:
-                h = _splitmix64(h ^ mixed)
+                h = mix(h ^ mixed)
             device = like.device
             generator = generators.get(device)
             if generator is None:
                 generator = generators[device] = torch.Generator(device=device)
             generator.manual_seed(h)
-            out.append(
-                torch.randn(like.shape, generator=generator, dtype=like.dtype, device=device)
-            )
+            if like.is_contiguous():  # (a contiguous tensor's empty_like is contiguous)
+                out.append(torch.empty_like(like).normal_(generator=generator))
+            else:
+                new = torch.empty_like(like, memory_format=torch.contiguous_format)
+                out.append(new.normal_(generator=generator))
         return out
 
     def _draw_part(

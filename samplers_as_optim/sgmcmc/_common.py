@@ -112,7 +112,8 @@ def may_be_non_finite(tensors: Sequence[Tensor]) -> bool:
 _CHECKED_IN_ONE_PASS = (torch.float32, torch.float64)
 
 
-_ONES: dict[torch.device, Tensor] = {}
+#: per device, the scale 1 and the found flag of :func:`gradients_may_be_non_finite`
+_FLAGS: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
 
 def gradients_may_be_non_finite(grads: Sequence[Tensor]) -> bool:
@@ -134,16 +135,21 @@ def gradients_may_be_non_finite(grads: Sequence[Tensor]) -> bool:
         for grad in grads
     ):
         return may_be_non_finite(grads)
-    flags = []
+    suspect = False
     for index in buckets(grads):
         device = grads[index[0]].device
-        found = torch.zeros(1, dtype=torch.float32, device=device)
-        one = _ONES.get(device)
-        if one is None:  # (the scale, never written: kept per device)
-            one = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+        kept = _FLAGS.get(device)
+        if kept is None:  # (the scale, never written, and the flag, zero between checks)
+            kept = _FLAGS[device] = (
+                torch.ones(1, dtype=torch.float32, device=device),
+                torch.zeros(1, dtype=torch.float32, device=device),
+            )
+        one, found = kept
         torch._amp_foreach_non_finite_check_and_unscale_([grads[i] for i in index], found, one)
-        flags.append(found)
-    return any(bool(flag) for flag in flags)
+        if bool(found):
+            found.zero_()  # (the kernel only ever sets it: zero again for the next check)
+            suspect = True
+    return suspect
 
 
 def all_finite(tensors: Sequence[Tensor]) -> dict[torch.device, Tensor]:

@@ -156,12 +156,12 @@ def rescale_momentum_state(
         unless_nonfinite: as for :func:`rescale_momentum`.
     """
     records = [state.get(MOMENTUM_RATE) for state in states]
+    if temperature == 0 and records.count(None) == len(records):
+        return  # SGD's buffers, with no record to keep up to date
     if params is not None and known is not None:
         rates = [known.value(p, r) for p, r in zip(params, records, strict=True)]
     else:
         rates = [host_value(record) for record in records]
-    if temperature == 0 and all(record is None for record in records):
-        return  # SGD's buffers, with no record to keep up to date
     if all(rate == lr for rate in rates) and all(isinstance(r, Tensor) for r in records):
         return  # every buffer is in this step's units and its record says so already
     _, new_rates = rescale_momentum(
