@@ -31,7 +31,7 @@ from timing import interleaved, median_ratio, setup_threads
 from torch import nn
 
 from samplers_as_optim import SGHMC, diagnostics
-from samplers_as_optim.sgmcmc.chain_temperature import group_sums
+from samplers_as_optim.sgmcmc.temperature.estimates import group_sums
 
 NUM_DATA = 60_000
 BATCH = 128

@@ -57,7 +57,7 @@ autodoc_default_options = {"show-inheritance": True}
 nitpicky = False
 
 # Base classes whose own members are not repeated on every subclass page.
-FOREIGN_BASES = "Optimizer, Module, tuple, object, Exception, ValueError, TypeError"
+FOREIGN_BASES = "Optimizer, Module, tuple, object, int, Exception, ValueError, TypeError"
 
 
 def public_modules(package: ModuleType) -> list[str]:

@@ -123,8 +123,8 @@ from .samples.rhat_ess import (
     superchain_order,
     worst_per_input,
 )
-from .sgmcmc.chain_temperature import ChainTemperatureReport
-from .sgmcmc.temperature_monitor import ChainTemperatureWarning, TemperatureMonitor
+from .sgmcmc.temperature.estimates import ChainTemperatureReport
+from .sgmcmc.temperature.monitor import ChainTemperatureWarning, TemperatureMonitor
 
 __all__ = [
     "ChainTemperatureReport",

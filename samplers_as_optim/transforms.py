@@ -43,7 +43,7 @@ Where they work:
 The fused path. Every sampler above takes ``fused`` as its Optimizer does: its update is
 then computed by the Optimizer's Triton kernel, with the noise a fused Optimizer of the
 same seed draws; SGNHT's thermostats and BAOA's buffers stay in the state, updated by
-the kernel (``sgmcmc/_transform_fused``).
+the kernel (``sgmcmc/fused/transform``).
 
 Precision. At temperature > 0 a chain's position must be float32 or float64: a
 float16 or bfloat16 leaf of the params tree (of the updates, without ``params``) is

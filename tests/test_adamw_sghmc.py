@@ -474,7 +474,7 @@ def test_the_transforms_arguments_are_documented():
 def test_nonfinite_skip_changes_nothing(temperature):
     """Parameters and every entry keep their bits, the step count too: it is read on the
     host (``StateField.host``), advanced by the update and put back when the device skips
-    the step (``_skipped_host``; here, on the CPU, at the end of the step)."""
+    the step (``step/skipped_host``; here, on the CPU, at the end of the step)."""
     param = torch.nn.Parameter(torch.randn(4, 3))
     opt = AdamWSGHMC(
         [param], num_data=10, seed=0, nonfinite="skip", temperature=temperature,

@@ -1,7 +1,7 @@
 """``torch.amp.GradScaler`` with every sampler: the ``grad_scale``/``found_inf`` protocol.
 
 ``SamplerOptimizer._step_supports_amp_scaling`` makes ``GradScaler.step`` hand over its
-scale and its verdict instead of unscaling and synchronising (``sgmcmc/_grad_scaler``).
+scale and its verdict instead of unscaling and synchronising (``sgmcmc/step/grad_scaler``).
 Checked on the CPU with an autocast-free float32 model and a power-of-two scale, so that
 ``g * s / s == g`` exactly: the chain with a scaler is the chain without one, bit for
 bit; an injected infinity makes the scaler halve its scale and the step change nothing,

@@ -1,4 +1,4 @@
-"""Kinetic and configurational temperatures (``sgmcmc/chain_temperature``), the
+"""Kinetic and configurational temperatures (``sgmcmc/temperature/estimates``), the
 optimizer's ``temperature_estimates`` and ``diagnostics.TemperatureMonitor``.
 
 The targets are diagonal Gaussians, ``N * L = sum_i lam_i theta_i^2 / 2``, with the
@@ -15,7 +15,7 @@ standard error is used instead (each element's term a Gaussian quadratic, varian
 2 E^2), which bounds any window average's whatever the autocorrelation.
 
 The monitor reads, with its default ``coordinates``, a fixed strided subset of the 10,000
-elements (``sgmcmc/temperature_coordinates``): every law below is the one of the elements
+elements (``sgmcmc/temperature/coordinates``): every law below is the one of the elements
 it reads (``READ``: how many of each precision's), with d the subset's size.
 """
 
@@ -33,15 +33,15 @@ from linear_chains import sghmc_mode, sgld_mode, spectral_radius, stationary_cov
 import samplers_as_optim as sao
 from samplers_as_optim import diagnostics
 from samplers_as_optim.names import set_member_dims
-from samplers_as_optim.sgmcmc.chain_temperature import (
+from samplers_as_optim.sgmcmc.optimizer import SamplerOptimizer
+from samplers_as_optim.sgmcmc.sgld import DEFINITION as SGLD_DEFINITION
+from samplers_as_optim.sgmcmc.temperature.coordinates import coordinate_subsets
+from samplers_as_optim.sgmcmc.temperature.estimates import (
     TemperatureSums,
     chi2_quantile,
     group_sums,
 )
-from samplers_as_optim.sgmcmc.optimizer import SamplerOptimizer
-from samplers_as_optim.sgmcmc.sgld import DEFINITION as SGLD_DEFINITION
-from samplers_as_optim.sgmcmc.temperature_coordinates import coordinate_subsets
-from samplers_as_optim.sgmcmc.temperature_rule import TemperatureRule
+from samplers_as_optim.sgmcmc.temperature.rule import TemperatureRule
 
 Z = 4.5
 N = 100

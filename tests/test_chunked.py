@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import samplers_as_optim.core.keyed_normal as random_module  # where BLOCK is read
-import samplers_as_optim.sgmcmc._chunked_update as chunked_update_module
+import samplers_as_optim.sgmcmc.step.chunked as chunked_update_module
 from samplers_as_optim import SGHMC, SGLD, SGNHT, transforms
 from samplers_as_optim.core.streams import NoiseStream, block_bounds
 

@@ -273,7 +273,7 @@ def test_nonfinite_must_be_raise_or_skip(case):
 def test_noise_drawn_ahead_under_compile_gives_the_same_chain(monkeypatch):
     """overlap_noise under compile: the op hands step + 1's draw to the worker thread."""
     import samplers_as_optim.core.noise_op as noise_op
-    import samplers_as_optim.sgmcmc._group_noise as group_noise_module
+    import samplers_as_optim.sgmcmc.step.group_noise as group_noise_module
 
     monkeypatch.setattr(group_noise_module, "PREFETCH_MIN_NUMEL", 1)  # small model: all ahead
     chains = []

@@ -33,11 +33,13 @@ pytest.importorskip("triton")
 from samplers_as_optim import BAOA, SGHMC, SGLD, SGNHT, AdamWSGHMC  # noqa: E402
 from samplers_as_optim.core.streams import parameter_key  # noqa: E402
 from samplers_as_optim.names import set_parameter_layout  # noqa: E402
-from samplers_as_optim.sgmcmc import _fused_launch, _sghmc_fused, fused  # noqa: E402
-from samplers_as_optim.sgmcmc import _fused_step as fused_step_module  # noqa: E402
+from samplers_as_optim.sgmcmc import fused  # noqa: E402
 from samplers_as_optim.sgmcmc.fused import fused_normal  # noqa: E402
+from samplers_as_optim.sgmcmc.fused import launch as _fused_launch  # noqa: E402
 from samplers_as_optim.sgmcmc.sghmc import sghmc_direction  # noqa: E402
+from samplers_as_optim.sgmcmc.sghmc import triton_kernel as _sghmc_fused  # noqa: E402
 from samplers_as_optim.sgmcmc.sgld import sgld_direction  # noqa: E402
+from samplers_as_optim.sgmcmc.step import fused_backend as fused_step_module  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 N = 100
@@ -80,12 +82,13 @@ def test_importing_the_package_does_not_import_triton():
     code = (
         "import pathlib, sys, torch, samplers_as_optim\n"
         "from samplers_as_optim.sgmcmc import SAMPLERS\n"
-        "names = {f'_{c.definition.transform_name}_fused' for c in SAMPLERS\n"
-        "         if c.definition.fused_kernel} | {'_fused_normal', '_fused_io', '_pooled_fused'}\n"
         "folder = pathlib.Path(samplers_as_optim.__file__).parent / 'sgmcmc'\n"
-        "assert len(names) == 9 and all((folder / f'{n}.py').is_file() for n in names), names\n"
-        "kernels = [m for m in sys.modules if m.startswith('samplers_as_optim.')\n"
-        "           and m.rsplit('.', 1)[1] in names]\n"
+        "names = {f'sgmcmc.{c.definition.transform_name}.triton_kernel' for c in SAMPLERS\n"
+        "         if c.definition.fused_kernel}\n"
+        "names |= {'sgmcmc.fused.normal', 'sgmcmc.fused.io', 'sgmcmc.fused.pooled'}\n"
+        "paths = [folder.parent.joinpath(*n.split('.')).with_suffix('.py') for n in names]\n"
+        "assert len(names) == 9 and all(path.is_file() for path in paths), names\n"
+        "kernels = [m for m in sys.modules if m.removeprefix('samplers_as_optim.') in names]\n"
         "assert not kernels, kernels\n"
         "assert torch.version.cuda is not None or 'triton' not in sys.modules\n"
     )
@@ -245,7 +248,7 @@ def test_at_temperature_zero_it_is_sgd(case):
 
 @pytest.mark.parametrize("case", SGD_CASES)
 def test_at_temperature_zero_it_is_torchs_fused_sgd_bit_for_bit(case):
-    """At T = 0 the fused step is ``torch._fused_sgd_`` itself (``_fused_launch.
+    """At T = 0 the fused step is ``torch._fused_sgd_`` itself (``fused/launch.
     torch_fused_sgd``): on every device and torch version, whatever torch rounds (torch
     2.11's CUDA kernel rounds lr to float32 for a float32 parameter, where the Triton
     kernel computed in float64: 5% of the elements differed by an ulp)."""

@@ -1,4 +1,4 @@
-"""The fused step of PSGLD and AdamWSGHMC (``_psgld_fused``, ``_adamw_sghmc_fused``).
+"""The fused step of PSGLD and AdamWSGHMC (``psgld/triton_kernel``, ``adamw_sghmc/triton_kernel``).
 
 Without CUDA the kernels run on CPU tensors in Triton's interpreter, as in
 ``tests/test_fused.py`` (whose preamble this repeats): these results were seen through
@@ -24,15 +24,15 @@ pytest.importorskip("triton")
 from samplers_as_optim import PSGLD, AdamWSGHMC  # noqa: E402
 from samplers_as_optim.core.streams import parameter_key  # noqa: E402
 from samplers_as_optim.names import set_member_dims, set_parameter_layout  # noqa: E402
-from samplers_as_optim.sgmcmc import _fused_step as fused_step_module  # noqa: E402
 from samplers_as_optim.sgmcmc import fused  # noqa: E402
-from samplers_as_optim.sgmcmc._pooled_fused import compact_layout, layout  # noqa: E402
 from samplers_as_optim.sgmcmc.adamw_sghmc import adamw_sghmc_direction  # noqa: E402
 from samplers_as_optim.sgmcmc.fused import fused_normal  # noqa: E402
+from samplers_as_optim.sgmcmc.fused.pooled import compact_layout, layout  # noqa: E402
 from samplers_as_optim.sgmcmc.psgld import psgld_direction  # noqa: E402
 from samplers_as_optim.sgmcmc.sampling_preconditioner import (  # noqa: E402
     pooled_second_moment,
 )
+from samplers_as_optim.sgmcmc.step import fused_backend as fused_step_module  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 N = 100

@@ -1,7 +1,7 @@
 """The fused step under ``torch.amp.GradScaler`` and with float16/bfloat16 parameters.
 
 The Optimizer's side of the contract with the kernels (``FusedInput.grad_scales`` and
-``FusedInput.masters``, ``sgmcmc/_grad_scaler`` and ``sgmcmc/_half_precision``), end to
+``FusedInput.masters``, ``sgmcmc/step/grad_scaler`` and ``sgmcmc/step/half_precision``), end to
 end through ``step()``. Without CUDA the kernels run on CPU tensors in Triton's
 interpreter, as in ``tests/test_fused.py`` (whose header explains the switch); tensors are
 small, the interpreter runs each program in Python.

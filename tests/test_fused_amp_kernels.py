@@ -35,9 +35,10 @@ CUDA = use_interpreter()
 pytest.importorskip("triton")
 
 from samplers_as_optim import BAOA, PSGLD, SGHMC, SGLD, SGNHT, AdamWSGHMC  # noqa: E402
-from samplers_as_optim.sgmcmc import _fused_launch, fused  # noqa: E402
-from samplers_as_optim.sgmcmc._fused_launch import FusedInput  # noqa: E402
-from samplers_as_optim.sgmcmc._group_state import init_state  # noqa: E402
+from samplers_as_optim.sgmcmc import fused  # noqa: E402
+from samplers_as_optim.sgmcmc.fused import launch as _fused_launch  # noqa: E402
+from samplers_as_optim.sgmcmc.fused.launch import FusedInput  # noqa: E402
+from samplers_as_optim.sgmcmc.step.ready import init_state  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 N, LR, T, SEED = 100, 0.01, 1.0, 5

@@ -31,9 +31,10 @@ pytest.importorskip("triton")
 from samplers_as_optim import BAOA, SGHMC, SGLD, SGNHT  # noqa: E402
 from samplers_as_optim.core.streams import parameter_key  # noqa: E402
 from samplers_as_optim.names import set_parameter_layout  # noqa: E402
-from samplers_as_optim.sgmcmc import _fused_launch, fused  # noqa: E402
+from samplers_as_optim.sgmcmc import fused  # noqa: E402
 from samplers_as_optim.sgmcmc.baoa import baoa_direction, baoa_noise_scale  # noqa: E402
 from samplers_as_optim.sgmcmc.fused import fused_normal  # noqa: E402
+from samplers_as_optim.sgmcmc.fused import launch as _fused_launch  # noqa: E402
 from samplers_as_optim.sgmcmc.sghmc import sghmc_noise_scale  # noqa: E402
 from samplers_as_optim.sgmcmc.sgnht import sgnht_direction, sgnht_initial_state  # noqa: E402
 

@@ -37,8 +37,9 @@ from samplers_as_optim import (  # noqa: E402
     transforms,
 )
 from samplers_as_optim.core.streams import parameter_key  # noqa: E402
-from samplers_as_optim.sgmcmc import _transform_fused, fused  # noqa: E402
+from samplers_as_optim.sgmcmc import fused  # noqa: E402
 from samplers_as_optim.sgmcmc.fused import fused_normal  # noqa: E402
+from samplers_as_optim.sgmcmc.fused import transform as _transform_fused  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 N = 100

@@ -1,4 +1,4 @@
-"""float16/bfloat16 parameters: the chain's position in a float32 master (``_half_precision``).
+"""float16/bfloat16 parameters: the chain's position in a float32 master (``step/half_precision``).
 
 Checked on the CPU, unfused: a half-precision parameter at T > 0 is the float32 chain
 (given the same gradients, bit for bit, through the whole-tensor, chunked and prefetched
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from samplers_as_optim import BAOA, PSGLD, SGHMC, SGLD, SGNHT, AdamWSGHMC
-from samplers_as_optim.sgmcmc._chunked_update import CHUNK
-from samplers_as_optim.sgmcmc._group_noise import PREFETCH_MIN_NUMEL
+from samplers_as_optim.sgmcmc.step.chunked import CHUNK
+from samplers_as_optim.sgmcmc.step.group_noise import PREFETCH_MIN_NUMEL
 
 N = 200
 

@@ -38,7 +38,7 @@ from linear_chains import (
 from torch.func import vmap
 
 import samplers_as_optim.core.keyed_normal as random_module  # where BLOCK is read
-import samplers_as_optim.sgmcmc._chunked_update as chunked_update_module
+import samplers_as_optim.sgmcmc.step.chunked as chunked_update_module
 from samplers_as_optim import SGHMC, SGNHT, transforms
 from samplers_as_optim.sgmcmc.momentum_units import rescale_momentum
 

@@ -13,8 +13,8 @@ import torch
 from samplers_under_test import SAMPLERS
 
 import samplers_as_optim.core.keyed_normal as random_module  # where BLOCK is read
-import samplers_as_optim.sgmcmc._chunked_update as chunked_update_module
-import samplers_as_optim.sgmcmc._group_noise as group_noise_module
+import samplers_as_optim.sgmcmc.step.chunked as chunked_update_module
+import samplers_as_optim.sgmcmc.step.group_noise as group_noise_module
 
 
 @pytest.fixture(autouse=True)

@@ -161,7 +161,7 @@ def test_a_verdict_left_on_the_device_is_put_back_by_the_next_call(cls, when, mo
     are put back and the chain is the run without the skipped step. (On the CPU, where
     reading it costs no synchronisation, it is read at once: here the device path is
     forced.)"""
-    from samplers_as_optim.sgmcmc import _skipped_host
+    from samplers_as_optim.sgmcmc.step import skipped_host as _skipped_host
 
     monkeypatch.setattr(_skipped_host, "known_on_host", lambda device: False)
     grads = gradients(5)

@@ -1,11 +1,11 @@
-"""The step pipeline's plan (``sgmcmc/step_plan``): validated once, re-made when it changes.
+"""The step pipeline's plan (``sgmcmc/step/plan``): validated once, re-made when it changes.
 
 A param group is validated when its plan is made; a step whose group still holds the
 plan validates nothing, and any change the plan depends on (a hyperparameter's value or
 type, an entry added or renamed, the ``params`` list, the seed, a new dtype, a loaded
 state) makes the next step validate again, so that a bad value is refused at the step
 it reaches, before anything changes. Also the one-pass check of the gradients behind
-``nonfinite="raise"`` (``_common.gradients_may_be_non_finite``).
+``nonfinite="raise"`` (``tensor_lists.gradients_may_be_non_finite``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from samplers_as_optim import SGHMC, SGLD
-from samplers_as_optim.sgmcmc._common import gradients_may_be_non_finite, may_be_non_finite
+from samplers_as_optim.sgmcmc.tensor_lists import gradients_may_be_non_finite, may_be_non_finite
 
 
 def make(**kwargs):
@@ -164,7 +164,7 @@ def test_a_loaded_state_and_a_copy_are_planned_afresh(checks):
 
 def test_a_planned_step_is_the_unplanned_step_bit_for_bit(monkeypatch):
     """Planning changes what is validated, never the numbers: lr moved every step."""
-    from samplers_as_optim.sgmcmc import step_plan
+    from samplers_as_optim.sgmcmc.step import plan as step_plan
 
     opt, params = make()
     twin_params = [nn.Parameter(p.detach().clone()) for p in params]

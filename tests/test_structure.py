@@ -19,9 +19,12 @@ to 54 modules and SGHMC's closure from 34 modules / 8,318 lines to 44 / 9,372. C
 the 1,136-line optimizer into its pipeline's stages, the long updates into their
 kernels, and the fused kernels' repeated prologues into one module of shared Triton
 functions (which an ordinary import now reaches, where a string hid it) adds modules,
-and lines of module docstrings; the folders per concept (a folder per sampler, the
-pipeline, the fused backend, the temperature) and front ends that a sampler's module
-does not import are the next step, which brings both down.
+and lines of module docstrings. The folders per concept that followed (a folder per
+sampler with its Triton kernel, the pipeline ``sgmcmc/step``, the fused backend's parts
+``sgmcmc/fused``, the temperature ``sgmcmc/temperature``) brought ``sgmcmc`` to 20
+(a subfolder counts once in its parent) and added 20 lines of package docstrings to the
+closure (9,392). Front ends that a sampler's module does not import are the next step
+for the closure; ``gaussian`` (28) has not been divided yet.
 
 The import graph is ``tests/test_layers.py``'s (every import of the package's modules,
 function-local ones included).
@@ -43,10 +46,10 @@ LONG_MODULES: dict[str, int] = {}
 LONG_FUNCTIONS = 2
 LONG_FUNCTIONS_IN_SGMCMC = 2
 #: the most modules in one folder (target: 15)
-MODULES_PER_FOLDER = {"sgmcmc": 54, "gaussian": 28, "": 15, "hmc": 10, "samples": 10, "core": 9}
+MODULES_PER_FOLDER = {"sgmcmc": 20, "gaussian": 28, "": 15, "hmc": 10, "samples": 10, "core": 9}
 #: SGHMC's import closure inside the package (target: 16 modules, 4,000 lines)
 SGHMC_CLOSURE_MODULES = 44
-SGHMC_CLOSURE_LINES = 9372
+SGHMC_CLOSURE_LINES = 9392
 #: private names imported from a module of another folder (target met: none)
 PRIVATE_ACROSS_FOLDERS = 0
 
@@ -148,4 +151,4 @@ def test_the_measures_see_the_code(tmp_path: Path):
     made = {"a.x": tmp_path / "a" / "x.py", "a._z": tmp_path / "a" / "_z.py"}
     made["b.y"] = tmp_path / "b" / "y.py"
     assert private_imports_across_folders(made) == ["a.x <- b.y._hidden"]
-    assert Path(ROOT, "sgmcmc", "sghmc.py").is_file()
+    assert Path(ROOT, "sgmcmc", "sghmc", "__init__.py").is_file()

@@ -1,5 +1,5 @@
-"""The coordinates the temperature monitor reads (``sgmcmc/temperature_coordinates``) and
-the sums over them (``chain_temperature.group_sums(coordinates=...)``), checked against
+"""The coordinates the temperature monitor reads (``sgmcmc/temperature/coordinates``) and
+the sums over them (``temperature/estimates.group_sums(coordinates=...)``), checked against
 the same sums written out by hand over the stated positions."""
 
 import math
@@ -11,8 +11,8 @@ import torch
 import samplers_as_optim as sao
 from samplers_as_optim import diagnostics
 from samplers_as_optim.names import set_member_dims
-from samplers_as_optim.sgmcmc.chain_temperature import group_sums
-from samplers_as_optim.sgmcmc.temperature_coordinates import coordinate_subsets
+from samplers_as_optim.sgmcmc.temperature.coordinates import coordinate_subsets
+from samplers_as_optim.sgmcmc.temperature.estimates import group_sums
 
 #: the samplers' temperature rules, as their definitions hold them
 SGHMC_RULE = sao.SGHMC.definition.temperature_rule

@@ -22,7 +22,7 @@ import torch
 import samplers_as_optim as sao
 from samplers_as_optim import diagnostics
 from samplers_as_optim.names import set_member_dims
-from samplers_as_optim.sgmcmc.temperature_coordinates import coordinate_subsets
+from samplers_as_optim.sgmcmc.temperature.coordinates import coordinate_subsets
 
 N = 100
 SIZE = 2_000
@@ -279,7 +279,7 @@ def test_a_skipped_step_reads_nothing_to_the_host(monkeypatch):
 
 
 def test_the_monitor_stays_public_in_diagnostics():
-    from samplers_as_optim.sgmcmc import temperature_monitor
+    from samplers_as_optim.sgmcmc.temperature import monitor as temperature_monitor
 
     assert diagnostics.TemperatureMonitor is temperature_monitor.TemperatureMonitor
     assert diagnostics.ChainTemperatureWarning is temperature_monitor.ChainTemperatureWarning

@@ -1,8 +1,8 @@
-"""Each sampler's temperature rule (``sgmcmc/temperature_rule``): part of its definition.
+"""Each sampler's temperature rule (``sgmcmc/temperature/rule``): part of its definition.
 
 What a sampler means by its kinetic and configurational temperatures is the
 ``TemperatureRule`` its definition holds, read through the object by
-``chain_temperature`` (no switch on the sampler's name); the estimates themselves are
+``temperature/estimates`` (no switch on the sampler's name); the estimates themselves are
 ``test_chain_temperature.py``'s.
 """
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import samplers_as_optim as sao
-from samplers_as_optim.sgmcmc.chain_temperature import group_sums
-from samplers_as_optim.sgmcmc.temperature_rule import (
+from samplers_as_optim.sgmcmc.temperature.estimates import group_sums
+from samplers_as_optim.sgmcmc.temperature.rule import (
     LANGEVIN,
     TemperatureRule,
     UnitMass,

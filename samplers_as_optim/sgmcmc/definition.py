@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..core.chain import NOISE_KEY
 from .momentum_units import MOMENTUM_RATE
-from .temperature_rule import TemperatureRule
+from .temperature.rule import TemperatureRule
 
 __all__ = [
     "REQUIRED",
@@ -141,7 +141,7 @@ class StateField:
             with ``float(...)`` (no device synchronisation) and returns the same kind.
             A step the device skips (``nonfinite="skip"``, a GradScaler's
             ``found_inf``) advances it in the update, and the Optimizer puts it back once
-            the verdict is on the host (``_skipped_host``): a skipped step is not counted.
+            the verdict is on the host (``step/skipped_host``): a skipped step is not counted.
         legacy: for a field added after transformation states could be saved without it
             (it then comes after every older field): its value in such a state, from
             the old state's fields by name (``legacy(old) -> tuple``), so that a state
@@ -235,13 +235,13 @@ class SamplerDefinition:
             False where it does not apply.
         fused_kernel: a function without arguments that imports and returns the module
             beside the sampler's holding its fused Triton kernel (SGHMC's
-            ``load_fused_kernel`` returns ``sgmcmc/_sghmc_fused``), which takes the
+            ``load_fused_kernel`` returns ``sgmcmc/sghmc/triton_kernel``), which takes the
             Optimizer's step in one pass per tensor where it can run (``sgmcmc/fused``);
             called on first use, so that importing the package never imports Triton.
             None: no fused kernel yet (``fused=True`` is refused).
         temperature_rule: what the sampler means by its temperature
             (:class:`~.temperature_rule.TemperatureRule`, built in its module): how
-            ``sgmcmc/chain_temperature`` reads the kinetic temperature from a group's
+            ``sgmcmc/temperature/estimates`` reads the kinetic temperature from a group's
             state (which buffer, its mass and discrete factor) and the prior in the
             configurational one (coupled decay, or a decoupled decay's scale). None: no
             temperature diagnostics (refused by ``temperature_estimates``).

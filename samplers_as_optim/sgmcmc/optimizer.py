@@ -5,13 +5,13 @@ constructor (with the declared signature), its documentation and its hooks come 
 :class:`~.definition.SamplerDefinition`. This base class owns the step every sampler
 takes: param-group validation (at construction, on ``add_param_group`` and at every
 step, since a schedule may move any hyperparameter), gathering parameters with a
-gradient, the non-finite policy (``_nonfinite``; what a skipped or refused step puts back
-on the host, ``_skipped_host``), the lr re-expression of the state, the
-noise (``_group_noise``, drawn ahead by ``_prefetch``), the CPU update in chunks
-(``_chunked_update``), the fused step (``fused``: one Triton kernel per tensor, its
-non-finite check on the device, ``_fused_nonfinite``), ``torch.amp.GradScaler``'s
-``grad_scale``/``found_inf`` (``_grad_scaler``), the float32 master of a float16/bfloat16
-parameter (``_half_precision``) and loading checkpoints (``_checkpoint``).
+gradient, the non-finite policy (``step/nonfinite``; what a skipped or refused step puts back
+on the host, ``step/skipped_host``), the lr re-expression of the state, the
+noise (``step/group_noise``, drawn ahead by ``step/prefetch``), the CPU update in chunks
+(``step/chunked``), the fused step (``fused``: one Triton kernel per tensor, its
+non-finite check on the device, ``fused/nonfinite``), ``torch.amp.GradScaler``'s
+``grad_scale``/``found_inf`` (``step/grad_scaler``), the float32 master of a float16/bfloat16
+parameter (``step/half_precision``) and loading checkpoints (``step/checkpoint``).
 
 The chain itself (the seed and step counter in the param groups, the noise streams, each
 parameter's noise key, derived once and kept in its state as ``state["noise_key"]``) is
@@ -55,28 +55,7 @@ from ..core.validation import (
     check_seed,
     check_temperature,
 )
-from ._checkpoint import (
-    MOMENTUM_RATE,
-    check_saved_masters,
-    migrate_momentum_rates,
-    refuse_non_finite_state,
-    restore_own_dtype_state,
-    saved_groups_with_chain_state,
-    warn_if_keyed_otherwise,
-)
-from ._common import HostScalars
-from ._fused_step import fused_step, takes_fused_step
-from ._grad_scaler import scaler_input
-from ._group_noise import next_noise_requests
-from ._group_state import reexpress_state
-from ._half_precision import MasterSync
-from ._nonfinite import describe_parameter
-from ._prefetch import NoisePrefetcher
-from ._reference_step import update_group
-from ._skipped_host import put_back_if_skipped, settle_skipped
-from ._step_guard import raise_deferred_refusal, verdict
 from .arguments import PARAMS_DOC
-from .chain_temperature import ChainTemperatureReport, temperature_reports
 from .definition import (
     REQUIRED,
     SamplerDefinition,
@@ -85,7 +64,28 @@ from .definition import (
     generated_function,
 )
 from .fused import check_fused, fused_message, fused_refusal
-from .step_plan import GroupPlan, StepRates, planned
+from .step.checkpoint import (
+    MOMENTUM_RATE,
+    check_saved_masters,
+    migrate_momentum_rates,
+    refuse_non_finite_state,
+    restore_own_dtype_state,
+    saved_groups_with_chain_state,
+    warn_if_keyed_otherwise,
+)
+from .step.fused_backend import fused_step, takes_fused_step
+from .step.grad_scaler import scaler_input
+from .step.group_noise import next_noise_requests
+from .step.guard import raise_deferred_refusal, verdict
+from .step.half_precision import MasterSync
+from .step.nonfinite import describe_parameter
+from .step.plan import GroupPlan, StepRates, planned
+from .step.prefetch import NoisePrefetcher
+from .step.ready import reexpress_state
+from .step.reference import update_group
+from .step.skipped_host import put_back_if_skipped, settle_skipped
+from .temperature.estimates import ChainTemperatureReport, temperature_reports
+from .tensor_lists import HostScalars
 
 __all__ = ["SamplerOptimizer"]
 
@@ -124,7 +124,7 @@ class SamplerOptimizer(ChainOptimizer):
     #: the sampler this class is built from (set by ``__init_subclass__``)
     definition: SamplerDefinition
     #: ``torch.amp.GradScaler.step`` hands over ``grad_scale`` and ``found_inf`` instead
-    #: of unscaling and synchronising (``_grad_scaler``)
+    #: of unscaling and synchronising (``step/grad_scaler``)
     _step_supports_amp_scaling = True
     requires_positive_temperature: bool = False
     #: the state holds a momentum buffer in SGD units, re-expressed when lr changes
@@ -225,12 +225,12 @@ class SamplerOptimizer(ChainOptimizer):
         self._reset_chain_runtime()  # the noise streams and keys, the shard
         #: the values of the 0-d rate tensors in the state (see ``HostScalars``)
         self._host_scalars = HostScalars()
-        #: what each half-precision parameter held after its last step (``_half_precision``)
+        #: what each half-precision parameter held after its last step (``step/half_precision``)
         self._master_sync = MasterSync()
         self._prefetcher = NoisePrefetcher() if self._overlap_noise else None
         self._seed_given = seed_given
         self._runtime["agreed"] = False
-        #: each param group's plan, by ``id(group)`` (``step_plan``): dropped with the rest
+        #: each param group's plan, by ``id(group)`` (``step/plan``): dropped with the rest
         self._runtime["plans"] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -349,18 +349,19 @@ class SamplerOptimizer(ChainOptimizer):
 
         ``torch.amp.GradScaler``: ``scaler.step(opt)`` sets ``opt.grad_scale`` and
         ``opt.found_inf`` (``_step_supports_amp_scaling``) and calls this without
-        unscaling or synchronising (``sgmcmc/_grad_scaler``). The update then reads each
+        unscaling or synchronising (``sgmcmc/step/grad_scaler``). The update then reads each
         gradient as ``g / grad_scale`` in float32 or wider; ``.grad`` is left as it is
         (scaled), unlike after ``scaler.unscale_``. ``found_inf > 0`` makes the step a
         no-op decided on the device (unfused: ``torch.where`` against the old values;
         fused: the kernels' flag), with no ``FloatingPointError`` whatever
         ``nonfinite`` says; as with ``nonfinite="skip"`` the step counter advances, 1 is
-        added to ``param_group["skipped_steps"]`` and host counts are put back (``_skipped_host``).
+        added to ``param_group["skipped_steps"]`` and host counts are put back
+        (``step/skipped_host``).
 
         float16/bfloat16 parameters: from a parameter's first step at T > 0 on, the
         update runs on its float32 master ``state["master_param"]`` with float32
         buffers, and the parameter takes its rounding to nearest
-        (``sgmcmc/_half_precision``, which says what wins when the parameter was
+        (``sgmcmc/step/half_precision``, which says what wins when the parameter was
         assigned from outside); at T = 0 a parameter without master steps as
         ``torch.optim.SGD`` does, in its own dtype.
 
@@ -396,10 +397,11 @@ class SamplerOptimizer(ChainOptimizer):
     def _reference_step(
         self, gathered: list[Any], rates: list[StepRates], scaler: Any, *, compiling: bool
     ) -> None:
-        """Every group's step by the reference backend (``_reference_step``), guarded.
+        """Every group's step by the reference backend (``step/reference``), guarded.
 
         Then the counters advance, a skipped step's host record is put back
-        (``_skipped_host``) and the next step's large draws go to the worker (``_prefetch``).
+        (``step/skipped_host``) and the next step's large draws go to the worker
+        (``step/prefetch``).
         """
         keep, record = verdict(self, gathered, scaler)
         prefetcher = None if compiling else self._prefetcher
@@ -420,7 +422,7 @@ class SamplerOptimizer(ChainOptimizer):
             prefetcher.submit(next_noise_requests(self))
 
     def _plan(self, compiling: bool) -> tuple[list[Any], list[StepRates]]:
-        """Each group's plan (``step_plan``), its parameters with a gradient, lr and T.
+        """Each group's plan (``step/plan``), its parameters with a gradient, lr and T.
 
         A group is validated when it is planned, and re-planned when anything its plan
         holds has changed; traced by ``torch.compile`` it is validated at every step
@@ -462,7 +464,7 @@ class SamplerOptimizer(ChainOptimizer):
         as they are now, so call it after ``backward()`` and before ``step()`` (the
         gradient must be the one at these parameters). Each estimate carries its band
         under the target at ``level`` and ``hot``/``cold`` flags; formulas, units and
-        bands in ``sgmcmc/chain_temperature``. It reads to the host (once per group); to
+        bands in ``sgmcmc/temperature/estimates``. It reads to the host (once per group); to
         follow a chain every step without synchronising, use
         :class:`samplers_as_optim.diagnostics.TemperatureMonitor`.
 
@@ -471,7 +473,7 @@ class SamplerOptimizer(ChainOptimizer):
 
         Raises:
             ValueError: ``level`` is not in (0, 1), the sampler declares no
-                ``temperature_rule``, or a param group mixes stacked members.
+                ``temperature/rule``, or a param group mixes stacked members.
         """
         check_open_unit_interval("level", level)
         settle_skipped(self._runtime)  # (a skipped step's frozen preconditioner goes)

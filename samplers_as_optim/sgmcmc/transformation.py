@@ -39,15 +39,15 @@ from torchopt.base import GradientTransformation
 from ..core.streams import NoiseStream, parameter_key, seed_from_global_rng
 from ..core.validation import check_seed
 from . import fused as fused_module
-from ._common import buckets, default_foreach, may_be_non_finite
-from ._transform_fused import fused_update, fused_update_refusal
 from ._transform_state import PUBLIC_MODULE as PUBLIC_MODULE  # re-exported: langevin_noise
 from ._transform_state import buffer_names, initial_buffers, state_class
 from .arguments import RETURNS_DOC
 from .definition import SamplerDefinition, UpdateInput, arguments_doc, generated_function
 from .fused import check_fused, fused_message
+from .fused.transform import fused_update, fused_update_refusal
 from .momentum_units import MOMENTUM_RATE, rescale_momentum
 from .optimizer import SamplerOptimizer
+from .tensor_lists import buckets, default_foreach, may_be_non_finite
 
 __all__ = [
     "KernelInput",
@@ -92,7 +92,7 @@ class KernelInput(NamedTuple):
     #: standard-normal noise, one tensor per gradient; None at temperature 0 and when fused
     noise: list[Tensor] | None
     #: when the update is fused: each leaf's noise key (the kernel draws the fused
-    #: stream of ``seed``, ``sgmcmc/_transform_fused``) and the kernel's results are the
+    #: stream of ``seed``, ``sgmcmc/fused/transform``) and the kernel's results are the
     #: updates themselves, :math:`-lr\,d`; None: unfused
     keys: list[int] | None = None
     #: the chain's seed (read when fused)
@@ -108,7 +108,7 @@ KernelOutput = tuple[list[Tensor], tuple[list[Any], ...]]
 Kernel = Callable[[dict[str, Any], KernelInput], KernelOutput]
 
 #: ``refusal(group, leaves, functorch) -> reason or None``: why an update cannot be fused
-#: (``_transform_fused.fused_update_refusal``); ``leaves`` holds ``(where, update, param)``
+#: (``fused/transform.fused_update_refusal``); ``leaves`` holds ``(where, update, param)``
 #: per leaf with an update, ``functorch`` whether they are inside a ``torch.func`` transform.
 FusedRefusal = Callable[[Mapping[str, Any], list[tuple[str, Tensor, Tensor]], bool], "str | None"]
 
@@ -169,7 +169,7 @@ def _refuse_half_precision(tree: Any, updates: list[Any], from_updates: bool) ->
     steps from ones with gradient :math:`\theta - 1`, 100,000 elements: a spread of
     0.00009 in bfloat16 against 0.00443 in float32; float16 gives 0.00481, too wide, and
     freezes at a smaller ``lr``). A transformation has no place for a float32 copy of the
-    position (the Optimizers keep one, ``_half_precision``), so it refuses. ``tree`` is the
+    position (the Optimizers keep one, ``step/half_precision``), so it refuses. ``tree`` is the
     params tree, or the updates where no params were given (``from_updates``): their
     dtype then stands for the parameters'. Only leaves with an update are checked.
     """

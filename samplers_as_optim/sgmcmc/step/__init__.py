@@ -1,0 +1,1 @@
+"""The step pipeline's stages: the plan, guard, ready, the two backends, and what they use."""

@@ -1,0 +1,182 @@
+"""The fused backend of the step pipeline: every group's update by the sampler's Triton kernel.
+
+The same stages as the reference backend (``step/reference``): the guard
+(``step/guard.FusedVerdict``: the kernels' flag on the device), the tensors and state
+made ready (``step/ready``), then one kernel per tensor (``sgmcmc/fused``) that reads
+each parameter, gradient and buffer once, unscales the gradient (a GradScaler's scale),
+draws the fused noise stream in registers (``fused.fused_noise_seeds``), takes the
+sampler's update, writes the buffers and the parameter (through its float32 master,
+rounded back, for a half-precision parameter) and writes nothing when the flag says the
+step is skipped or refused.
+
+Which backend a step takes is decided by :func:`takes_fused_step` (``fused=True``,
+``fused=None`` on CUDA, never under ``torch.compile``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..fused import (
+    DEFAULT_ON_CUDA,
+    fused_kernel,
+    fused_message,
+    fused_noise_seeds,
+    fused_refusal,
+    parameter_offset,
+)
+from ..fused.launch import FusedInput
+from ..tensor_lists import default_foreach
+from .grad_scaler import ScalerInput
+from .guard import fused_verdict
+from .plan import StepRates
+from .ready import positions, ready_state
+
+__all__ = ["fused_step", "takes_fused_step"]
+
+
+def takes_fused_step(opt: Any, gathered: list[Any], *, compiling: bool) -> bool:
+    """Whether this step is fused (``fused``); with ``fused=True``, raise if it cannot be.
+
+    ``fused=None`` takes the fused path where :func:`~.fused.fused_refusal` finds no
+    reason against it and no param group sets ``foreach`` (a choice of the unfused
+    kernels); never under ``torch.compile``, which traces the unfused step, nor for a
+    step without gradients (which would only import Triton), nor where every group is at
+    temperature 0: there the step is ``torch.optim``'s default (foreach) step, bit for
+    bit, as the optimizer it replaces takes it (``fused=True`` is ``SGD(fused=True)``'s
+    step at T = 0), nor where no parameter is on a CUDA device.
+    """
+    fused = opt._fused
+    if fused is False or (fused is None and (compiling or not DEFAULT_ON_CUDA)):
+        return False
+    if fused is None and (
+        any(group["foreach"] is not None for _, group, *_ in gathered)
+        or not any(params for _, _, params, _ in gathered)
+        or all(float(group["temperature"]) == 0 for _, group, params, _ in gathered if params)
+        or not (_any_on_cuda(gathered) or _fused_on_cpu())
+    ):
+        return False
+    reason = fused_refusal(opt.definition, gathered, opt.state, compiling=compiling)
+    if reason is not None and fused:
+        raise ValueError(fused_message(reason))
+    return reason is None
+
+
+def _any_on_cuda(gathered: list[Any]) -> bool:
+    return any(param.is_cuda for _, _, params, _ in gathered for param in params)
+
+
+def _fused_on_cpu() -> bool:
+    """Whether tests run the kernels on CPU tensors (``fused.RUN_ON_CPU_UNDER_INTERPRETER``)."""
+    from .. import fused  # (the module's flag as tests set it now)
+
+    return bool(fused.RUN_ON_CPU_UNDER_INTERPRETER)
+
+
+def fused_step(opt: Any, gathered: list[Any], rates: list[StepRates], scaler: ScalerInput) -> None:
+    """Every group's step by the sampler's fused kernel, checked on the device.
+
+    The kernels read the flag of the guard (``step/guard.FusedVerdict``) and write
+    nothing when a gradient is not finite: with ``nonfinite="skip"`` the step is counted
+    as skipped, with ``"raise"`` the verdict is read by the next ``step()`` or
+    ``state_dict()``, which can then put back what this step recorded on the host. Under
+    a ``GradScaler`` its ``found_inf`` is the flag: no check of the gradients, no refusal.
+    """
+    verdict = fused_verdict(opt, gathered, scaler)
+    for (_, group, params, grads), planned_rates in zip(gathered, rates, strict=True):
+        temperature, lr = planned_rates.temperature, planned_rates.lr
+        if not params or (temperature > 0 and lr == 0):
+            continue  # a step of length zero: no time passes, nothing changes
+        _update_group(
+            opt,
+            group,
+            params,
+            grads,
+            planned_rates,
+            largest=verdict.largest,
+            grad_scale=scaler.grad_scale,
+            finite_where=verdict.finite_where,
+        )
+        if temperature > 0:  # the keys the noise was drawn with (``core/chain``)
+            opt._record_noise_keys(params)
+    verdict.settle(opt)
+
+
+def _grad_scales(params: list[Tensor], grad_scale: Tensor) -> list[Tensor]:
+    """The GradScaler's scale as a float32 1-element tensor on each parameter's device."""
+    on: dict[torch.device, Tensor] = {}
+    for param in params:
+        if param.device not in on:
+            on[param.device] = grad_scale.reshape(1).to(
+                device=param.device, dtype=torch.float32, non_blocking=param.device.type != "cpu"
+            )
+    return [on[param.device] for param in params]
+
+
+def _update_group(
+    opt: Any,
+    group: dict[str, Any],
+    params: list[Tensor],
+    grads: list[Tensor],
+    rates: StepRates,
+    *,
+    largest: dict[torch.device, Tensor],
+    grad_scale: Tensor | None = None,
+    finite_where: dict[torch.device, Tensor] | None = None,
+) -> None:
+    """One param group's step by the sampler's fused kernel (``sgmcmc/fused``).
+
+    The state is created and re-expressed in lr's units as by the reference backend
+    (a step refused later keeps every bit of its buffers: ``finite_where``); the kernel
+    then reads and writes each parameter and buffer once. A half-precision parameter's
+    float32 master (``step/half_precision``) and the GradScaler's scale go to the kernel
+    (``FusedInput.masters``, ``FusedInput.grad_scales``).
+    """
+    lr, temperature, fields = rates
+    masters, tensors = positions(opt, params, temperature)
+    states = ready_state(
+        opt,
+        group,
+        fields,
+        params,
+        tensors,
+        lr=lr,
+        temperature=temperature,
+        foreach=default_foreach(params),
+        unless_nonfinite=finite_where,
+    )
+    keys = opt._noise_keys(params) if temperature > 0 else [0] * len(params)
+    seeds = (
+        fused_noise_seeds(group["seed"], group["step"], keys, opt._shard)
+        if temperature > 0
+        else [0] * len(params)
+    )
+    extra: dict[str, Any] = {}  # the fields of FusedInput a plain step leaves out
+    if grad_scale is not None:
+        extra["grad_scales"] = _grad_scales(params, grad_scale)
+    if any(master is not None for master in masters):
+        extra["masters"] = masters
+    inputs = FusedInput(
+        params,
+        grads,
+        {name: [state.get(name) for state in states] for name in fields},
+        seeds,
+        [parameter_offset(param) for param in params],
+        [largest[param.device] for param in params],
+        **extra,
+    )
+    new = fused_kernel(opt.definition).launch(
+        {**group, "lr": lr, "temperature": temperature}, inputs
+    )
+    for param, master in zip(params, masters, strict=True):
+        if master is not None:  # the kernel wrote its rounding into the parameter
+            opt._master_sync.written(param, master)
+    for name in fields:
+        for state, value in zip(states, new[name], strict=True):
+            if value is None:  # not created yet (a frozen preconditioner)
+                state.pop(name, None)
+            else:
+                state[name] = value

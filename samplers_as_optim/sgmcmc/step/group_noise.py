@@ -1,0 +1,159 @@
+"""The noise of one param group's step: prefetched where it was, drawn otherwise.
+
+A parameter's noise is whole (shaped like it; an FSDP2 shard's rows of the whole
+parameter's noise; a ``ParallelEnsemble`` share's part) or, for the CPU update chunk by
+chunk (``step/chunked``), one block at a time; every way gives the numbers of
+``NoiseStream.draw`` (``docs/design.md``, "Noise").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ...core.dtensor import is_dtensor, local_layout, wrap_like
+from ...core.streams import NoiseStream
+from ...names import parameter_layout
+from .half_precision import HALF_DTYPES, MASTER
+from .prefetch import NoisePrefetcher, NoiseRequest
+
+__all__ = ["PREFETCH_MIN_NUMEL", "GroupNoise", "drawn_ahead", "large", "next_noise_requests"]
+
+#: Parameters with at least this many elements have their noise drawn ahead (on the
+#: worker thread, or a CUDA side stream: ``overlap_noise``); smaller ones draw in the step.
+PREFETCH_MIN_NUMEL = 2**16
+
+
+def large(param: Tensor) -> bool:
+    """Whether a parameter is large enough for its noise to be drawn ahead."""
+    return param.numel() >= PREFETCH_MIN_NUMEL
+
+
+def drawn_ahead(param: Tensor) -> bool:
+    """Whether a parameter's next noise is drawn ahead on the worker (CPU, large)."""
+    return param.device.type == "cpu" and large(param)
+
+
+class GroupNoise:
+    """The noise of one param group's step: prefetched where it was, drawn otherwise."""
+
+    def __init__(
+        self,
+        params: list[Tensor],
+        *,
+        stream: NoiseStream,
+        keys: list[int],
+        step: int,
+        shard: int | None,
+        prefetcher: NoisePrefetcher | None,
+        ahead: bool,
+    ) -> None:
+        self.params = params
+        self.stream = stream
+        self.keys = keys
+        self.step = step
+        self.shard = shard
+        self.prefetched: list[Tensor | None] = [None] * len(params)
+        #: under torch.compile, whether the draw hands the next step's to the worker
+        self.ahead = ahead
+        if prefetcher is not None and prefetcher.holds_any():
+            self.prefetched = [
+                prefetcher.take(NoiseRequest(param, stream.seed, step, key, shard))
+                for param, key in zip(params, keys, strict=True)
+            ]
+
+    def all(self) -> list[Tensor]:
+        """Every parameter's noise, shaped like it (:meth:`whole` of each, in order).
+
+        The plain tensors not drawn ahead (neither DTensors nor shares of a larger
+        tensor) are drawn together (``KeyedNormal.draw_many``: the same numbers); traced
+        by ``torch.compile``, each is the draw's custom op.
+        """
+        if torch.compiler.is_compiling():
+            return [self.whole(i) for i in range(len(self.params))]
+        out = list(self.prefetched)
+        plain = [
+            i
+            for i, param in enumerate(self.params)
+            if out[i] is None and parameter_layout(param) is None and not is_dtensor(param)
+        ]
+        drawn = self.stream.draw_many(
+            [self.params[i] for i in plain],
+            [self.keys[i] for i in plain],
+            step=self.step,
+            shard=self.shard,
+        )
+        for i, noise in zip(plain, drawn, strict=True):
+            out[i] = noise
+        return [self.whole(i) if noise is None else noise for i, noise in enumerate(out)]
+
+    def whole(self, i: int) -> Tensor:
+        """Parameter i's noise, shaped like it."""
+        prefetched = self.prefetched[i]
+        if prefetched is not None:
+            return prefetched
+        param = self.params[i]
+        if is_dtensor(param):  # FSDP2: this rank's rows of the whole parameter's noise
+            local, layout = local_layout(param)
+            noise = self.stream.draw(
+                local, step=self.step, key=self.keys[i], shard=self.shard, layout=layout
+            )
+            return wrap_like(noise, param)
+        share = parameter_layout(param)
+        return self.stream.draw(
+            param,
+            step=self.step,
+            key=self.keys[i],
+            shard=self.shard,
+            layout=share,
+            ahead=self.ahead and share is None and drawn_ahead(param),
+        )
+
+    def block(self, i: int, block: int, start: int, stop: int, scratch: Tensor) -> Tensor:
+        """Elements ``[start, stop)`` of parameter i's noise (its block ``block``)."""
+        prefetched = self.prefetched[i]
+        if prefetched is not None:
+            return prefetched.view(-1)[start:stop]
+        return self.stream.fill_block_(
+            scratch[: stop - start], step=self.step, key=self.keys[i], block=block, shard=self.shard
+        )
+
+
+def next_noise_requests(opt: Any) -> list[NoiseRequest]:
+    """The next step's draws to prefetch: large CPU and CUDA parameters of groups at T > 0.
+
+    Handing a draw to the worker costs about as much as drawing a few ten thousand
+    normals (the hand-off, and the worker's Python competing for the GIL), so smaller
+    parameters draw in the step, and a small model hands nothing over. A half-precision
+    parameter's noise is drawn like its float32 master (``step/half_precision``).
+    """
+    requests = []
+    for group in opt.param_groups:
+        if not (float(group["temperature"]) > 0 and float(group["lr"]) > 0):
+            continue
+        params = [
+            param
+            for param in group["params"]
+            if large(param)
+            and param.requires_grad
+            and param.device.type in ("cpu", "cuda")
+            and parameter_layout(param) is None
+            and not is_dtensor(param)
+        ]
+        requests += [
+            NoiseRequest(_noise_like(opt, param), group["seed"], group["step"], key, opt._shard)
+            for param, key in zip(params, opt._noise_keys(params), strict=True)
+        ]
+    return requests
+
+
+def _noise_like(opt: Any, param: Tensor) -> Tensor:
+    """The tensor ``param``'s noise is drawn like: its float32 master where it has one."""
+    if param.dtype in HALF_DTYPES:
+        state = opt.state.get(param)
+        if state and isinstance(state.get(MASTER), Tensor):
+            master: Tensor = state[MASTER]
+            return master
+    return param

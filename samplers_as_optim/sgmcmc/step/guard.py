@@ -1,0 +1,128 @@
+"""The pipeline's guard: what a step does with a non-finite gradient or a GradScaler's verdict.
+
+One stage for both backends, decided before anything changes (``docs/design.md``,
+"Refusals"):
+
+* ``nonfinite="raise"`` (the default): the reference backend refuses a non-finite
+  gradient here, naming the parameter, after one host read (``step/nonfinite``); the fused
+  backend checks on the device and the refusal is raised by the next ``step()`` or
+  ``state_dict()`` (:class:`~._fused_nonfinite.DeferredRefusal`), which puts back what the
+  step recorded on the host;
+* ``nonfinite="skip"``: the step is a no-op selected on the device, counted in
+  ``group["skipped_steps"]``, without a synchronisation;
+* under ``torch.amp.GradScaler`` its ``found_inf`` decides instead, whatever the policy
+  (``step/grad_scaler``).
+
+A skipped step puts back what it advanced on the host (``step/skipped_host``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..fused.nonfinite import DeferredRefusal, check_gradients, count_skipped
+from .grad_scaler import ScalerInput, found_inf_flags, keep_flags
+from .nonfinite import finite_flags, refuse_non_finite_gradients
+from .skipped_host import host_record, put_back_if_skipped, settle_skipped
+
+__all__ = ["FusedVerdict", "fused_verdict", "raise_deferred_refusal", "skip_record", "verdict"]
+
+
+def verdict(
+    opt: Any, gathered: list[Any], scaler: ScalerInput
+) -> tuple[dict[torch.device, Tensor] | None, Callable[[], None] | None]:
+    """The reference backend's verdict, and the host record a skip puts back.
+
+    Per device, a boolean, False where the step is skipped (a ``GradScaler``'s
+    ``found_inf``, or ``nonfinite="skip"``), or None: ``nonfinite="raise"`` refused a
+    non-finite gradient here already, before anything changed.
+    """
+    keep = None
+    if scaler.found_inf is not None:  # the scaler's verdict, on the device
+        keep = keep_flags(gathered, scaler.found_inf)
+    elif opt._nonfinite == "raise":
+        refuse_non_finite_gradients(type(opt).__name__, gathered)
+    else:
+        keep = finite_flags(gathered)
+    return keep, None if keep is None else skip_record(opt, gathered)
+
+
+class FusedVerdict:
+    """The fused backend's verdict: the kernels' flag per device, and what follows it.
+
+    Attributes:
+        largest: per device, a 1-element float64 tensor the kernels read: finite when
+            the step is kept (nothing is written otherwise).
+        finite_where: ``largest`` where a skip or refusal must keep the buffers'
+            every bit through the lr re-expression, else None.
+    """
+
+    def __init__(self, opt: Any, gathered: list[Any], scaler: ScalerInput) -> None:
+        self.check = self.rollback = None
+        if scaler.found_inf is not None:
+            self.largest = found_inf_flags(gathered, scaler.found_inf)
+        else:
+            self.check = check_gradients(gathered)
+            self.largest = self.check.largest
+            if opt._nonfinite == "skip":
+                count_skipped(gathered, self.largest)
+            else:
+                self.rollback = host_record(
+                    opt.state, opt.param_groups, gathered, opt.host_state, counters=True
+                )
+        self.record = skip_record(opt, gathered) if self.rollback is None else None
+        refused_or_skipped = self.rollback is not None or self.record is not None
+        self.finite_where = self.largest if refused_or_skipped else None
+
+    def settle(self, opt: Any) -> None:
+        """After the kernels: leave the refusal to the next call, or the skip's record."""
+        if self.rollback is not None and self.check is not None:
+            steps = {id(group): int(group["step"]) for group in opt.param_groups}
+            opt._runtime["refusal"] = DeferredRefusal(
+                self.check, steps=steps, rollback=self.rollback
+            )
+        if self.record is not None:
+            kept = {device: flag.isfinite().reshape(()) for device, flag in self.largest.items()}
+            put_back_if_skipped(opt._runtime, self.record, kept)
+
+
+def fused_verdict(opt: Any, gathered: list[Any], scaler: ScalerInput) -> FusedVerdict:
+    """The fused backend's verdict (:class:`FusedVerdict`), before any kernel runs."""
+    return FusedVerdict(opt, gathered, scaler)
+
+
+def skip_record(opt: Any, gathered: list[Any]) -> Callable[[], None] | None:
+    """What a skipped step puts back on the host (``step/skipped_host``); None if nothing."""
+    if not opt.host_state:
+        return None
+    return host_record(opt.state, opt.param_groups, gathered, opt.host_state, counters=False)
+
+
+def raise_deferred_refusal(opt: Any) -> None:
+    """Raise the refusal of the last fused step (``nonfinite="raise"``), if refused.
+
+    Reads the verdict the step copied to the host (waiting, at most, for that copy,
+    queued at the end of the step), puts back what the step recorded on the host and
+    raises; the kernels changed no parameter or buffer. First, a skipped step's host
+    record waiting for its verdict is put back if skipped (``step/skipped_host``).
+    """
+    runtime = opt._runtime
+    settle_skipped(runtime)
+    refusal = runtime.pop("refusal", None)
+    if refusal is None:
+        return
+    found = refusal.culprit()
+    if found is None:
+        return
+    culprit, step = found
+    refusal.rollback()
+    raise FloatingPointError(
+        f"{type(opt).__name__} refused step {step}: non-finite gradient in {culprit}; "
+        "no parameter or buffer was changed (the fused step checks the gradients on "
+        "the device, without a host synchronisation: this call, the next after that "
+        "step, raises it and changes nothing either)"
+    )

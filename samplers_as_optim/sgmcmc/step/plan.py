@@ -1,0 +1,137 @@
+"""A param group's step, planned once: what every step reads, validated, kept until it changes.
+
+``torch.optim``'s optimizers validate their hyperparameters once, at construction; a
+sampler cannot, because a schedule may move any of them between steps (a scheduler
+writes ``group["lr"]``, ``CyclicalSGMCMC`` writes ``group["temperature"]``) and a wrong
+value would silently change the law sampled. What the step reads of a group is therefore
+planned: :class:`GroupPlan` holds the values it validated (the hyperparameters, the
+chain's seed, the dtypes the step's scalars were checked against) and the floats the
+step computes with, and :meth:`GroupPlan.holds` says, in a few comparisons and no
+validation, whether the group is still the one planned. A step re-plans a group when
+anything the plan depends on has changed:
+
+* a hyperparameter's value or type (a schedule, an assignment), an entry added to or
+  removed from the group (``initial_lr``, written once by a scheduler);
+* the group's ``params`` list (another list, or one of another length) or ``seed``;
+* the dtypes of its parameters with a gradient, where a new one appears;
+* a loaded state, an unpickled or deep-copied optimizer (which drop every plan:
+  ``SamplerOptimizer._reset_runtime``).
+
+A value that is a tensor (a learning rate held as a tensor) makes the group's plan
+volatile: it is validated at every step, as before plans. The step counter is not
+planned: it changes at every step and is checked (an ``int`` >= 0) every time, by a
+comparison, before it keys the noise.
+
+What the step then runs is the pipeline of ``docs/design.md`` ("The step"): the guard
+(the non-finite policy and ``torch.amp.GradScaler``'s verdict), the noise, the sampler's
+update and the write-back of masters and buffers, through one of two backends, the
+reference (``step/reference``: torch ops, foreach or chunked) or the fused Triton
+kernels (``step/fused_backend``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from ...core.chain import check_representable
+
+__all__ = ["NOT_HYPERPARAMETERS", "GroupPlan", "StepRates", "planned"]
+
+#: param-group entries that are not hyperparameters (the chain's state, counters)
+NOT_HYPERPARAMETERS = frozenset({"params", "step", "seed", "skipped_steps"})
+
+
+class StepRates(NamedTuple):
+    """What a group's step computes with, from its plan: ``lr``, ``temperature``, fields."""
+
+    lr: float
+    temperature: float
+    fields: tuple[str, ...]
+
+
+class GroupPlan:
+    """What one param group's step reads, validated once (see the module docstring).
+
+    Attributes:
+        lr: the validated learning rate, as a float.
+        temperature: the validated temperature, as a float.
+        fields: the per-parameter state the sampler's update reads and writes, in its
+            order (``SamplerDefinition.state_fields``).
+        volatile: a hyperparameter is a tensor: validated at every step.
+    """
+
+    __slots__ = (
+        "fields",
+        "lr",
+        "names",
+        "params",
+        "represented",
+        "seed",
+        "size",
+        "temperature",
+        "types",
+        "values",
+        "volatile",
+    )
+
+    def __init__(self, group: dict[str, Any], fields: tuple[str, ...]) -> None:
+        self.names = tuple(name for name in group if name not in NOT_HYPERPARAMETERS)
+        self.values = tuple(group[name] for name in self.names)
+        self.types = tuple(map(type, self.values))
+        self.volatile = any(isinstance(value, Tensor) for value in self.values)
+        self.size = len(group)
+        self.params = group["params"]
+        self.seed = group["seed"]
+        self.lr = float(group["lr"])
+        self.temperature = float(group["temperature"])
+        self.fields = fields
+        #: the dtypes ``check_representable`` passed for these hyperparameters
+        self.represented: set[torch.dtype] = set()
+
+    def holds(self, group: dict[str, Any]) -> bool:
+        """Whether ``group`` is still the group planned: same values, same entries."""
+        if self.volatile or len(group) != self.size or group["params"] is not self.params:
+            return False
+        if group["seed"] is not self.seed and group["seed"] != self.seed:
+            return False
+        try:
+            values = tuple(map(group.__getitem__, self.names))
+        except KeyError:  # an entry renamed: as many entries, other names
+            return False
+        return values == self.values and tuple(map(type, values)) == self.types
+
+    def check_dtypes(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
+        """``check_representable`` for dtypes these hyperparameters were not checked against."""
+        dtypes = {param.dtype for param in params}
+        if dtypes <= self.represented:
+            return
+        check_representable(group, params, where=where)
+        if not self.volatile:
+            self.represented |= dtypes
+
+
+def planned(
+    plans: dict[int, GroupPlan],
+    group: dict[str, Any],
+    check: Callable[[dict[str, Any]], None],
+    fields: Callable[[dict[str, Any]], tuple[str, ...]],
+) -> GroupPlan:
+    """``group``'s plan: the one kept if it still holds, else a new one, validated first.
+
+    ``check(group)`` validates the hyperparameters and the chain's state and raises on
+    an invalid value; nothing is kept then, so the next step checks again.
+    ``fields(group)``: the state fields the group's update reads. The step
+    counter, which no plan holds, is checked at every call.
+    """
+    plan = plans.get(id(group))
+    if plan is None or not plan.holds(group):
+        check(group)
+        plan = GroupPlan(group, fields(group))
+        plans[id(group)] = plan
+    elif type(group["step"]) is not int or group["step"] < 0:
+        check(group)  # (raises: the step counter is not an integer >= 0)
+    return plan

@@ -1,0 +1,118 @@
+"""The pipeline's first stage for a param group: the tensors stepped and their state, ready.
+
+Both backends (``step/reference``, ``step/fused_backend``) start a group's update here: each
+parameter's float32 master where it keeps one (``step/half_precision``), the per-parameter
+state the sampler's update reads, created where it is missing (a first step, a state
+loaded from another sampler), and state kept in lr's units re-expressed when ``lr`` has
+changed (``momentum_units``; ``docs/design.md``). The functions take the optimizer
+(``SamplerOptimizer``) whose state they read and write.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..momentum_units import rescale_momentum_state
+from .half_precision import HALF_DTYPES, compute_tensors
+
+__all__ = ["init_state", "positions", "ready_state", "reexpress_state"]
+
+
+def positions(opt: Any, params: list[Tensor], temperature: float) -> tuple[list[Any], list[Tensor]]:
+    """Each parameter's float32 master (None without one), and the tensors stepped.
+
+    The tensor a parameter's step updates is its master, or the parameter itself
+    (``step/half_precision``).
+    """
+    if not any(param.dtype in HALF_DTYPES for param in params):
+        return [None] * len(params), params
+    masters = compute_tensors(
+        params, opt.state, temperature=temperature, skip=opt.host_state, sync=opt._master_sync
+    )
+    tensors = [p if m is None else m for p, m in zip(params, masters, strict=True)]
+    return masters, tensors
+
+
+def init_state(opt: Any, group: dict[str, Any], param: Tensor, state: dict[str, Any]) -> None:
+    """Create what a parameter's state lacks before a step (keeping what is there).
+
+    Called before its first step, and when a loaded state lacks a field (an SGD or
+    SGHMC checkpoint loaded into SGNHT has no thermostat). A field whose definition has
+    no ``init`` is created by the update at the first step (SGD's momentum).
+    """
+    for field in opt.definition.state:
+        if field.init is not None and field.used(group) and field.name not in state:
+            state[field.name] = field.init(param, group)
+
+
+def ready_state(
+    opt: Any,
+    group: dict[str, Any],
+    fields: tuple[str, ...],
+    params: list[Tensor],
+    tensors: list[Tensor],
+    *,
+    lr: float,
+    temperature: float,
+    foreach: bool,
+    unless_nonfinite: dict[torch.device, Tensor] | None = None,
+) -> list[dict[str, Any]]:
+    """The per-parameter states of the group's ``fields``, ready for this step.
+
+    What a state lacks is created (new, or loaded from another kind) like its
+    ``tensors``; state in lr's units follows a change of lr (``unless_nonfinite`` as for
+    :func:`reexpress_state`). No field: no state (an empty list).
+    """
+    if not fields:
+        return []
+    state_of = opt.state
+    states = [state_of[p] for p in params]
+    for tensor, state in zip(tensors, states, strict=True):
+        if not all(name in state for name in fields):
+            init_state(opt, group, tensor, state)
+    reexpress_state(
+        opt,
+        params,
+        states,
+        lr=lr,
+        temperature=temperature,
+        foreach=foreach,
+        unless_nonfinite=unless_nonfinite,
+    )
+    return states
+
+
+def reexpress_state(
+    opt: Any,
+    params: list[Tensor],
+    states: list[dict[str, Any]],
+    *,
+    lr: float,
+    temperature: float,
+    foreach: bool,
+    unless_nonfinite: dict[torch.device, Tensor] | None = None,
+) -> None:
+    """Re-express state kept in lr's units when lr has changed, before the update.
+
+    A sampler whose state holds a momentum buffer in SGD units
+    (``momentum_in_lr_units``: SGHMC, SGNHT, BAOA) rescales it at T > 0 so that the
+    chain's physical momentum is kept (``docs/design.md``;
+    :func:`~.momentum_units.rescale_momentum_state`), reading the rate each buffer was
+    written at through the optimizer's ``HostScalars``; other samplers keep no such
+    state. ``unless_nonfinite`` (per device): where it is not finite the buffers keep
+    every bit (a step the device skips).
+    """
+    if opt.momentum_in_lr_units:
+        rescale_momentum_state(
+            states,
+            lr=lr,
+            temperature=temperature,
+            foreach=foreach,
+            params=params,
+            known=opt._host_scalars,
+            buffer=opt.definition.momentum_buffer,
+            unless_nonfinite=unless_nonfinite,
+        )

@@ -1,0 +1,1 @@
+"""What a chain's temperature is and how it is read: rules, estimates, the monitor."""
