@@ -447,9 +447,12 @@ COMPILE = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
-    from samplers_as_optim.sgmcmc import (
-        _adamw_sghmc_fused, _baoa_fused, _psgld_fused, _sghmc_fused, _sgld_fused, _sgnht_fused,
-    )
+    from samplers_as_optim.sgmcmc.adamw_sghmc import triton_kernel as _adamw_sghmc_fused
+    from samplers_as_optim.sgmcmc.baoa import triton_kernel as _baoa_fused
+    from samplers_as_optim.sgmcmc.psgld import triton_kernel as _psgld_fused
+    from samplers_as_optim.sgmcmc.sghmc import triton_kernel as _sghmc_fused
+    from samplers_as_optim.sgmcmc.sgld import triton_kernel as _sgld_fused
+    from samplers_as_optim.sgmcmc.sgnht import triton_kernel as _sgnht_fused
 
     INTS = {"count": "i32", "programs": "i32", "numel": "i64", "offset": "i64",
             "seed": "u64"}

@@ -499,9 +499,11 @@ COMPILE = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
-    from samplers_as_optim.sgmcmc import (
-        _baoa_fused, _fused_normal, _sghmc_fused, _sgld_fused, _sgnht_fused,
-    )
+    from samplers_as_optim.sgmcmc.baoa import triton_kernel as _baoa_fused
+    from samplers_as_optim.sgmcmc.fused import normal as _fused_normal
+    from samplers_as_optim.sgmcmc.sghmc import triton_kernel as _sghmc_fused
+    from samplers_as_optim.sgmcmc.sgld import triton_kernel as _sgld_fused
+    from samplers_as_optim.sgmcmc.sgnht import triton_kernel as _sgnht_fused
 
     HEAD = {"count": "i32", "programs": "i32", "numel": "i32", "offset": "i64",
             "seed": "u64"}

@@ -344,7 +344,8 @@ COMPILE = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
-    from samplers_as_optim.sgmcmc import _adamw_sghmc_fused, _psgld_fused
+    from samplers_as_optim.sgmcmc.adamw_sghmc import triton_kernel as _adamw_sghmc_fused
+    from samplers_as_optim.sgmcmc.psgld import triton_kernel as _psgld_fused
 
     INTS = {"numel": "i64", "offset": "i64", "seed": "u64", "inner": "i64",
             "row_stride": "i64", "rows": "i64", "column_stride": "i64", "columns": "i64"}

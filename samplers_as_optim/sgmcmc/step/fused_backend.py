@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import fused as fused_module
 from ..fused import (
     DEFAULT_ON_CUDA,
     fused_kernel,
@@ -31,7 +32,7 @@ from ..fused import (
 from ..fused.launch import FusedInput
 from ..tensor_lists import default_foreach
 from .grad_scaler import ScalerInput
-from .guard import fused_verdict
+from .guard import FusedVerdict
 from .plan import StepRates
 from .ready import positions, ready_state
 
@@ -70,10 +71,11 @@ def _any_on_cuda(gathered: list[Any]) -> bool:
 
 
 def _fused_on_cpu() -> bool:
-    """Whether tests run the kernels on CPU tensors (``fused.RUN_ON_CPU_UNDER_INTERPRETER``)."""
-    from .. import fused  # (the module's flag as tests set it now)
+    """Whether tests run the kernels on CPU tensors (``fused.RUN_ON_CPU_UNDER_INTERPRETER``).
 
-    return bool(fused.RUN_ON_CPU_UNDER_INTERPRETER)
+    Read from the module at each call: the tests set the flag on it.
+    """
+    return bool(fused_module.RUN_ON_CPU_UNDER_INTERPRETER)
 
 
 def fused_step(opt: Any, gathered: list[Any], rates: list[StepRates], scaler: ScalerInput) -> None:
@@ -85,7 +87,7 @@ def fused_step(opt: Any, gathered: list[Any], rates: list[StepRates], scaler: Sc
     ``state_dict()``, which can then put back what this step recorded on the host. Under
     a ``GradScaler`` its ``found_inf`` is the flag: no check of the gradients, no refusal.
     """
-    verdict = fused_verdict(opt, gathered, scaler)
+    verdict = FusedVerdict(opt, gathered, scaler)
     for (_, group, params, grads), planned_rates in zip(gathered, rates, strict=True):
         temperature, lr = planned_rates.temperature, planned_rates.lr
         if not params or (temperature > 0 and lr == 0):

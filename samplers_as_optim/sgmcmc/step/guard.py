@@ -29,7 +29,7 @@ from .grad_scaler import ScalerInput, found_inf_flags, keep_flags
 from .nonfinite import finite_flags, refuse_non_finite_gradients
 from .skipped_host import host_record, put_back_if_skipped, settle_skipped
 
-__all__ = ["FusedVerdict", "fused_verdict", "raise_deferred_refusal", "skip_record", "verdict"]
+__all__ = ["FusedVerdict", "raise_deferred_refusal", "skip_record", "verdict"]
 
 
 def verdict(
@@ -88,11 +88,6 @@ class FusedVerdict:
         if self.record is not None:
             kept = {device: flag.isfinite().reshape(()) for device, flag in self.largest.items()}
             put_back_if_skipped(opt._runtime, self.record, kept)
-
-
-def fused_verdict(opt: Any, gathered: list[Any], scaler: ScalerInput) -> FusedVerdict:
-    """The fused backend's verdict (:class:`FusedVerdict`), before any kernel runs."""
-    return FusedVerdict(opt, gathered, scaler)
 
 
 def skip_record(opt: Any, gathered: list[Any]) -> Callable[[], None] | None:
