@@ -107,6 +107,9 @@ def test_a_bad_step_counter_or_seed_is_refused():
     opt.param_groups[0]["seed"] = -3
     with pytest.raises(ValueError, match="Invalid seed"):
         opt.step()
+    opt.param_groups[0]["seed"] = 0.0  # equal to the planned seed, another type
+    with pytest.raises(TypeError, match="Invalid seed"):
+        opt.step()
     opt.param_groups[0]["seed"] = 0
     assert_unchanged(opt, params, before)
 

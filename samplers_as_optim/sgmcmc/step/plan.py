@@ -96,7 +96,8 @@ class GroupPlan:
         """Whether ``group`` is still the group planned: same values, same entries."""
         if self.volatile or len(group) != self.size or group["params"] is not self.params:
             return False
-        if group["seed"] is not self.seed and group["seed"] != self.seed:
+        seed = group["seed"]
+        if seed is not self.seed and (type(seed) is not type(self.seed) or seed != self.seed):
             return False
         try:
             values = tuple(map(group.__getitem__, self.names))
