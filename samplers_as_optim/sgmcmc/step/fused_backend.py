@@ -31,7 +31,7 @@ from ..fused import (
 )
 from ..fused.launch import FusedInput
 from ..tensor_lists import default_foreach
-from .grad_scaler import ScalerInput
+from .grad_scaler import ScalerInput, on_device
 from .guard import FusedVerdict
 from .plan import StepRates
 from .ready import positions, ready_state
@@ -109,13 +109,8 @@ def fused_step(opt: Any, gathered: list[Any], rates: list[StepRates], scaler: Sc
 
 def _grad_scales(params: list[Tensor], grad_scale: Tensor) -> list[Tensor]:
     """The GradScaler's scale as a float32 1-element tensor on each parameter's device."""
-    on: dict[torch.device, Tensor] = {}
-    for param in params:
-        if param.device not in on:
-            on[param.device] = grad_scale.reshape(1).to(
-                device=param.device, dtype=torch.float32, non_blocking=param.device.type != "cpu"
-            )
-    return [on[param.device] for param in params]
+    on: dict[torch.device, Tensor] = {}  # (``grad_scaler.on_device``: one copy per device)
+    return [on_device(grad_scale, param.device, on).reshape(1) for param in params]
 
 
 def _update_group(

@@ -29,7 +29,14 @@ from torch import Tensor
 
 from .nonfinite import count_skipped_where
 
-__all__ = ["ScalerInput", "found_inf_flags", "keep_flags", "scaler_input", "unscaled_grads"]
+__all__ = [
+    "ScalerInput",
+    "found_inf_flags",
+    "keep_flags",
+    "on_device",
+    "scaler_input",
+    "unscaled_grads",
+]
 
 #: one param group's gathered step: (its index, the group, params and their gradients)
 Gathered = Sequence[tuple[int, dict[str, Any], list[Tensor], list[Tensor]]]
@@ -71,7 +78,7 @@ def scaler_input(optimizer: Any) -> ScalerInput:
     )
 
 
-def _on(value: Tensor, device: torch.device, cache: dict[torch.device, Tensor]) -> Tensor:
+def on_device(value: Tensor, device: torch.device, cache: dict[torch.device, Tensor]) -> Tensor:
     """``value`` as a 0-d float32 tensor on ``device`` (copied once per device, no wait)."""
     if device not in cache:
         cache[device] = value.reshape(()).to(
@@ -100,7 +107,7 @@ def unscaled_grads(
         if scale is None:
             out.append(grad.float() if wide else grad)
             continue
-        s = _on(scale, grad.device, scales)
+        s = on_device(scale, grad.device, scales)
         if wide or grad.dtype in (torch.float16, torch.bfloat16):
             quotient = grad.float().div_(s)
             out.append(quotient if wide else quotient.to(grad.dtype))
@@ -119,7 +126,7 @@ def keep_flags(
     """
     cache: dict[torch.device, Tensor] = {}
     devices = {param.device for _, _, params, _ in gathered for param in params}
-    keep = {device: _on(found_inf, device, cache).eq(0) for device in devices}
+    keep = {device: on_device(found_inf, device, cache).eq(0) for device in devices}
     if count:
         count_skipped_where(gathered, {d: k.logical_not() for d, k in keep.items()})
     return keep
