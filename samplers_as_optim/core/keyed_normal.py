@@ -236,18 +236,14 @@ class KeyedNormal:
         a step's noise, for many small tensors.
         """
         prefix = extend_seed(_counter_hash(self.seed & _MASK64), step)
-        tail = () if shard is None else (_counter_hash(shard & _MASK64),)
-        first = _counter_hash(0)
+        shards = () if shard is None else (shard,)
         generators = self._generators
-        mix, hashed = _splitmix64, _counter_hash
         out = []
         for like, key in zip(likes, keys, strict=True):
             if like.numel() > BLOCK:
                 out.append(self.draw(like, step=step, key=key, shard=shard))
                 continue
-            h = mix(mix(prefix ^ hashed(key & _MASK64)) ^ first)
-            for mixed in tail:
-                h = mix(h ^ mixed)
+            h = extend_seed(prefix, key, 0, *shards)  # derive_seed(seed, step, key, 0, ...)
             device = like.device
             generator = generators.get(device)
             if generator is None:
