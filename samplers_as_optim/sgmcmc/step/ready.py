@@ -25,7 +25,8 @@ def positions(opt: Any, params: list[Tensor], temperature: float) -> tuple[list[
     """Each parameter's float32 master (None without one), and the tensors stepped.
 
     The tensor a parameter's step updates is its master, or the parameter itself
-    (``step/half_precision``).
+    (``step/half_precision``). Without a half-precision parameter the tensors are
+    ``params`` itself (the same list), which the reference backend reads as "no master".
     """
     if not any(param.dtype in HALF_DTYPES for param in params):
         return [None] * len(params), params
