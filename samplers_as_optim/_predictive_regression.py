@@ -11,7 +11,7 @@ the decomposition.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import torch
 from torch import Tensor
@@ -35,19 +35,30 @@ PUBLIC_MODULE = "samplers_as_optim.predictive"
 
 
 class RegressionPrediction(NamedTuple):
-    """Mean and variance of a Gaussian-mixture predictive (see :func:`regression`).
+    r"""Mean and variance of a Gaussian-mixture predictive (see :func:`regression`).
+
+    The last two fields are the mixture itself, :math:`\frac1S\sum_s N(\mu_s, \sigma_s^2)`:
+    :func:`regression`, :func:`gaussian_regression` and :func:`heteroscedastic_regression`
+    fill them, so that :func:`regression_scores` of the prediction scores the exact
+    mixture. A prediction made without them (Laplace's GLM predictive, which is exactly
+    Gaussian) is the single Gaussian ``N(mean, total)``.
 
     Attributes:
         mean: ``[B, ...]`` predictive mean.
         total: ``[B, ...]`` predictive variance, ``aleatoric + epistemic``.
         aleatoric: ``[B, ...]`` mean of the per-sample noise variances.
         epistemic: ``[B, ...]`` variance of the per-sample means (over samples, ddof 0).
+        sample_means: ``[S, B, ...]`` the per-sample means :math:`\mu_s`, or ``None``.
+        sample_variances: ``[S, B, ...]`` the per-sample noise variances
+            :math:`\sigma_s^2` (a broadcast view of those given), or ``None``.
     """
 
     mean: Tensor
     total: Tensor
     aleatoric: Tensor
     epistemic: Tensor
+    sample_means: Tensor | None = None
+    sample_variances: Tensor | None = None
 
 
 def regression(means: Tensor, variances: Tensor | float) -> RegressionPrediction:
@@ -66,7 +77,8 @@ def regression(means: Tensor, variances: Tensor | float) -> RegressionPrediction
 
     Returns:
         :class:`RegressionPrediction` ``(mean, total, aleatoric, epistemic)``, each
-        ``[B, ...]``.
+        ``[B, ...]``, with the mixture's ``sample_means`` and ``sample_variances``
+        (``[S, B, ...]``).
 
     Raises:
         TypeError: ``means`` is not a floating tensor or ``variances`` not a number/tensor.
@@ -87,8 +99,11 @@ def regression(means: Tensor, variances: Tensor | float) -> RegressionPrediction
     variances = _check_variances(variances, means)
     mean = means.mean(dim=0)
     epistemic = (means - mean).square().mean(dim=0)
-    aleatoric = variances.expand_as(means).mean(dim=0)
-    return RegressionPrediction(mean, aleatoric + epistemic, aleatoric, epistemic)
+    variances = variances.expand_as(means)
+    aleatoric = variances.mean(dim=0)
+    return RegressionPrediction(
+        mean, aleatoric + epistemic, aleatoric, epistemic, means, variances
+    )
 
 
 def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
@@ -195,7 +210,8 @@ def gaussian_regression(means: Tensor, noise_std: Tensor | float) -> RegressionP
         noise_std: σ, as above (> 0).
 
     Returns:
-        :class:`RegressionPrediction` ``(mean, total, aleatoric, epistemic)``.
+        :class:`RegressionPrediction` ``(mean, total, aleatoric, epistemic)`` and the
+        mixture's ``sample_means`` and ``sample_variances``.
 
     Raises:
         TypeError: ``means`` is not a floating tensor, or ``noise_std`` not a number/tensor.

@@ -236,18 +236,22 @@ class KeyedNormal:
         a step's noise, for many small tensors.
         """
         prefix = extend_seed(_counter_hash(self.seed & _MASK64), step)
-        shards = () if shard is None else (shard,)
+        suffix = [_counter_hash(0)] + [
+            _counter_hash(s & _MASK64) for s in (shard,) if s is not None
+        ]
         generators = self._generators
         out = []
         for like, key in zip(likes, keys, strict=True):
             if like.numel() > BLOCK:
                 out.append(self.draw(like, step=step, key=key, shard=shard))
                 continue
-            h = extend_seed(prefix, key, 0, *shards)  # derive_seed(seed, step, key, 0, ...)
-            device = like.device
-            generator = generators.get(device)
+            # extend_seed(prefix, key, 0, *shards) = derive_seed(seed, step, key, 0, ...)
+            h = _splitmix64(prefix ^ _counter_hash(key & _MASK64))
+            for hashed in suffix:
+                h = _splitmix64(h ^ hashed)
+            generator = generators.get(like.device)
             if generator is None:
-                generator = generators[device] = torch.Generator(device=device)
+                generator = generators[like.device] = torch.Generator(device=like.device)
             generator.manual_seed(h)
             if like.is_contiguous():  # (a contiguous tensor's empty_like is contiguous)
                 out.append(torch.empty_like(like).normal_(generator=generator))

@@ -30,6 +30,7 @@ __all__ = [
     "host_value",
     "known_buffer",
     "may_be_non_finite",
+    "scalar_operand",
 ]
 
 
@@ -215,16 +216,20 @@ def apply_step_(
     """
     if keep is not None:
         for param, direction in zip(params, directions, strict=True):
-            step = direction if as_sgd else direction.mul(-lr)
+            step = direction if as_sgd else direction.mul(scalar_operand(-lr, direction))
             moved = param.add(step, alpha=-lr) if as_sgd else param.add(step)
             param.copy_(torch.where(keep[param.device], moved, param))
         return
     if not foreach:
+        factors: dict[torch.dtype, float | Tensor] = {}
         for param, direction in zip(params, directions, strict=True):
             if as_sgd:
                 param.add_(direction, alpha=-lr)
-            else:
-                param.add_(direction.mul(-lr))
+                continue
+            factor = factors.get(direction.dtype)
+            if factor is None:
+                factor = factors[direction.dtype] = scalar_operand(-lr, direction)
+            param.add_(direction.mul(factor))
         return
     for index in buckets(params):
         bucket_params = [params[i] for i in index]
@@ -232,7 +237,22 @@ def apply_step_(
         if as_sgd:
             torch._foreach_add_(bucket_params, bucket_directions, alpha=-lr)
         else:
-            torch._foreach_add_(bucket_params, torch._foreach_mul(bucket_directions, -lr))
+            factor = scalar_operand(-lr, bucket_directions[0])
+            torch._foreach_add_(bucket_params, torch._foreach_mul(bucket_directions, factor))
+
+
+def scalar_operand(value: float, like: Tensor) -> float | Tensor:
+    """``value`` as ``mul`` should take it for tensors like ``like``: the same product.
+
+    On the CPU, ``mul`` by a Python number wraps it in a tensor for every tensor (about
+    5 us each); a 0-d float32/float64 CPU tensor holding the number ``mul`` would compute
+    with (its rounding to the tensors' dtype) is the same operand, made once. Elsewhere,
+    and for other dtypes (whose kernels compute in float32 from the unrounded number),
+    the number itself.
+    """
+    if like.device.type == "cpu" and like.dtype in (torch.float32, torch.float64):
+        return torch.tensor(value, dtype=like.dtype)
+    return value
 
 
 def host_scalar(value: float) -> Tensor:

@@ -47,7 +47,7 @@ from .fused import check_fused, fused_message
 from .fused.transform import fused_update, fused_update_refusal
 from .momentum_units import MOMENTUM_RATE, rescale_momentum
 from .optimizer import SamplerOptimizer
-from .tensor_lists import buckets, default_foreach, may_be_non_finite
+from .tensor_lists import buckets, default_foreach, may_be_non_finite, scalar_operand
 
 __all__ = [
     "KernelInput",
@@ -215,7 +215,9 @@ def _scale_by_neg_lr(
             # the Optimizers' step (``apply_step_``) does not
             for index in buckets(updates):
                 bucket = [updates[i] for i in index]
-                torch._foreach_copy_(bucket, torch._foreach_mul(bucket, -lr))
+                torch._foreach_copy_(
+                    bucket, torch._foreach_mul(bucket, scalar_operand(-lr, bucket[0]))
+                )
         else:
             for update in updates:
                 update.mul_(-lr)
@@ -225,7 +227,11 @@ def _scale_by_neg_lr(
     scaled = list(directions)
     for index in buckets(directions):
         for i, out in zip(
-            index, torch._foreach_mul([directions[i] for i in index], -lr), strict=True
+            index,
+            torch._foreach_mul(
+                [directions[i] for i in index], scalar_operand(-lr, directions[index[0]])
+            ),
+            strict=True,
         ):
             scaled[i] = out
     return scaled

@@ -69,7 +69,7 @@ from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateIn
 from ..noise_scales import baoa_noise_scale
 from ..optimizer import SamplerOptimizer
 from ..temperature.rule import TemperatureRule, UnitMass
-from ..tensor_lists import bucketed_grads, effective_grad
+from ..tensor_lists import bucketed_grads, effective_grad, scalar_operand
 from ..transformation import pick, transformation_of
 
 __all__ = ["BAOA", "DEFINITION", "BAOAState", "baoa", "baoa_direction", "baoa_noise_scale"]
@@ -141,14 +141,14 @@ def baoa_direction(
     ):
         old = [momentum_buffers[i] for i in index]
         velocities = list(torch._foreach_add(old, bucket_grads))
-        new = list(torch._foreach_mul(velocities, momentum))
+        new = list(torch._foreach_mul(velocities, scalar_operand(momentum, old[0])))
         if noise is not None:
             torch._foreach_add_(new, [noise[i] for i in index], alpha=scale)
         if inplace:
             torch._foreach_copy_(old, new)
             new = old
         torch._foreach_add_(velocities, new)
-        torch._foreach_mul_(velocities, 0.5)
+        torch._foreach_mul_(velocities, scalar_operand(0.5, old[0]))
         for position, i in enumerate(index):
             buffers[i] = new[position]
             directions[i] = velocities[position]

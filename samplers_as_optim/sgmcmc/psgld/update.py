@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ...names import member_dims
 from ..sampling_preconditioner import advanced, released, sampling_scale
-from ..tensor_lists import buckets, effective_grad, effective_grads
+from ..tensor_lists import buckets, effective_grad, effective_grads, scalar_operand
 from .dtypes import check_dtypes, lift, psgld_noise_scale
 from .li_correction import corrected
 
@@ -204,7 +204,7 @@ def rmsprop_denominators(
             new_grad_avgs.append(grad_avg)
         return avgs, new_squares, new_grad_avgs
     squares = square_avgs if inplace else [square.clone() for square in square_avgs]
-    torch._foreach_mul_(squares, alpha)
+    torch._foreach_mul_(squares, scalar_operand(alpha, squares[0]))
     torch._foreach_addcmul_(squares, grads, grads, value=1 - alpha)
     if centered:
         means = [avg for avg in grad_avgs if avg is not None]
@@ -318,7 +318,7 @@ def _momentum_directions(
     bufs = [state["momentum_buffer"][i] for i in index]
     bufs = bufs if s.inplace else [buf.clone() for buf in bufs]
     if s.foreach:
-        torch._foreach_mul_(bufs, s.momentum)
+        torch._foreach_mul_(bufs, scalar_operand(s.momentum, bufs[0]))
         torch._foreach_addcdiv_(bufs, gs, avgs)
     else:
         for buf, grad, avg in zip(bufs, gs, avgs, strict=True):

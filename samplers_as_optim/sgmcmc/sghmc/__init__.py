@@ -90,7 +90,7 @@ from ..noise_scales import sghmc_noise_scale
 from ..optimizer import SamplerOptimizer
 from ..sgld import sgld_direction
 from ..temperature.rule import TemperatureRule, UnitMass, midpoint_factor
-from ..tensor_lists import bucketed_grads, effective_grad, known_buffer
+from ..tensor_lists import bucketed_grads, effective_grad, known_buffer, scalar_operand
 from ..transformation import pick, transformation_of
 
 __all__ = ["DEFINITION", "SGHMC", "SGHMCState", "sghmc", "sghmc_direction", "sghmc_noise_scale"]
@@ -237,7 +237,7 @@ def _foreach_sghmc(
             # bfloat16/float16 buffer's dtype first): new buffers are copies, then scaled
             present = [known_buffer(buffer) for buffer in old]
             new = present if inplace else [buffer.clone() for buffer in present]
-            torch._foreach_mul_(new, momentum)
+            torch._foreach_mul_(new, scalar_operand(momentum, new[0]))
             torch._foreach_add_(new, bucket_grads, alpha=1 - dampening)
         else:
             new = [
