@@ -6,7 +6,8 @@ draws samples from the posterior; with ``temperature=0`` it is SGD again, bit fo
 Samplers (``torch.optim`` optimizers): :class:`SGLD`, :class:`SGHMC`, :class:`SGNHT`,
 :class:`PSGLD` (RMSprop-preconditioned), :class:`AdamWSGHMC` (AdamW's twin),
 :class:`BAOA`, the cyclical schedule :class:`CyclicalSGMCMC`,
-and full-batch Metropolis-corrected :class:`HMC`;
+and full-batch Metropolis-corrected :class:`HMC`; their step sizes adapted in a warm-up
+so that the chain runs at its temperature: :class:`StepSizeWarmup`;
 the same as torchopt transformations: :mod:`.transforms`. Gaussian approximations:
 :class:`Laplace` (diagonal, dense, KFAC; all or a subset of the weights),
 :class:`ExtendedKalmanFilter`, :class:`SWAG`, :class:`MeanFieldVI`,
@@ -36,6 +37,7 @@ from .samples.collect import RunningMoments, SampleCollector
 from .samples.ensemble import ParallelEnsemble, ensemble_loss
 from .samples.stacked import call_stacked
 from .sgmcmc.cyclical import CyclicalSGMCMC
+from .sgmcmc.temperature.warmup import StepSizeWarmup
 
 if TYPE_CHECKING:  # their signatures, compiled at import from their definitions, stated
     from ._signatures import BAOA, PSGLD, SGHMC, SGLD, SGNHT, AdamWSGHMC
@@ -62,6 +64,7 @@ __all__ = [
     "ParallelEnsemble",
     "RunningMoments",
     "SampleCollector",
+    "StepSizeWarmup",
     "call_stacked",
     "curvature",
     "diagnostics",

@@ -101,9 +101,7 @@ def regression(means: Tensor, variances: Tensor | float) -> RegressionPrediction
     epistemic = (means - mean).square().mean(dim=0)
     variances = variances.expand_as(means)
     aleatoric = variances.mean(dim=0)
-    return RegressionPrediction(
-        mean, aleatoric + epistemic, aleatoric, epistemic, means, variances
-    )
+    return RegressionPrediction(mean, aleatoric + epistemic, aleatoric, epistemic, means, variances)
 
 
 def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
@@ -279,25 +277,58 @@ def heteroscedastic_regression(
     return regression(mean, std.square())
 
 
+@overload
+def regression_scores(
+    prediction: RegressionPrediction, targets: Tensor, /, *, target_std: float = 1.0
+) -> RegressionScores: ...
+
+
+@overload
 def regression_scores(
     means: Tensor,
     variances: Tensor | float,
     targets: Tensor,
     *,
     target_std: float = 1.0,
+) -> RegressionScores: ...
+
+
+def regression_scores(
+    means: Tensor | RegressionPrediction,
+    variances: Tensor | float | None = None,
+    targets: Tensor | None = None,
+    *,
+    target_std: float = 1.0,
 ) -> RegressionScores:
     r"""Test RMSE and log-likelihood per target value, in the targets' original units.
+
+    Called as ``regression_scores(prediction, targets, target_std=s)`` with a
+    :class:`RegressionPrediction` of :func:`regression`, :func:`gaussian_regression` or
+    :func:`heteroscedastic_regression`, or as ``regression_scores(means, variances,
+    targets, target_std=s)``. The log-likelihood is the mean over the target values of the
+    log density of the exact mixture :math:`\frac1S\sum_s N(\mu_s, \sigma_s^2)`
+    (:func:`regression_nll`),
+
+    .. math::
+        \frac1B\sum_b \Big[\operatorname{logsumexp}_s \log N(y_b \mid \mu_{s,b},
+        \sigma_{s,b}^2) - \log S\Big] - \log s,
+
+    with the prediction's ``sample_means`` and ``sample_variances`` (each sample with its
+    own σ, not the mean σ² that is the prediction's ``aleatoric``); a prediction without
+    them (Laplace's GLM predictive) is the single Gaussian ``N(mean, total)``. The RMSE
+    is that of the mixture's mean.
 
     A model trained on standardised targets :math:`\tilde y = (y - m)/s` predicts in
     those units; with ``target_std`` = s the scores are those of the original y:
     :math:`\mathrm{RMSE}_y = s\,\mathrm{RMSE}_{\tilde y}` and, since
     :math:`p(y) = p(\tilde y)/s`, the log-likelihood per value is the standardised one
-    minus :math:`\log s`. The log-likelihood is that of the exact mixture
-    (:func:`regression_nll`), the RMSE that of the mixture's mean.
+    minus :math:`\log s`.
 
     Args:
-        means: ``[S, B, ...]`` per-sample predicted means (standardised units).
-        variances: per-sample noise variances, as for :func:`regression_nll` (> 0).
+        means: ``[S, B, ...]`` per-sample predicted means (standardised units), or a
+            :class:`RegressionPrediction` in place of ``(means, variances)``.
+        variances: per-sample noise variances, as for :func:`regression_nll` (> 0);
+            not with a prediction.
         targets: ``[B, ...]`` (standardised units).
         target_std: s (default: 1.0, the scores in the units given; > 0).
 
@@ -305,7 +336,10 @@ def regression_scores(
         :class:`RegressionScores` ``(rmse, log_likelihood)``, 0-d tensors.
 
     Raises:
-        TypeError, ValueError: as :func:`regression_nll`, and a bad ``target_std``.
+        TypeError: as :func:`regression_nll`; ``variances`` with a prediction, or missing
+            ``variances`` or ``targets``.
+        ValueError: as :func:`regression_nll`, a bad ``target_std``, or a prediction with
+            only one of ``sample_means`` and ``sample_variances``.
 
     Example:
         >>> import torch
@@ -314,12 +348,58 @@ def regression_scores(
         ...     torch.zeros(1, 2), 1.0, torch.tensor([1.0, -1.0]), target_std=2.0)
         >>> scores.rmse, scores.log_likelihood  # 2 * 1; -(log(2π)/2 + 1/2) - log 2
         (tensor(2.), tensor(-2.1121))
+        >>> sampled = predictive.gaussian_regression(torch.zeros(2, 2), torch.tensor([1.0, 2.0]))
+        >>> y = torch.tensor([1.0, -1.0])  # under (N(0, 1) + N(0, 4)) / 2, not N(0, 2.5)
+        >>> predictive.regression_scores(sampled, y).log_likelihood
+        tensor(-1.5654)
     """
+    if isinstance(means, RegressionPrediction):
+        means, variances, targets = _mixture_of(means, variances, targets)
+    elif variances is None:
+        raise TypeError(
+            "Invalid variances: None (expected per-sample variances, a tensor or a number, "
+            "or a RegressionPrediction in place of (means, variances))"
+        )
+    if targets is None:
+        raise TypeError("Invalid targets: None (expected a tensor [B, ...] of targets)")
     scale = check_positive("target_std", target_std)
     nll_value = regression_nll(means, variances, targets)
     mean = means.mean(dim=0).to(nll_value.dtype)
     rmse = (mean - targets.to(nll_value.dtype)).square().mean().sqrt()
     return RegressionScores(rmse * scale, -nll_value - math.log(scale))
+
+
+def _mixture_of(
+    prediction: RegressionPrediction,
+    second: Tensor | float | None,
+    targets: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(means, variances, targets)`` of ``regression_scores(prediction, targets)``.
+
+    The targets come second there, where ``(means, variances, targets)`` has the variances.
+    """
+    if targets is not None and second is not None:
+        raise TypeError(
+            f"Invalid variances: {type(second).__name__} given with a RegressionPrediction "
+            "(expected regression_scores(prediction, targets): the prediction carries its "
+            "per-sample variances)"
+        )
+    if targets is None:
+        targets = second  # type: ignore[assignment]  # checked as targets by regression_nll
+    sample_means, sample_variances = prediction.sample_means, prediction.sample_variances
+    if (sample_means is None) != (sample_variances is None):
+        given, missing = (
+            ("sample_means", "sample_variances")
+            if sample_variances is None
+            else ("sample_variances", "sample_means")
+        )
+        raise ValueError(
+            f"Invalid prediction: {given} without {missing} (expected both, as "
+            "predictive.regression returns them, or neither for a single Gaussian)"
+        )
+    if sample_means is None or sample_variances is None:  # a Gaussian: a mixture of one
+        return prediction.mean.unsqueeze(0), prediction.total, targets
+    return sample_means, sample_variances, targets
 
 
 for _public in (

@@ -23,7 +23,11 @@ parameter of ``model`` (each module's own parameters, ``recurse=False``):
 
 Only parameters with ``requires_grad=True`` are included. Parameters with one variance
 share a param group, in the order of ``model.named_parameters()``; every group holds
-``(name, parameter)`` pairs, so a sampler keys its noise by the parameters' names.
+``(name, parameter)`` pairs, so a sampler keys its noise by the parameters' names, and
+the marker ``"l2_prior": True`` (``PRIOR_GROUP_KEY``), which says that its
+``weight_decay`` is a prior only where the decay is an L2 term of the gradient:
+``torch.optim`` optimizers keep such a key and ignore it, and
+:class:`~samplers_as_optim.AdamWSGHMC`, whose decay is decoupled, refuses the group.
 
 References:
     Neal (1996), Bayesian Learning for Neural Networks, §2.2.
@@ -45,6 +49,10 @@ __all__ = ["prior_loss", "prior_param_groups", "prior_precision", "prior_varianc
 
 #: how a weight's variance scales: by 1/fan_in, or not at all
 SCALES = ("fan_in", "none")
+
+#: the key (set to True) that marks a group of :func:`prior_param_groups`: its
+#: ``weight_decay`` is the prior N(0, v) as the L2 decay 1/(N v) coupled to the gradient
+PRIOR_GROUP_KEY = "l2_prior"
 
 _LAYERS = (nn.Linear, nn.modules.conv._ConvNd)
 
@@ -147,7 +155,9 @@ def prior_param_groups(
     overrides the optimizer's argument. Where ``weight_decay`` is decoupled from the
     gradient (``torch.optim.AdamW``, :class:`~samplers_as_optim.AdamWSGHMC`, IVON) it is
     not this prior: give those the model's parameters with ``weight_decay=0`` and add
-    :func:`prior_loss` to the loss instead.
+    :func:`prior_loss` to the loss instead. :class:`~samplers_as_optim.AdamWSGHMC`
+    refuses these groups (those with a ``weight_decay`` other than 0), by their marker
+    ``"l2_prior": True`` (``PRIOR_GROUP_KEY``); ``torch.optim.AdamW`` cannot tell.
 
     Args:
         model: the model.
@@ -159,8 +169,8 @@ def prior_param_groups(
 
     Returns:
         A list of param groups ``{"params": [(name, parameter), ...], "weight_decay":
-        λ}``, one per distinct variance, in the order of the parameters; λ = 0 for the
-        parameters whose prior is in a loss.
+        λ, "l2_prior": True}``, one per distinct variance, in the order of the
+        parameters; λ = 0 for the parameters whose prior is in a loss.
 
     Raises:
         ValueError, TypeError: as :func:`prior_variances`, and a bad ``num_data``.
@@ -182,7 +192,10 @@ def prior_param_groups(
     for name, variance in variances.items():
         decay = 0.0 if variance is None else 1.0 / (num_data * variance)
         groups.setdefault(decay, []).append((name, parameters[name]))
-    return [{"params": params, "weight_decay": decay} for decay, params in groups.items()]
+    return [
+        {"params": params, "weight_decay": decay, PRIOR_GROUP_KEY: True}
+        for decay, params in groups.items()
+    ]
 
 
 def prior_precision(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import math
 import re
 import sys
 import types
@@ -97,12 +98,24 @@ def check_predictive(ns: dict[str, Any]) -> None:
     assert ns["chains"]["0.weight"].shape == (16, 20, 16, 4)  # [chains, draws, ...]
 
 
+def check_regression(ns: dict[str, Any]) -> None:
+    # the SGHMC score is the exact mixture of the sampled (μ_s, σ_s) (issue #36), written
+    # out here: logsumexp over samples of each sample's Gaussian log density, minus log S
+    means, stds = ns["means"], ns["samples"]["log_noise_std"].exp().reshape(-1, 1, 1)
+    log_density = torch.distributions.Normal(means, stds).log_prob(ns["y_test"])
+    mixture = torch.logsumexp(log_density, dim=0) - math.log(means.shape[0])
+    expected = mixture.mean() - math.log(ns["s"])
+    got = ns["scores"]["SGHMC"].log_likelihood
+    assert torch.allclose(got, expected.to(got.dtype), rtol=1e-5, atol=1e-6)
+
+
 CHECKS = {
     "guide/samplers.md": check_samplers,
     "guide/transforms.md": check_transforms,
     "guide/ensembles.md": check_ensembles,
     "guide/laplace_vi.md": check_laplace_vi,
     "guide/predictive.md": check_predictive,
+    "guide/regression.md": check_regression,
 }
 
 

@@ -236,22 +236,18 @@ class KeyedNormal:
         a step's noise, for many small tensors.
         """
         prefix = extend_seed(_counter_hash(self.seed & _MASK64), step)
-        suffix = [_counter_hash(0)] + [
-            _counter_hash(s & _MASK64) for s in (shard,) if s is not None
-        ]
+        shards = () if shard is None else (shard,)
         generators = self._generators
         out = []
         for like, key in zip(likes, keys, strict=True):
             if like.numel() > BLOCK:
                 out.append(self.draw(like, step=step, key=key, shard=shard))
                 continue
-            # extend_seed(prefix, key, 0, *shards) = derive_seed(seed, step, key, 0, ...)
-            h = _splitmix64(prefix ^ _counter_hash(key & _MASK64))
-            for hashed in suffix:
-                h = _splitmix64(h ^ hashed)
-            generator = generators.get(like.device)
+            h = extend_seed(prefix, key, 0, *shards)  # derive_seed(seed, step, key, 0, ...)
+            device = like.device
+            generator = generators.get(device)
             if generator is None:
-                generator = generators[like.device] = torch.Generator(device=like.device)
+                generator = generators[device] = torch.Generator(device=device)
             generator.manual_seed(h)
             if like.is_contiguous():  # (a contiguous tensor's empty_like is contiguous)
                 out.append(torch.empty_like(like).normal_(generator=generator))

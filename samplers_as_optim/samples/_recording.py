@@ -2,13 +2,15 @@
 
 :class:`_Reader` reads the source's current tensors (a module's parameters and sample
 buffers, a ParallelEnsemble's stacked ones, or a mapping's); :class:`_Schedule` counts
-optimizer steps and says which are kept (burn-in and thinning); the checks refuse recorded
-values, paths and dtypes that do not fit.
+optimizer steps and says which are kept (burn-in and thinning); :class:`_PreconditionerWatch`
+warns when a sample is taken before a sampler's preconditioner froze; the checks refuse
+recorded values, paths and dtypes that do not fit.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -159,3 +161,74 @@ class _Schedule:
         self.steps += 1
         after = self.steps - self.burn_in
         return after > 0 and after % self.thin == 0
+
+
+class _PreconditionerWatch:
+    """Warns once when a sample is recorded while a sampling preconditioner still adapts.
+
+    PSGLD and AdamWSGHMC follow the optimizer's second moment during each param group's
+    ``preconditioner_warmup`` (a parameter's step count, ``state["step"]``) and freeze it
+    then (``state["preconditioner_step"]``, 0 until the freeze): only the frozen chain
+    samples the stated law. Any other optimizer (no ``preconditioner_warmup`` in its
+    groups), ``preconditioner_warmup=None`` (never frozen, by choice) and a step count
+    past the warm-up without a freeze (temperature 0, where the preconditioner is
+    released) are not watched. Once every watched preconditioner is seen frozen (or the
+    warning shown) it reads nothing more: a release (a step at temperature 0) ends at
+    the next step at temperature > 0, which freezes at once past the warm-up.
+    The reads are of CPU step counts, once per recorded sample.
+
+    Args:
+        optimizer: None (nothing to watch) or the ``torch.optim.Optimizer`` of the chain.
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"Invalid optimizer: {type(optimizer).__name__} (expected None or the "
+                "torch.optim.Optimizer, e.g. the sampler, whose chain is recorded)"
+            )
+        self.optimizer: torch.optim.Optimizer | None = optimizer
+        self.done = optimizer is None
+
+    def check(self, steps: int, burn_in: int, thin: int) -> None:
+        """Called as the sample of collector step ``steps`` is recorded."""
+        if self.done:
+            return
+        adapting, pending = self._adapting()
+        self.done = adapting is not None or not pending
+        if adapting is None:
+            return
+        index, count, warmup = adapting
+        later = warmup - count
+        warnings.warn(
+            f"SampleCollector recorded a sample at step {steps} from "
+            f"{type(self.optimizer).__name__} while its sampling preconditioner is still "
+            f"adapting (param group {index}: step count {count}, preconditioner_warmup="
+            f"{warmup}; it freezes at step count {warmup}, {later} steps later): the samples "
+            "before the freeze are not from the chain's stated law. Raise burn_in to at "
+            f"least {steps + later - thin} (from {burn_in}), or lower preconditioner_warmup.",
+            stacklevel=4,
+        )
+
+    def _adapting(self) -> tuple[tuple[int, int, int] | None, bool]:
+        """A preconditioner still adapting, and whether a watched parameter has no state.
+
+        The first is ``(group index, step count, warm-up)`` or None; a parameter without
+        state has had no gradient so far.
+        """
+        optimizer = self.optimizer
+        assert optimizer is not None
+        pending = False
+        for index, group in enumerate(optimizer.param_groups):
+            warmup = group.get("preconditioner_warmup")
+            if warmup is None:
+                continue
+            for param in group["params"]:
+                state = optimizer.state.get(param, {})
+                if "preconditioner_step" not in state:
+                    pending = True
+                elif not float(state["preconditioner_step"]):
+                    count = int(float(state["step"]))
+                    if count < warmup:
+                        return (index, count, int(warmup)), pending
+        return None, pending

@@ -92,7 +92,14 @@ import torch
 from torch import Tensor
 
 from ..core.validation import check_bool, check_nonnegative_integer, check_positive_int
-from ._recording import _check_dtype, _check_path, _check_values, _Reader, _Schedule
+from ._recording import (
+    _check_dtype,
+    _check_path,
+    _check_values,
+    _PreconditionerWatch,
+    _Reader,
+    _Schedule,
+)
 from ._store import _FORMAT, _VERSION, _file_name, _read_index, _Store, _write_index
 from .moments import RunningMoments
 
@@ -128,6 +135,9 @@ class SampleCollector:
             every instant); :meth:`load` reads it back, also after a crash. To resume a
             chain after a crash, checkpoint :meth:`state_dict` with the model and the
             optimizer (see the module docstring).
+        optimizer: None (default) or the chain's optimizer: recording a sample while a
+            PSGLD's or AdamWSGHMC's preconditioner still adapts (``preconditioner_warmup``
+            not passed) warns once, with the burn-in that waits for its freeze.
 
     A collector in memory can be copied and pickled (``torch.save`` too) with its source:
     ``copy.deepcopy`` of a dict holding the model, the optimizer, the scheduler and the
@@ -140,7 +150,7 @@ class SampleCollector:
     Raises:
         FileExistsError: ``path`` already holds a sample store.
         TypeError: a flag that is not a bool, ``path`` that is not None, a str or an
-            os.PathLike.
+            os.PathLike, an ``optimizer`` that is not None or a torch optimizer.
 
     Example:
         >>> import torch
@@ -171,7 +181,9 @@ class SampleCollector:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
         path: str | os.PathLike[str] | None = None,
+        optimizer: Any = None,
     ) -> None:
+        self._watch = _PreconditionerWatch(optimizer)
         self._read: _Reader | None = _Reader(source, buffers)
         root = _check_path(path, optional=True)
         self.num_samples = check_positive_int("num_samples", num_samples)
@@ -276,6 +288,8 @@ class SampleCollector:
                     stacklevel=2,
                 )
             return False
+        if getattr(self, "_watch", None) is not None:  # (absent from older pickles)
+            self._watch.check(self.steps, self.burn_in, self.thin)
         self.record()
         return True
 
@@ -476,6 +490,7 @@ class SampleCollector:
         source: Any = None,
         *,
         mmap: bool = True,
+        optimizer: Any = None,
     ) -> SampleCollector:
         """Open a sample store written by a collector with ``path`` or by :meth:`save`.
 
@@ -493,12 +508,13 @@ class SampleCollector:
                 ``source``, collection continues into the same files; without one, the
                 mapping is copy-on-write and the store is never changed); False: they are
                 read into memory.
+            optimizer: as for the constructor (default: None).
 
         Returns:
             The collector, with the store's ``count`` samples.
 
         Raises:
-            TypeError: ``path`` is not a str or an os.PathLike, ``mmap`` not a bool.
+            TypeError: ``path``, ``mmap`` or ``optimizer`` of the wrong type.
             ValueError: ``path`` is not a sample store, the store is damaged, or
                 ``source`` does not match it.
         """
@@ -511,6 +527,7 @@ class SampleCollector:
             for entry in index["tensors"]
         }
         collector = cls.__new__(cls)
+        collector._watch = _PreconditionerWatch(optimizer)
         collector._read = None
         collector._needs_state = False
         if source is not None:

@@ -221,15 +221,11 @@ def apply_step_(
             param.copy_(torch.where(keep[param.device], moved, param))
         return
     if not foreach:
-        factors: dict[torch.dtype, float | Tensor] = {}
         for param, direction in zip(params, directions, strict=True):
             if as_sgd:
                 param.add_(direction, alpha=-lr)
-                continue
-            factor = factors.get(direction.dtype)
-            if factor is None:
-                factor = factors[direction.dtype] = scalar_operand(-lr, direction)
-            param.add_(direction.mul(factor))
+            else:
+                param.add_(direction.mul(scalar_operand(-lr, direction)))
         return
     for index in buckets(params):
         bucket_params = [params[i] for i in index]
@@ -242,13 +238,10 @@ def apply_step_(
 
 
 def scalar_operand(value: float, like: Tensor) -> float | Tensor:
-    """``value`` as ``mul`` should take it for tensors like ``like``: the same product.
+    """``value`` for ``mul`` by tensors like ``like``: the same product, made cheaper.
 
-    On the CPU, ``mul`` by a Python number wraps it in a tensor for every tensor (about
-    5 us each); a 0-d float32/float64 CPU tensor holding the number ``mul`` would compute
-    with (its rounding to the tensors' dtype) is the same operand, made once. Elsewhere,
-    and for other dtypes (whose kernels compute in float32 from the unrounded number),
-    the number itself.
+    On the CPU in float32/float64 a 0-d tensor of their dtype (``mul`` wraps a Python
+    number per tensor, 5 us each); else the number (kernels use the unrounded number).
     """
     if like.device.type == "cpu" and like.dtype in (torch.float32, torch.float64):
         return torch.tensor(value, dtype=like.dtype)

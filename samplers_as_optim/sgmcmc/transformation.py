@@ -215,9 +215,8 @@ def _scale_by_neg_lr(
             # the Optimizers' step (``apply_step_``) does not
             for index in buckets(updates):
                 bucket = [updates[i] for i in index]
-                torch._foreach_copy_(
-                    bucket, torch._foreach_mul(bucket, scalar_operand(-lr, bucket[0]))
-                )
+                factor = scalar_operand(-lr, bucket[0])
+                torch._foreach_copy_(bucket, torch._foreach_mul(bucket, factor))
         else:
             for update in updates:
                 update.mul_(-lr)
@@ -226,13 +225,9 @@ def _scale_by_neg_lr(
         return [direction.mul(-lr) for direction in directions]
     scaled = list(directions)
     for index in buckets(directions):
-        for i, out in zip(
-            index,
-            torch._foreach_mul(
-                [directions[i] for i in index], scalar_operand(-lr, directions[index[0]])
-            ),
-            strict=True,
-        ):
+        bucket = [directions[i] for i in index]
+        products = torch._foreach_mul(bucket, scalar_operand(-lr, bucket[0]))
+        for i, out in zip(index, products, strict=True):
             scaled[i] = out
     return scaled
 

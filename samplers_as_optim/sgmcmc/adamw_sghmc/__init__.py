@@ -256,6 +256,15 @@ def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:
             "sampler kernel)"
         )
     sampling_meaningless("amsgrad", group["amsgrad"], False, temperature, where)
+    if group.get("l2_prior") is True and group["weight_decay"] != 0:  # priors.PRIOR_GROUP_KEY
+        raise ValueError(
+            f"Invalid weight_decay{where}: {group['weight_decay']!r}, the L2 prior of "
+            "prior_param_groups (expected a group without its 'l2_prior' marker: "
+            "AdamWSGHMC's weight_decay is AdamW's decoupled decay, the prior "
+            "N(0, 1/(N weight_decay a)) with a the preconditioner, not prior_param_groups' "
+            "N(0, v); give AdamWSGHMC the model's parameters with weight_decay=0 and add "
+            "prior_loss(model, num_data=N) to the loss)"
+        )
 
 
 def _update(
@@ -363,7 +372,9 @@ DEFINITION = SamplerDefinition(
             (default: 1e-2; a finite number >= 0). At temperature > 0 it is the Gaussian
             prior :math:`\mathcal N(0, 1/(N \lambda a))` on each element, :math:`a` the
             frozen preconditioner (see the class docstring); for an isotropic prior, set
-            it to 0 and put the prior in the loss.""",
+            it to 0 and put the prior in the loss. A group of ``prior_param_groups``
+            (an L2 prior, marked ``"l2_prior"``) with a decay other than 0 is
+            refused.""",
             positional=True,
         ),
         Hyperparameter(

@@ -25,6 +25,7 @@ without a host synchronisation.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import warnings
 from collections.abc import Sequence
@@ -36,11 +37,17 @@ from ...core.validation import (
     check_bool,
     check_open_unit_interval,
     check_positive_int,
+    check_state_fields,
     refuse,
 )
 from ..optimizer import SamplerOptimizer
 from ..step.grad_scaler import scaler_input
-from .estimates import ChainTemperatureReport, TemperatureSums, group_sums
+from .estimates import (
+    ChainTemperatureReport,
+    TemperatureEstimate,
+    TemperatureSums,
+    group_sums,
+)
 from .rule import TemperatureRule
 from .window import StepSums, StepWindow
 
@@ -262,10 +269,58 @@ class TemperatureMonitor:
             return self._read()
         return self.history[-1][1] if self.history else []
 
+    def state_dict(self) -> dict[str, Any]:
+        """What resumes the monitor exactly: its step count, window in progress and history.
+
+        Plain values and tensors (``torch.load(weights_only=True)`` reads them back); the
+        window in progress is reduced on the device, with no host read. Save it beside the
+        optimizer's ``state_dict()``, between steps.
+        """
+        return {
+            "steps": self._steps,
+            "warned": self.warned,
+            "windows": {index: window.state() for index, window in self._window.items()},
+            "spread": {index: (t, spread) for index, (t, spread) in self._spread.items()},
+            "history": [
+                (step, [dataclasses.asdict(r) for r in reports]) for step, reports in self.history
+            ],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next step continues the saved window.
+
+        Raises:
+            TypeError: ``state_dict`` is not a mapping.
+            ValueError: a missing entry.
+        """
+        fields = ("steps", "warned", "windows", "spread", "history")
+        check_state_fields(state_dict, fields, source="TemperatureMonitor.state_dict()")
+        self._steps = int(state_dict["steps"])
+        self.warned = bool(state_dict["warned"])
+        self._window = {
+            int(index): StepWindow.from_state(window)
+            for index, window in state_dict["windows"].items()
+        }
+        self._spread = {int(i): (float(t), v) for i, (t, v) in state_dict["spread"].items()}
+        self.history = [
+            (int(step), [_report_from_dict(r) for r in reports])
+            for step, reports in state_dict["history"]
+        ]
+        self._pending = {}
+
     def remove(self) -> None:
         """Detach the monitor from the optimizer (its history is kept)."""
         for handle in self._handles:
             handle.remove()
+
+
+def _report_from_dict(values: dict[str, Any]) -> ChainTemperatureReport:
+    """The report ``dataclasses.asdict`` gave (for :meth:`TemperatureMonitor.load_state_dict`)."""
+    estimates = {
+        name: None if values[name] is None else TemperatureEstimate(**values[name])
+        for name in ("kinetic", "configurational")
+    }
+    return ChainTemperatureReport(**{**values, **estimates})
 
 
 def _check_coordinates(value: Any) -> int | None:

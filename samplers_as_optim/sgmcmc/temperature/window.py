@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -126,6 +126,39 @@ class StepWindow:
             if measured is not None:
                 last = math.nan if self.spread is None else self.spread
                 self.spread = torch.where(kept[index], measured, last)
+
+    def state(self) -> dict[str, Any]:
+        """The window as plain values and tensors, which ``torch.load(weights_only=True)`` reads.
+
+        Its steps are reduced first, on the device, with nothing read to the host.
+        """
+        self._fold()
+        return {
+            "group": self.group,
+            "temperature": self.temperature,
+            "members": self.members,
+            "spread": self.spread,
+            "read": (self.read_kinetic, self.read_conf, self.read_spread),
+            "kinetic": self._kinetic,
+            "kinetic_dof": self._kinetic_dof,
+            "conf": self._conf,
+            "conf_dof": self._conf_dof,
+            "kept": list(self._kept),
+            "present": [tuple(p) for p in self._present],
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> StepWindow:
+        """The window :meth:`state` described."""
+        window = cls(state["group"], state["temperature"], state["members"], state["spread"])
+        window.read_kinetic, window.read_conf, window.read_spread = state["read"]
+        window._kinetic = state["kinetic"]
+        window._kinetic_dof = state["kinetic_dof"]
+        window._conf = state["conf"]
+        window._conf_dof = state["conf_dof"]
+        window._kept = list(state["kept"])
+        window._present = [(bool(k), bool(c)) for k, c in state["present"]]
+        return window
 
     def report(self, level: float) -> list[ChainTemperatureReport]:
         """The window's reports, one per member: the kept steps' averages (a host read)."""

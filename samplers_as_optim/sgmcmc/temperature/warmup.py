@@ -1,0 +1,288 @@
+r"""Step sizes that adapt in warm-up: each param group's lr set so that its chain runs at T.
+
+Why lr makes a chain hot. At a fixed lr an SG-MCMC chain samples its target only up to
+two biases, both of which heat it and both of which vanish as lr does: the discretisation
+(SGLD's stationary covariance on a Gaussian is :math:`T\,(H(I - hH/2))^{-1}`, with
+:math:`h = lr/N`, wider than :math:`T H^{-1}`) and, with minibatches, the gradient noise,
+whose variance the step adds on top of the injected noise (Chen et al. 2014, Sec. 3.2).
+A chain at stationarity is therefore never colder than T because of its lr: it is at T
+plus an excess that grows with lr. The kinetic and configurational estimates
+(``temperature/estimates``) measure that excess, and the largest lr whose excess stays
+small is the efficient one: smaller mixes slower for no gain, larger samples a hotter law.
+
+The adaptation. :class:`StepSizeWarmup` follows the chain with a
+:class:`~.monitor.TemperatureMonitor` (windows of ``every`` steps). After each window it
+reads, for every param group at T > 0, the excess :math:`x` of its chain over T (the
+estimates :math:`e/T - 1`, kinetic and configurational, of every member of a stacked
+group, that are not *cold*, below their band), and moves the log lr by a Robbins-Monro step
+(Robbins & Monro 1951) towards the excess ``target`` :math:`x^*`:
+
+.. math::
+
+    \log lr_{k+1} = \log lr_k - a\,k^{-0.6}\,\mathrm{clip}(z_k, -1, 1),
+    \qquad z_k = \frac{x_k - x^*}{\max(x^*, \sigma_k)},
+    \qquad a = 0.5,
+
+with :math:`k` the windows adapted so far and :math:`\sigma_k` the standard error of
+:math:`x_k` (each estimate's, one step's, from its band; :math:`x_k` is their
+precision-weighted mean). The step is symmetric, so the estimates' noise moves lr both
+ways alike and does not bias it; lr changes by at most :math:`e^{\pm 0.5}` per window at
+first, and never exceeds ``max_increase`` times the lr it started from.
+
+A chain started at a mode (the MAP, momentum zero) reads below T until it has
+thermalised, and a reading below T then says nothing about lr (at stationarity the chain
+is never colder than T): until a group's chain has once read at T or above (within its
+error), readings below the target adapt nothing; a hot one lowers lr at once. At the end
+of the warm-up the lr is frozen at the geometric mean of the lrs of the windows of its
+second half (Polyak-Ruppert averaging), the hooks are removed, and what follows is the
+stated chain at that fixed lr.
+
+Schedulers. During the warm-up the warm-up alone sets lr: a change by anyone else (a
+scheduler's ``step()``) is refused at the next ``step()``, which then changes nothing.
+Build a scheduler after the warm-up, when each group's ``lr`` is the adapted one.
+
+Checkpoints. :meth:`StepSizeWarmup.state_dict` (with the monitor's window in progress)
+saved beside the optimizer's resumes the adaptation exactly: the resumed chain takes the
+same lrs, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from ...core.validation import (
+    check_open_unit_interval,
+    check_positive_int,
+    check_state_fields,
+    refuse,
+)
+from ..optimizer import SamplerOptimizer
+from .estimates import ChainTemperatureReport
+from .monitor import TemperatureMonitor
+
+__all__ = ["StepSizeWarmup"]
+
+#: the Robbins-Monro gain a and its decay exponent
+GAIN = 0.5
+DECAY = 0.6
+
+
+class StepSizeWarmup:
+    r"""Adapts each param group's lr in a warm-up so that its chain runs at T, then freezes it.
+
+    Attach it to a sampler and train as before: it follows the chain on the optimizer's
+    step hooks (a :class:`~samplers_as_optim.diagnostics.TemperatureMonitor` inside),
+    after every ``every`` steps moves each group's ``lr`` towards the largest one whose
+    chain reads at most ``target`` hotter than T, and after ``steps`` steps freezes it
+    (module ``sgmcmc/temperature/warmup``: the rule, the cold start, why).
+    Groups at T = 0 are left alone. Discard the warm-up's samples, as for any burn-in.
+
+    Args:
+        optimizer: an SG-MCMC sampler (a ``SamplerOptimizer`` with a temperature rule).
+        steps: the warm-up's length in optimizer steps (an integer >= ``2 * every``).
+        every: steps per window (per adaptation).
+        target: the excess temperature aimed at, :math:`T_{\text{est}}/T - 1` (in (0, 1)):
+            about the relative error of the posterior's variances the chain accepts.
+        max_increase: no group's lr exceeds this multiple of the lr it started from
+            (a number >= 1).
+        level, coordinates, stride: the monitor's (``TemperatureMonitor``).
+
+    Attributes:
+        done: whether the warm-up has ended (the lrs frozen).
+        history: ``(step, [lr per group])`` after each window.
+
+    Raises:
+        TypeError, ValueError: a bad argument, or a group at T > 0 with lr 0.
+
+    Example:
+        >>> import torch
+        >>> from samplers_as_optim import SGHMC, StepSizeWarmup
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = SGHMC(model.parameters(), lr=1e-2, momentum=0.9, num_data=64, seed=0)
+        >>> warmup = StepSizeWarmup(opt, steps=40, every=10)
+        >>> x, y = torch.randn(64, 4), torch.randn(64, 1)
+        >>> for _ in range(50):
+        ...     opt.zero_grad()
+        ...     torch.nn.functional.mse_loss(model(x), y).backward()
+        ...     opt.step()
+        >>> warmup.done, len(warmup.history)
+        (True, 4)
+    """
+
+    def __init__(
+        self,
+        optimizer: SamplerOptimizer,
+        *,
+        steps: int,
+        every: int = 10,
+        target: float = 0.02,
+        max_increase: float = 10.0,
+        level: float = 0.999,
+        coordinates: int | None = 4096,
+        stride: int = 1,
+    ) -> None:
+        self.every = check_positive_int("every", every)
+        self.steps = check_positive_int("steps", steps)
+        if self.steps < 2 * self.every:
+            refuse("steps", steps, f"an integer >= 2 * every = {2 * self.every}", "")
+        self.target = check_open_unit_interval("target", target)
+        if isinstance(max_increase, bool) or not isinstance(max_increase, int | float):
+            refuse("max_increase", max_increase, "a number >= 1", "", TypeError)
+        if not math.isfinite(max_increase) or max_increase < 1:
+            refuse("max_increase", max_increase, "a finite number >= 1", "")
+        self.max_increase = float(max_increase)
+        self.monitor = TemperatureMonitor(
+            optimizer, every=every, level=level, warn=False, stride=stride, coordinates=coordinates
+        )
+        self.optimizer = optimizer
+        self._z = statistics.NormalDist().inv_cdf((1 + level) / 2)
+        self.start = [float(group["lr"]) for group in optimizer.param_groups]
+        for index, (group, lr) in enumerate(zip(optimizer.param_groups, self.start, strict=True)):
+            if float(group["temperature"]) > 0 and not lr > 0:
+                refuse("lr", lr, "> 0 in every group at T > 0", f" (param group {index})")
+        self.lrs = list(self.start)
+        self.done = False
+        self.history: list[tuple[int, list[float]]] = []
+        self._seen = 0  # optimizer steps taken under the warm-up
+        self._adapted = [0] * len(self.start)  # windows adapted, per group
+        self._arrived = [False] * len(self.start)  # read at T once (thermalised)
+        self._late = [(0.0, 0)] * len(self.start)  # second half: (sum of log lr, windows)
+        self._handles = (
+            optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._after_step),
+        )
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        groups = self.optimizer.param_groups
+        if len(groups) != len(self.lrs):
+            refuse(
+                "optimizer",
+                f"{len(groups)} param groups",
+                f"the {len(self.lrs)} the warm-up started with (add groups after it ends)",
+                "",
+            )
+        for index, (group, lr) in enumerate(zip(groups, self.lrs, strict=True)):
+            if float(group["lr"]) != lr:
+                refuse(
+                    "lr",
+                    group["lr"],
+                    f"{lr!r}, the warm-up's, until its step {self.steps}: during the warm-up "
+                    "only it sets lr (build a scheduler after it ends, from the adapted lr)",
+                    f" (param group {index})",
+                )
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._seen += 1
+        if len(self.monitor.history) > len(self.history):
+            _, reports = self.monitor.history[-1]
+            for index, group in enumerate(self.optimizer.param_groups):
+                if float(group["temperature"]) > 0:
+                    self._adapt(index, [r for r in reports if r.group == index])
+            self.history.append((self._seen, list(self.lrs)))
+        if self._seen >= self.steps:
+            self._freeze()
+
+    def _adapt(self, index: int, reports: list[ChainTemperatureReport]) -> None:
+        """One Robbins-Monro step of group ``index``'s log lr from its window's reports."""
+        reading = self._excess(reports)
+        log_lr = math.log(self.lrs[index])
+        late = 2 * self._seen > self.steps
+        if reading is not None:
+            excess, error = reading
+            z = (excess - self.target) / max(self.target, error)
+            self._arrived[index] = self._arrived[index] or excess >= -error
+            if z > 0 or self._arrived[index]:  # (below T before arriving: thermalising)
+                self._adapted[index] += 1
+                gain = GAIN * self._adapted[index] ** -DECAY
+                log_lr -= gain * min(max(z, -1.0), 1.0)
+                log_lr = min(log_lr, math.log(self.start[index] * self.max_increase))
+        self.lrs[index] = math.exp(log_lr)
+        self.optimizer.param_groups[index]["lr"] = self.lrs[index]
+        if late:
+            total, count = self._late[index]
+            self._late[index] = (total + log_lr, count + 1)
+
+    def _excess(self, reports: list[ChainTemperatureReport]) -> tuple[float, float] | None:
+        """The excess over the estimates not cold, weighted by precision, and its error.
+
+        Each estimate's standard error is one step's (from its band: a window's steps are
+        correlated, and a slow chain's average is hardly better than one step). The
+        precision-weighted mean, not the largest: at stationarity every estimate (and
+        every member of a stacked group) measures the same temperature, and the largest
+        of noisy readings is biased up by their noise, which would drive lr down however
+        small it is; the weights let the precise kinetic estimate speak where the
+        configurational one, read from a minibatch gradient, is noise.
+        """
+        total = weight = 0.0
+        for report in reports:
+            for estimate in (report.kinetic, report.configurational):
+                if estimate is None or estimate.cold or not math.isfinite(estimate.value):
+                    continue
+                t = report.temperature
+                error = (estimate.high - estimate.low) / (2 * self._z * t)
+                if not (math.isfinite(error) and error > 0):
+                    continue  # no band (no spread measured): no weight
+                total += (estimate.value / t - 1) / error**2
+                weight += 1 / error**2
+        if not weight:
+            return None
+        return total / weight, 1 / math.sqrt(weight)
+
+    def _freeze(self) -> None:
+        """Fix each group's lr at its second half's geometric mean; detach."""
+        for index, group in enumerate(self.optimizer.param_groups):
+            total, count = self._late[index]
+            if count:
+                self.lrs[index] = math.exp(total / count)
+                group["lr"] = self.lrs[index]
+        self.done = True
+        self.remove()
+
+    def remove(self) -> None:
+        """Detach from the optimizer now (the lrs stay as they are)."""
+        for handle in self._handles:
+            handle.remove()
+        self.monitor.remove()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What resumes the warm-up exactly (its monitor's window included), between steps."""
+        return {
+            "seen": self._seen,
+            "lrs": list(self.lrs),
+            "start": list(self.start),
+            "adapted": list(self._adapted),
+            "arrived": list(self._arrived),
+            "late": [tuple(late) for late in self._late],
+            "history": [(step, list(lrs)) for step, lrs in self.history],
+            "done": self.done,
+            "monitor": self.monitor.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` (built for the same optimizer and arguments).
+
+        Raises:
+            TypeError: ``state_dict`` is not a mapping.
+            ValueError: a missing entry, or a state of another number of param groups.
+        """
+        fields = ["seen", "lrs", "start", "adapted", "arrived", "late", "history", "done"]
+        fields.append("monitor")
+        check_state_fields(state_dict, fields, source="StepSizeWarmup.state_dict()")
+        if len(state_dict["lrs"]) != len(self.lrs):
+            raise ValueError(
+                f"Invalid state_dict: {len(state_dict['lrs'])} param groups (expected the "
+                f"optimizer's {len(self.lrs)})"
+            )
+        self._seen = int(state_dict["seen"])
+        self.lrs = [float(lr) for lr in state_dict["lrs"]]
+        self.start = [float(lr) for lr in state_dict["start"]]
+        self._adapted = [int(k) for k in state_dict["adapted"]]
+        self._arrived = [bool(a) for a in state_dict["arrived"]]
+        self._late = [(float(t), int(c)) for t, c in state_dict["late"]]
+        self.history = [(int(s), [float(v) for v in lrs]) for s, lrs in state_dict["history"]]
+        self.monitor.load_state_dict(state_dict["monitor"])
+        self.done = bool(state_dict["done"])
+        if self.done:
+            self.remove()

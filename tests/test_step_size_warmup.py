@@ -1,0 +1,248 @@
+"""StepSizeWarmup: lr adapted in warm-up so that the chain runs at T, then frozen.
+
+The law is checked where it is known exactly: SGLD on a Gaussian with exact gradients,
+whose stationary variance at step h = lr/N is T / (lambda (1 - h lambda / 2)) along each
+eigenvector, so the excess temperature the frozen lr gives is a formula, not an estimate.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from samplers_as_optim import SGHMC, SGLD, StepSizeWarmup, diagnostics
+
+D, N = 400, 100
+LAM = torch.linspace(1.0, 10.0, D)  # precisions of N L: posterior variances T / lambda
+
+
+def _loss(theta: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (LAM * theta.square()).sum() / N
+
+
+def _steps(opt: torch.optim.Optimizer, theta: torch.Tensor, count: int) -> None:
+    for _ in range(count):
+        opt.zero_grad()
+        _loss(theta).backward()
+        opt.step()
+
+
+def _sgld_excess(lr: float) -> float:
+    """The exact stationary excess of SGLD's configurational temperature at ``lr``."""
+    h = lr / N
+    return float((1 / (1 - h * LAM / 2)).mean()) - 1
+
+
+@pytest.mark.parametrize("lr0", [0.08, 8.0])  # 10x too small and 10x too large
+def test_sgld_lands_at_its_target_excess_from_either_side(lr0: float) -> None:
+    theta = torch.nn.Parameter(torch.zeros(D))  # started at the mode, as from a MAP
+    opt = SGLD([theta], lr=lr0, num_data=N, seed=1)
+    warmup = StepSizeWarmup(opt, steps=2000, every=10, target=0.02)
+    _steps(opt, theta, 2000)
+    assert warmup.done
+    lr = opt.param_groups[0]["lr"]
+    # the exact excess of the frozen lr: the target, up to the adaptation's noise (the
+    # estimates' one-step error at d = 400 is sqrt(2/400) = 7%, averaged over ~100
+    # windows: a few tenths of a percent); 10x too large would be 26%
+    assert 0.01 < _sgld_excess(lr) < 0.03
+    assert _sgld_excess(lr0) > 0.2 or _sgld_excess(lr0) < 0.003
+    # and the monitor stays quiet afterwards, while lr no longer moves
+    monitor = diagnostics.TemperatureMonitor(opt, every=100, warn=False)
+    _steps(opt, theta, 1000)
+    assert opt.param_groups[0]["lr"] == lr
+    assert not any(r.hot for _, reports in monitor.history for r in reports)
+
+
+def test_sghmc_from_a_hot_start_is_not_hot_after_the_warm_up() -> None:
+    theta = torch.nn.Parameter(torch.zeros(D))
+    # lr 30: h lambda_max = 3, unstable for the leapfrog-like step without adaptation
+    opt = SGHMC([theta], lr=30.0, momentum=0.9, num_data=N, seed=2)
+    StepSizeWarmup(opt, steps=1500, every=10)
+    _steps(opt, theta, 1500)
+    assert opt.param_groups[0]["lr"] < 5.0
+    monitor = diagnostics.TemperatureMonitor(opt, every=250, warn=False)
+    _steps(opt, theta, 2000)
+    assert not any(r.hot for _, reports in monitor.history for r in reports)
+    # the law: s_t = mean_i lambda_i theta_i^2 has mean 1 under the target (T = 1) and
+    # 1 + the chain's excess at its lr; its standard error from 20 batch means
+    series = []
+    for _ in range(6000):
+        _steps(opt, theta, 1)
+        series.append(float((LAM * theta.detach().square()).mean()))
+    values = torch.tensor(series, dtype=torch.float64)
+    error = float(values.view(20, -1).mean(1).std()) / math.sqrt(20)
+    assert abs(float(values.mean()) - 1) < 0.02 + 4 * error  # the target's excess + MC
+
+
+def test_a_cold_start_raises_lr_at_most_by_max_increase() -> None:
+    theta = torch.nn.Parameter(torch.zeros(D))
+    opt = SGHMC([theta], lr=1e-3, momentum=0.9, num_data=N, seed=3)
+    warmup = StepSizeWarmup(opt, steps=600, every=10, max_increase=5.0)
+    _steps(opt, theta, 600)
+    assert max(lrs[0] for _, lrs in warmup.history) <= 5e-3 * (1 + 1e-12)
+    assert opt.param_groups[0]["lr"] > 1e-3  # cool: raised
+
+
+def _checkpointed(split: int | None) -> tuple[list[float], torch.Tensor]:
+    theta = torch.nn.Parameter(torch.zeros(D))
+    opt = SGHMC([theta], lr=3.0, momentum=0.9, num_data=N, seed=4)
+    warmup = StepSizeWarmup(opt, steps=300, every=10)
+    if split is None:
+        _steps(opt, theta, 400)
+        return [opt.param_groups[0]["lr"], *[lrs[0] for _, lrs in warmup.history]], theta
+    _steps(opt, theta, split)
+    saved = {"opt": opt.state_dict(), "warmup": warmup.state_dict(), "theta": theta.detach()}
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    theta2 = torch.nn.Parameter(loaded["theta"].clone())
+    opt2 = SGHMC([theta2], lr=3.0, momentum=0.9, num_data=N, seed=4)
+    warmup2 = StepSizeWarmup(opt2, steps=300, every=10)
+    opt2.load_state_dict(loaded["opt"])
+    warmup2.load_state_dict(loaded["warmup"])
+    _steps(opt2, theta2, 400 - split)
+    return [opt2.param_groups[0]["lr"], *[lrs[0] for _, lrs in warmup2.history]], theta2
+
+
+def test_a_checkpoint_mid_window_resumes_the_adaptation_exactly() -> None:
+    lrs, theta = _checkpointed(None)
+    resumed_lrs, resumed = _checkpointed(137)  # mid-window, mid warm-up
+    assert resumed_lrs == lrs
+    assert torch.equal(resumed, theta)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of .lr_scheduler.step")
+def test_another_change_of_lr_during_the_warm_up_is_refused_and_changes_nothing() -> None:
+    theta = torch.nn.Parameter(torch.zeros(D))
+    opt = SGLD([theta], lr=1.0, num_data=N, seed=5)
+    StepSizeWarmup(opt, steps=100, every=10)
+    _steps(opt, theta, 15)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scheduler.step()
+    before = theta.detach().clone()
+    opt.zero_grad()
+    _loss(theta).backward()
+    with pytest.raises(ValueError, match=r"Invalid lr \(param group 0\): 0\.5 .*only it sets lr"):
+        opt.step()
+    assert torch.equal(theta.detach(), before)
+
+
+def test_after_the_warm_up_a_scheduler_takes_the_adapted_lr() -> None:
+    theta = torch.nn.Parameter(torch.zeros(D))
+    opt = SGLD([theta], lr=1.0, num_data=N, seed=6)
+    warmup = StepSizeWarmup(opt, steps=40, every=10)
+    _steps(opt, theta, 40)
+    assert warmup.done
+    adapted = opt.param_groups[0]["lr"]
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    _steps(opt, theta, 1)
+    scheduler.step()
+    assert opt.param_groups[0]["lr"] == adapted * 0.5
+
+
+def test_a_group_at_temperature_zero_is_left_alone() -> None:
+    a, b = torch.nn.Parameter(torch.zeros(D)), torch.nn.Parameter(torch.zeros(D))
+    opt = SGHMC(
+        [{"params": [a]}, {"params": [b], "temperature": 0.0}],
+        lr=1.0,
+        momentum=0.9,
+        num_data=N,
+        seed=7,
+    )
+    warmup = StepSizeWarmup(opt, steps=200, every=10)
+    for _ in range(200):
+        opt.zero_grad()
+        (_loss(a) + _loss(b)).backward()
+        opt.step()
+    assert warmup.done
+    assert opt.param_groups[1]["lr"] == 1.0
+    assert opt.param_groups[0]["lr"] != 1.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"steps": 15},
+            ValueError,
+            r"Invalid steps: 15 \(expected an integer >= 2 \* every = 20\)",
+        ),
+        ({"steps": 0}, ValueError, r"Invalid steps: 0"),
+        ({"steps": 100, "every": 0}, ValueError, r"Invalid every: 0"),
+        ({"steps": 100, "target": 1.5}, ValueError, r"Invalid target: 1\.5"),
+        ({"steps": 100, "max_increase": 0.5}, ValueError, r"Invalid max_increase: 0\.5"),
+        ({"steps": 100, "max_increase": "2"}, TypeError, r"Invalid max_increase: '2'"),
+        ({"steps": 100, "max_increase": math.inf}, ValueError, r"Invalid max_increase: inf"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs: dict, error: type, match: str) -> None:
+    opt = SGLD([torch.nn.Parameter(torch.zeros(3))], lr=1.0, num_data=N)
+    with pytest.raises(error, match=match):
+        StepSizeWarmup(opt, **kwargs)
+    assert not opt._optimizer_step_pre_hooks  # nothing attached
+
+
+def test_refused_optimizers_and_states() -> None:
+    param = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(TypeError, match=r"Invalid optimizer: SGD \(expected an SG-MCMC"):
+        StepSizeWarmup(torch.optim.SGD([param], lr=1.0), steps=100)
+    opt = SGLD([param], lr=0.0, num_data=N)
+    with pytest.raises(ValueError, match=r"Invalid lr \(param group 0\): 0\.0 \(expected > 0"):
+        StepSizeWarmup(opt, steps=100)
+    warmup = StepSizeWarmup(SGLD([param], lr=1.0, num_data=N), steps=100)
+    with pytest.raises(ValueError, match=r"Invalid state_dict: missing field\(s\) \['seen'"):
+        warmup.load_state_dict({})
+    with pytest.raises(TypeError, match=r"Invalid state_dict: list"):
+        warmup.load_state_dict([])  # type: ignore[arg-type]
+    other = StepSizeWarmup(
+        SGLD(
+            [{"params": [param]}, {"params": [torch.nn.Parameter(torch.zeros(2))]}],
+            lr=1.0,
+            num_data=N,
+        ),
+        steps=100,
+    )
+    with pytest.raises(
+        ValueError, match=r"Invalid state_dict: 2 param groups \(expected the optimizer's 1\)"
+    ):
+        warmup.load_state_dict(other.state_dict())
+
+
+def test_an_added_group_during_the_warm_up_is_refused() -> None:
+    param = torch.nn.Parameter(torch.zeros(3))
+    opt = SGLD([param], lr=1.0, num_data=N)
+    StepSizeWarmup(opt, steps=100)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    param.grad = torch.ones(3)
+    with pytest.raises(ValueError, match=r"Invalid optimizer: '2 param groups' \(expected the 1"):
+        opt.step()
+
+
+def test_a_monitor_resumed_mid_window_reads_what_an_uninterrupted_one_reads() -> None:
+    def run(split: int | None) -> list[str]:
+        theta = torch.nn.Parameter(torch.zeros(D))
+        opt = SGHMC([theta], lr=1.0, momentum=0.9, num_data=N, seed=8)
+        monitor = diagnostics.TemperatureMonitor(opt, every=20, warn=False)
+        if split is not None:
+            _steps(opt, theta, split)
+            buffer = io.BytesIO()
+            torch.save({"opt": opt.state_dict(), "mon": monitor.state_dict()}, buffer)
+            buffer.seek(0)
+            saved = torch.load(buffer, weights_only=True)
+            theta = torch.nn.Parameter(theta.detach().clone())
+            opt = SGHMC([theta], lr=1.0, momentum=0.9, num_data=N, seed=8)
+            opt.load_state_dict(saved["opt"])
+            monitor = diagnostics.TemperatureMonitor(opt, every=20, warn=False)
+            monitor.load_state_dict(saved["mon"])
+        _steps(opt, theta, 100 - (split or 0))
+        return [str(r) for _, reports in monitor.history for r in reports]
+
+    assert run(47) == run(None)
+    with pytest.raises(ValueError, match=r"Invalid state_dict: missing field\(s\) \['steps'"):
+        diagnostics.TemperatureMonitor(
+            SGLD([torch.nn.Parameter(torch.zeros(2))], lr=1.0, num_data=N)
+        ).load_state_dict({})
