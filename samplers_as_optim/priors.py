@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .core.validation import check_choice, check_num_data, check_positive
+from .core.validation import check_bool, check_choice, check_num_data, check_positive
 
 __all__ = ["prior_loss", "prior_param_groups", "prior_precision", "prior_variances"]
 
@@ -145,6 +145,7 @@ def prior_param_groups(
     bias_std: float = 1.0,
     other_std: float = 1.0,
     scale: str = "fan_in",
+    decoupled: bool = False,
 ) -> list[dict[str, Any]]:
     r"""Param groups whose ``weight_decay`` is each parameter's prior: :math:`1/(N v)`.
 
@@ -159,6 +160,12 @@ def prior_param_groups(
     refuses these groups (those with a ``weight_decay`` other than 0), by their marker
     ``"l2_prior": True`` (``PRIOR_GROUP_KEY``); ``torch.optim.AdamW`` cannot tell.
 
+    ``decoupled=True`` gives those optimizers their groups: ``weight_decay`` 0 and the
+    prior's decay as ``"prior_weight_decay"`` (the prior itself goes in the loss,
+    :func:`prior_loss`), which :class:`~samplers_as_optim.AdamWSGHMC` reads to floor its
+    sampling preconditioner, so that a chain started at the MAP stays sane; other
+    optimizers ignore the key.
+
     Args:
         model: the model.
         num_data: N, the training-set size (keyword-only, required).
@@ -166,10 +173,12 @@ def prior_param_groups(
         bias_std: as in :func:`prior_variances`.
         other_std: as in :func:`prior_variances`.
         scale: as in :func:`prior_variances`.
+        decoupled: the groups of an optimizer with a decoupled decay (above).
 
     Returns:
         A list of param groups ``{"params": [(name, parameter), ...], "weight_decay":
-        λ, "l2_prior": True}``, one per distinct variance, in the order of the
+        λ, "l2_prior": True}`` (``decoupled``: ``{"params": ..., "weight_decay": 0.0,
+        "prior_weight_decay": λ}``), one per distinct variance, in the order of the
         parameters; λ = 0 for the parameters whose prior is in a loss.
 
     Raises:
@@ -186,12 +195,18 @@ def prior_param_groups(
         >>> optimizer = SGHMC(groups, lr=1e-3, num_data=100)
     """
     num_data = check_num_data(num_data)
+    check_bool("decoupled", decoupled)
     variances = prior_variances(model, std=std, bias_std=bias_std, other_std=other_std, scale=scale)
     parameters = dict(model.named_parameters())
     groups: dict[float, list[tuple[str, nn.Parameter]]] = {}
     for name, variance in variances.items():
         decay = 0.0 if variance is None else 1.0 / (num_data * variance)
         groups.setdefault(decay, []).append((name, parameters[name]))
+    if decoupled:
+        return [
+            {"params": params, "weight_decay": 0.0, "prior_weight_decay": decay}
+            for decay, params in groups.items()
+        ]
     return [
         {"params": params, "weight_decay": decay, PRIOR_GROUP_KEY: True}
         for decay, params in groups.items()

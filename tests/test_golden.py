@@ -37,7 +37,12 @@ last commit CI passed on the first machine, which reproduces 4f73865's recording
 Regenerating the recordings (``python tests/data/make_golden.py``) is legitimate only for
 a deliberate, documented change of behaviour (say which in the commit message and the
 changelog), never to make these tests pass after a refactoring: a refactoring must
-reproduce these numbers exactly.
+reproduce these numbers exactly. Such a change names the cases it changes, and why, in
+``golden_cases.REVISED``, and re-records them alone (``make_golden.py --revise``, from a
+clean clone of its commit) into the recording of the CPU it was made on; a CPU whose
+recording predates it skips them, saying so, until it is recorded there too. PSGLD's
+cases at T = 1 were so revised on 2026-12-02 (its preconditioner floored by its prior,
+issue #36) on the CPU of probe ``41f5c8c297a30009``.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from golden_cases import (
     TRAJECTORY_CASES,
     mismatches,
     resume_checkpoint,
+    revision_pending,
     rounding_probe,
     run_trajectory,
 )
@@ -125,6 +131,9 @@ def test_the_recordings_cover_every_case(checkpoints: dict) -> None:
 
 @pytest.mark.parametrize("name", list(TRAJECTORY_CASES))
 def test_trajectory(name: str, golden: dict) -> None:
+    pending = revision_pending(name, golden)
+    if pending:
+        pytest.skip(pending)
     expected = golden["trajectories"][name]
     problems = mismatches(expected, run_trajectory(name, TEST_GLOBAL_SEED))
     assert not problems, f"{name} " + _explain(golden, problems)
@@ -132,6 +141,9 @@ def test_trajectory(name: str, golden: dict) -> None:
 
 @pytest.mark.parametrize("name", list(CHECKPOINT_CASES))
 def test_checkpoint_resumes(name: str, golden: dict, checkpoints: dict) -> None:
+    pending = revision_pending(name, golden)
+    if pending:
+        pytest.skip(pending)
     expected = golden["continuations"][name]
     problems = mismatches(expected, resume_checkpoint(name, checkpoints[name], TEST_GLOBAL_SEED))
     assert not problems, f"{name} resumed from its checkpoint " + _explain(golden, problems)

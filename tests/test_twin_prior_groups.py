@@ -39,8 +39,9 @@ def message(index):
         f"Invalid weight_decay in param group {index}: {{decay}}, the L2 prior of "
         "prior_param_groups (expected a group without its 'l2_prior' marker: AdamWSGHMC's "
         "weight_decay is AdamW's decoupled decay, the prior N(0, 1/(N weight_decay a)) with "
-        "a the preconditioner, not prior_param_groups' N(0, v); give AdamWSGHMC the model's "
-        "parameters with weight_decay=0 and add prior_loss(model, num_data=N) to the loss)"
+        "a the preconditioner, not prior_param_groups' N(0, v); give AdamWSGHMC "
+        "prior_param_groups(model, num_data=N, decoupled=True) and add prior_loss(model, "
+        "num_data=N) to the loss)"
     )
 
 

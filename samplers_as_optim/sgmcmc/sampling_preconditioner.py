@@ -75,6 +75,7 @@ __all__ = [
     "freezes_now",
     "informed_noise",
     "pooled_second_moment",
+    "prior_floor",
     "released",
     "sampling_preconditioner",
     "sampling_scale",
@@ -158,8 +159,9 @@ def sampling_preconditioner(
     how: str,
     inplace: bool = True,
     members: int = 0,
+    floor: float = 0.0,
 ) -> Tensor:
-    r""":math:`a = \sqrt{\bar V / c} + \epsilon` from the second moment ``square``.
+    r""":math:`a = \sqrt{\max(\bar V / c, f)} + \epsilon` from the second moment ``square``.
 
     ``correction`` :math:`c` is the bias correction of an average started at zero
     (AdamW's :math:`1 - \beta_2^t`; 1 for RMSprop's). A new tensor in ``square``'s
@@ -171,14 +173,39 @@ def sampling_preconditioner(
     samplers inject no noise: such an element does not move until a gradient reaches it,
     as it would not under the optimizer. Without ``inplace`` no operation is in place
     (a graph may flow through ``square``).
+
+    ``floor`` :math:`f` (:func:`prior_floor`: :math:`T\lambda/N` for a prior of
+    curvature :math:`\lambda` per datum; 0: none) keeps :math:`a` from vanishing at a
+    mode: there it also gives the elements no gradient has reached a scale, and noise.
     """
     pooled = pooled_second_moment(square, how, members)
     if not inplace or pooled is square:
         scaled = pooled / correction if correction != 1 else pooled
+        scaled = scaled.clamp_min(floor) if floor > 0 else scaled
         return scaled.sqrt().add(eps)
     if correction != 1:
         pooled.div_(correction)
+    if floor > 0:
+        pooled.clamp_min_(floor)
     return pooled.sqrt_().add_(eps)
+
+
+def prior_floor(temperature: float, prior_decay: float, num_data: int) -> float:
+    r"""The floor :math:`f = T\lambda/N` of :math:`\bar V/c` a prior of curvature :math:`\lambda`.
+
+    At stationarity each element's gradient (of the mean loss :math:`L`, :math:`U = N
+    L`) has the second moment :math:`E[g_i^2] = T\,E[\partial_{ii} L]/N` (integration by
+    parts: :math:`E[(\partial_i U)^2] = T\,E[\partial_{ii} U]`), and a Gaussian prior
+    whose weight decay (in SGD units) is :math:`\lambda` contributes :math:`\lambda` to
+    :math:`\partial_{ii} L`; a likelihood's curvature is non-negative on average for
+    the models in use (its Gauss-Newton part). So :math:`T\lambda/N` bounds the
+    stationary second moment from below, where a chain started at a mode (the MAP, whose
+    full-batch gradient vanishes) would otherwise build its preconditioner from
+    gradients near 0, and throw its elements far out with the noise :math:`\sigma/\sqrt
+    a`. Any constant positive preconditioner leaves the law invariant: the floor changes
+    the speed during the warm-up, never the law sampled once it is frozen.
+    """
+    return temperature * prior_decay / num_data if prior_decay > 0 else 0.0
 
 
 def step_count(param: Tensor, group: Mapping[str, Any]) -> Tensor:
@@ -216,6 +243,7 @@ def sampling_scale(
     warmup: int | None,
     inplace: bool,
     members: int = 0,
+    floor: float = 0.0,
 ) -> tuple[Tensor, Tensor | None, Any]:
     """This step's sampling preconditioner :math:`a`, and the new ``(frozen, flag)``.
 
@@ -224,12 +252,18 @@ def sampling_scale(
     its step count after this step. The frozen :math:`a` is used as it is; otherwise
     :math:`a` is :func:`sampling_preconditioner` of ``square`` and is frozen now if the
     warm-up is over (:func:`freezes_now`). ``members``: as for
-    :func:`pooled_second_moment`.
+    :func:`pooled_second_moment`; ``floor``: as for :func:`sampling_preconditioner`.
     """
     if float(flag) > 0 and frozen is not None:
         return frozen, frozen, flag
     scale = sampling_preconditioner(
-        square, correction=correction, eps=eps, how=how, inplace=inplace, members=members
+        square,
+        correction=correction,
+        eps=eps,
+        how=how,
+        inplace=inplace,
+        members=members,
+        floor=floor,
     )
     if freezes_now(float(flag), step, warmup):
         return scale, scale, freeze_mark(flag, step)

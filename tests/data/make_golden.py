@@ -158,9 +158,54 @@ def record_pipeline() -> None:
     print(f"recorded {REPO} at {golden['recorded_from']['commit']} for probe {probe}: {path}")
 
 
+def record_revisions() -> None:
+    """Re-record the deliberately changed cases (``golden_cases.REVISED``): ``--revise``.
+
+    Into this CPU's recordings (``MACHINE_DIR/<probe>.json`` and the pipeline's), which
+    must exist: each case of ``REVISED`` they hold is run again with this checkout's code
+    and marked ``"revised": {case: reason}``, with the commit it was recorded from under
+    ``"revised_from"``; every other case keeps its recording. Run it in a clean clone of
+    the commit that made the change.
+    """
+    import golden_pipeline_cases
+
+    probe = golden_cases.rounding_probe()
+    seed = golden_cases.RECORD_GLOBAL_SEED
+    checkpoints = torch.load(golden_cases.GOLDEN_CHECKPOINTS, weights_only=True)
+    paths = (
+        golden_cases.MACHINE_DIR / f"{probe}.json",
+        golden_pipeline_cases.PIPELINE_DIR / f"{probe}.json",
+    )
+    for path in paths:
+        golden = json.loads(path.read_text())
+        pipeline = "continuations" not in golden
+        for name, reason in golden_cases.REVISED.items():
+            if name not in golden["trajectories"]:
+                continue
+            if pipeline:
+                record = golden_pipeline_cases.run_pipeline_case(name, seed)
+            else:
+                record = golden_cases.run_trajectory(name, seed)
+            golden["trajectories"][name] = golden_cases.to_hex(record)
+            if not pipeline and name in golden["continuations"]:
+                continuation = golden_cases.resume_checkpoint(
+                    name, checkpoints[name], golden_cases.TEST_GLOBAL_SEED
+                )
+                golden["continuations"][name] = golden_cases.to_hex(continuation)
+            golden.setdefault("revised", {})[name] = reason
+        golden.setdefault("revised_from", {})[_git("rev-parse", "--short", "HEAD")] = sorted(
+            name for name in golden_cases.REVISED if name in golden["trajectories"]
+        )
+        path.write_text(_dumps(golden))
+        print(f"revised {path}")
+
+
 def main() -> None:
     if sys.argv[1:] == ["--machine"]:
         record_machine()
+        return
+    if sys.argv[1:] == ["--revise"]:
+        record_revisions()
         return
     if sys.argv[1:] == ["--pipeline"]:
         record_pipeline()

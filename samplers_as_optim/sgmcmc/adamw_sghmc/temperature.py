@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ...names import member_dims
-from ..sampling_preconditioner import pooled_second_moment
+from ..sampling_preconditioner import pooled_second_moment, prior_floor
 from ..temperature.coordinates import CoordinateSubset
 from ..temperature.rule import KineticRead, TemperatureRule
 
@@ -60,7 +60,11 @@ def preconditioner_mass(
     else:
         full = pooled_second_moment(square, group["preconditioner"], member_dims(param))
         pooled = _read_like(full, param, subset, members)
-    return pooled.div(correction).sqrt().add(group["eps"])
+    floor = prior_floor(
+        float(group["temperature"]), float(group["prior_weight_decay"]), group["num_data"]
+    )
+    moment = pooled.div(correction)
+    return (moment.clamp_min(floor) if floor > 0 else moment).sqrt().add(group["eps"])
 
 
 def _read_like(value: Tensor, param: Tensor, subset: CoordinateSubset, members: int) -> Tensor:

@@ -69,7 +69,7 @@ from ..fused.launch import (
 from ..fused.launch import optional_module as _optional_module
 from ..fused.pooled import kernel_preconditioner, pooled, second_moment
 from ..noise_scales import adamw_sghmc_noise_scale, torch_adamw
-from ..sampling_preconditioner import advanced, released
+from ..sampling_preconditioner import advanced, prior_floor, released
 
 __all__ = ["launch", "unsupported"]
 
@@ -281,6 +281,7 @@ def _launch_one(
         before=1 - beta2 ** (step - 1) or 1.0,  # (V is still 0 at step 1)
         weight_decay=0.0,
         root=True,
+        floor=prior_floor(temperature, float(group["prior_weight_decay"]), group["num_data"]),
     )
     launch_elementwise(
         _adamw_sghmc,

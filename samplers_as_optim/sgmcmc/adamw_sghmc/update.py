@@ -22,6 +22,7 @@ from ..sampling_preconditioner import (
     advanced,
     freeze_mark,
     freezes_now,
+    prior_floor,
     released,
     sampling_preconditioner,
 )
@@ -45,6 +46,7 @@ class Settings:
     preconditioner: str
     preconditioner_warmup: int | None
     inplace: bool
+    prior_weight_decay: float = 0.0
 
 
 def directions(
@@ -157,6 +159,7 @@ def _sampling_denominator(
         how=s.preconditioner,
         inplace=s.inplace,
         members=member_dims(param),
+        floor=prior_floor(s.temperature, s.prior_weight_decay, s.num_data),
     )
     # no noise where the preconditioner has no scale (sampling_preconditioner)
     root = denominator.sqrt().masked_fill(denominator == s.eps, 0.0)

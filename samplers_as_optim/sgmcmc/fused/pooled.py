@@ -181,19 +181,22 @@ def preconditioner_before_kernel(
     how: str,
     weight_decay: float,
     maximize: bool,
+    floor: float = 0.0,
 ) -> Tensor:
     r"""This step's compact sampling preconditioner :math:`a`, on the device, no sync.
 
     :math:`a = \sqrt{\bar V'/c} + \epsilon` with :math:`V' = \beta V + (1-\beta)\,g'^2`,
     :math:`g' = \pm g + \lambda\theta` (``weight_decay`` :math:`\lambda`: PSGLD's coupled
     decay; 0 for AdamW's decoupled one) and :math:`c` = ``correction`` (AdamW's
-    :math:`1-\beta_2^t`, 1 for RMSprop's), pooled as ``how`` says. Contiguous.
+    :math:`1-\beta_2^t`, 1 for RMSprop's), pooled as ``how`` says, floored by ``floor``
+    (``sampling_preconditioner``). Contiguous.
     """
     moment = _second_moment(
         square, grad, param, beta=beta, weight_decay=weight_decay, maximize=maximize
     )
+    members = member_dims(param)
     scale = sampling_preconditioner(
-        moment, correction=correction, eps=eps, how=how, members=member_dims(param)
+        moment, correction=correction, eps=eps, how=how, members=members, floor=floor
     )
     return scale.contiguous()
 
@@ -207,6 +210,7 @@ def refused_step_fallback(
     correction: float,
     eps: float,
     how: str,
+    floor: float = 0.0,
 ) -> Tensor:
     r"""The preconditioner to freeze now: ``fresh``, or the old moment's if the step is refused.
 
@@ -218,8 +222,9 @@ def refused_step_fallback(
     the step's host record (skipped or refused alike: ``step/skipped_host``). Selected on
     the device (``torch.where``), without a host synchronisation.
     """
+    members = member_dims(param)
     old = sampling_preconditioner(
-        square, correction=correction, eps=eps, how=how, inplace=False, members=member_dims(param)
+        square, correction=correction, eps=eps, how=how, inplace=False, members=members, floor=floor
     )
     finite = largest.isfinite().reshape(())
     return torch.where(finite, fresh, old.to(fresh.dtype)).contiguous()
@@ -238,6 +243,7 @@ def kernel_preconditioner(
     before: float,
     weight_decay: float,
     root: bool,
+    floor: float = 0.0,
 ) -> tuple[Tensor | None, Layout]:
     r"""The compact :math:`a` parameter ``i``'s kernel reads at this step, and its layout.
 
@@ -251,7 +257,8 @@ def kernel_preconditioner(
     the step the warm-up ends, freezes: the preconditioner kept is
     :func:`refused_step_fallback`'s (``before``: the correction of the moment a refused
     step leaves), and with ``root`` its :math:`\sqrt{a}` (0 where :math:`a` has no
-    scale, as AdamWSGHMC's reference keeps it).
+    scale, as AdamWSGHMC's reference keeps it). ``floor``: ``sampling_preconditioner``'s
+    (where it is set, an ``"elementwise"`` :math:`a` is computed here too).
     """
     flag, frozen = buffers["preconditioner_step"][i], buffers["preconditioner"][i]
     eps, how, maximize = float(group["eps"]), group["preconditioner"], bool(group["maximize"])
@@ -264,7 +271,7 @@ def kernel_preconditioner(
         return frozen, compact_layout(param, frozen)
     step = float(buffers["step"][i])
     freeze = freezes_now(float(flag), step, group["preconditioner_warmup"])
-    if how == "elementwise" and not freeze:
+    if how == "elementwise" and not freeze and floor == 0:
         return None, _UNPOOLED
     pre = preconditioner_before_kernel(
         moment,
@@ -276,10 +283,11 @@ def kernel_preconditioner(
         how=how,
         weight_decay=weight_decay,
         maximize=maximize,
+        floor=floor,
     )
     if freeze:
         fallback = refused_step_fallback(
-            pre, moment, param, inputs.largest[i], correction=before, eps=eps, how=how
+            pre, moment, param, inputs.largest[i], correction=before, eps=eps, how=how, floor=floor
         )
         buffers["preconditioner"][i] = fallback
         if root:

@@ -66,7 +66,7 @@ from ..fused.launch import (
 )
 from ..fused.launch import optional_module as _optional_module
 from ..fused.pooled import kernel_preconditioner, pooled, second_moment
-from ..sampling_preconditioner import advanced
+from ..sampling_preconditioner import advanced, prior_floor
 from .dtypes import psgld_noise_scale
 
 __all__ = ["launch", "unsupported"]
@@ -272,6 +272,7 @@ def _launch_one(
         before=1.0,
         weight_decay=weight_decay,
         root=False,
+        floor=prior_floor(temperature, weight_decay, group["num_data"]),
     )
     fallback = param  # (a pointer for the buffers an option does not keep: never read)
     momentum_buffer = buffers["momentum_buffer"][i] if temperature == 0 and momentum else None

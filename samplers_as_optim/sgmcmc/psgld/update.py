@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ...names import member_dims
-from ..sampling_preconditioner import advanced, released, sampling_scale
+from ..sampling_preconditioner import advanced, prior_floor, released, sampling_scale
 from ..tensor_lists import buckets, effective_grad, effective_grads, scalar_operand
 from .dtypes import check_dtypes, lift, psgld_noise_scale
 from .li_correction import corrected
@@ -303,6 +303,7 @@ def _sampling_denominators(
             warmup=s.preconditioner_warmup if counted else None,
             inplace=s.inplace,
             members=member_dims(params[i]),
+            floor=prior_floor(s.temperature, s.weight_decay, s.num_data),
         )
         if sampled.shape != gs[position].shape:
             sampled = sampled.expand_as(gs[position])
