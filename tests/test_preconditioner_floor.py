@@ -12,6 +12,7 @@ lower bound, and the chain samples its law from the mode.
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -122,3 +123,15 @@ def test_decoupled_prior_groups_carry_the_prior_for_the_floor() -> None:
         prior_param_groups(model, num_data=100, decoupled="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"Invalid prior_weight_decay: -1\.0"):
         AdamWSGHMC(model.parameters(), num_data=100, prior_weight_decay=-1.0)
+
+
+def test_a_decoupled_decay_at_temperature_above_zero_is_warned_about() -> None:
+    param = torch.nn.Parameter(torch.zeros(3))
+    with pytest.warns(UserWarning, match=r"weight_decay 0\.25 at temperature 1\.0 is AdamW's"):
+        AdamWSGHMC([param], num_data=10, weight_decay=0.25)
+    model = torch.nn.Linear(3, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AdamWSGHMC([param], num_data=10, weight_decay=0.25, temperature=0.0)  # AdamW
+        AdamWSGHMC([param], num_data=10, weight_decay=0.0)  # the prior in the loss
+        AdamWSGHMC(prior_param_groups(model, num_data=10, decoupled=True), num_data=10)

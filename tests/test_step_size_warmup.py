@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from samplers_as_optim import (
     SGNHT,
     AdamWSGHMC,
     ParallelEnsemble,
+    SampleCollector,
     StepSizeWarmup,
     diagnostics,
 )
@@ -308,3 +310,31 @@ def test_a_parallel_ensembles_stacked_group_adapts_one_lr_for_its_members() -> N
         (ensemble(x) - y).square().mean(dim=(1, 2)).sum().div(2).backward()
         opt.step()
     assert warmup.done and opt.param_groups[0]["lr"] < 0.3
+
+
+def test_the_collector_warns_once_when_it_records_during_the_warm_up() -> None:
+    model = torch.nn.Linear(4, 1)
+    opt = SGHMC(model.parameters(), lr=0.01, momentum=0.9, num_data=64, seed=0)
+    warmup = StepSizeWarmup(opt, steps=36, every=6)
+    collector = SampleCollector(model, num_samples=5, burn_in=30, thin=2, optimizer=opt)
+    x, y = torch.randn(64, 4), torch.randn(64, 1)
+    with pytest.warns(
+        UserWarning, match=r"while its StepSizeWarmup still adapts lr \(step 32 of"
+    ) as caught:
+        for _ in range(collector.total_steps):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            collector.step()
+    assert sum("StepSizeWarmup" in str(w.message) for w in caught) == 1
+    assert "burn_in (now 30) past it: to at least 34 if" in str(caught[0].message)
+    # with the burn-in it advises, nothing to say; nor once the warm-up is done
+    assert warmup.done
+    quiet = SampleCollector(model, num_samples=5, burn_in=2, thin=2, optimizer=opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(quiet.total_steps):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            quiet.step()

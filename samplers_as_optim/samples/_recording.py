@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core.validation import check_bool, check_nonnegative_integer, check_positive_int
+from ..sgmcmc.temperature.warmup import adapting_warmup
 from .ensemble import ParallelEnsemble
 
 
@@ -166,6 +167,9 @@ class _Schedule:
 class _PreconditionerWatch:
     """Warns once when a sample is recorded while a sampling preconditioner still adapts.
 
+    Or while a :class:`~samplers_as_optim.StepSizeWarmup` still adapts the optimizer's lr
+    (``sgmcmc/temperature/warmup.adapting_warmup``), which is read first.
+
     PSGLD and AdamWSGHMC follow the optimizer's second moment during each param group's
     ``preconditioner_warmup`` (a parameter's step count, ``state["step"]``) and freeze it
     then (``state["preconditioner_step"]``, 0 until the freeze): only the frozen chain
@@ -193,6 +197,20 @@ class _PreconditionerWatch:
     def check(self, steps: int, burn_in: int, thin: int) -> None:
         """Called as the sample of collector step ``steps`` is recorded."""
         if self.done:
+            return
+        warmup = adapting_warmup(self.optimizer)
+        if warmup is not None:
+            self.done = True
+            later = warmup.steps - warmup.seen
+            warnings.warn(
+                f"SampleCollector recorded a sample at step {steps} from "
+                f"{type(self.optimizer).__name__} while its StepSizeWarmup still adapts lr "
+                f"(step {warmup.seen} of its {warmup.steps}; lr is frozen {later} steps "
+                "later): the samples before are not from the chain's stated law. Raise "
+                f"burn_in (now {burn_in}) past it: to at least {steps + later - thin} if "
+                "the collector steps with the optimizer (once per batch).",
+                stacklevel=4,
+            )
             return
         adapting, pending = self._adapting()
         self.done = adapting is not None or not pending

@@ -104,6 +104,7 @@ DTensor parameters (the pooled means would need a collective), and
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -272,6 +273,18 @@ def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:
             "sampler kernel)"
         )
     sampling_meaningless("amsgrad", group["amsgrad"], False, temperature, where)
+    decoupled = group["weight_decay"] > 0 and not group.get("l2_prior")
+    if temperature > 0 and decoupled and "params" in group:  # (a group, not the defaults)
+        warnings.warn(
+            f"AdamWSGHMC's weight_decay {group['weight_decay']!r} at temperature "
+            f"{temperature!r} is AdamW's decoupled decay: the prior it samples, "
+            "N(0, 1/(N weight_decay a)), depends on the data through the preconditioner a. "
+            "For a stated prior give AdamWSGHMC prior_param_groups(model, num_data=N, "
+            "decoupled=True) and add prior_loss(model, num_data=N) to the loss (or put "
+            "your own prior in the loss with weight_decay=0).",
+            UserWarning,
+            stacklevel=2,  # (one place, so that it is shown once)
+        )
     if group.get("l2_prior") is True and group["weight_decay"] != 0:  # priors.PRIOR_GROUP_KEY
         raise ValueError(
             f"Invalid weight_decay{where}: {group['weight_decay']!r}, the L2 prior of "

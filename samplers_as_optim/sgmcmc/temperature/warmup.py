@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import weakref
 from typing import Any
 
 from ...core.validation import (
@@ -62,7 +63,19 @@ from ..optimizer import SamplerOptimizer
 from .estimates import ChainTemperatureReport
 from .monitor import TemperatureMonitor
 
-__all__ = ["StepSizeWarmup"]
+__all__ = ["StepSizeWarmup", "adapting_warmup"]
+
+#: each optimizer's warm-up while it adapts (what ``SampleCollector`` asks)
+_ADAPTING: weakref.WeakKeyDictionary[Any, StepSizeWarmup] = weakref.WeakKeyDictionary()
+
+
+def adapting_warmup(optimizer: Any) -> StepSizeWarmup | None:
+    """The :class:`StepSizeWarmup` still adapting ``optimizer``'s lr, or None."""
+    try:
+        return _ADAPTING.get(optimizer)
+    except TypeError:  # (not weakly referenceable: no warm-up can hold it)
+        return None
+
 
 #: the Robbins-Monro gain a and its decay exponent
 GAIN = 0.5
@@ -91,6 +104,7 @@ class StepSizeWarmup:
 
     Attributes:
         done: whether the warm-up has ended (the lrs frozen).
+        seen: the optimizer steps taken under the warm-up.
         history: ``(step, [lr per group])`` after each window.
 
     Raises:
@@ -145,7 +159,7 @@ class StepSizeWarmup:
         self.lrs = list(self.start)
         self.done = False
         self.history: list[tuple[int, list[float]]] = []
-        self._seen = 0  # optimizer steps taken under the warm-up
+        self.seen = 0  # optimizer steps taken under the warm-up
         self._adapted = [0] * len(self.start)  # windows adapted, per group
         self._arrived = [False] * len(self.start)  # read at T once (thermalised)
         self._late = [(0.0, 0)] * len(self.start)  # second half: (sum of log lr, windows)
@@ -153,6 +167,7 @@ class StepSizeWarmup:
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),
         )
+        _ADAPTING[optimizer] = self
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         groups = self.optimizer.param_groups
@@ -174,21 +189,21 @@ class StepSizeWarmup:
                 )
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._seen += 1
+        self.seen += 1
         if len(self.monitor.history) > len(self.history):
             _, reports = self.monitor.history[-1]
             for index, group in enumerate(self.optimizer.param_groups):
                 if float(group["temperature"]) > 0:
                     self._adapt(index, [r for r in reports if r.group == index])
-            self.history.append((self._seen, list(self.lrs)))
-        if self._seen >= self.steps:
+            self.history.append((self.seen, list(self.lrs)))
+        if self.seen >= self.steps:
             self._freeze()
 
     def _adapt(self, index: int, reports: list[ChainTemperatureReport]) -> None:
         """One Robbins-Monro step of group ``index``'s log lr from its window's reports."""
         reading = self._excess(reports)
         log_lr = math.log(self.lrs[index])
-        late = 2 * self._seen > self.steps
+        late = 2 * self.seen > self.steps
         if reading is not None:
             excess, error = reading
             z = (excess - self.target) / max(self.target, error)
@@ -245,11 +260,13 @@ class StepSizeWarmup:
         for handle in self._handles:
             handle.remove()
         self.monitor.remove()
+        if _ADAPTING.get(self.optimizer) is self:
+            del _ADAPTING[self.optimizer]
 
     def state_dict(self) -> dict[str, Any]:
         """What resumes the warm-up exactly (its monitor's window included), between steps."""
         return {
-            "seen": self._seen,
+            "seen": self.seen,
             "lrs": list(self.lrs),
             "start": list(self.start),
             "adapted": list(self._adapted),
@@ -275,7 +292,7 @@ class StepSizeWarmup:
                 f"Invalid state_dict: {len(state_dict['lrs'])} param groups (expected the "
                 f"optimizer's {len(self.lrs)})"
             )
-        self._seen = int(state_dict["seen"])
+        self.seen = int(state_dict["seen"])
         self.lrs = [float(lr) for lr in state_dict["lrs"]]
         self.start = [float(lr) for lr in state_dict["start"]]
         self._adapted = [int(k) for k in state_dict["adapted"]]
