@@ -30,14 +30,23 @@ def output_path(name: str) -> Path:
 
 
 def example_arguments(
-    argv: list[str] | None, doc: str | None, *, quick: str, figure: str
+    argv: list[str] | None,
+    doc: str | None,
+    *,
+    quick: str,
+    figure: str,
+    parents: Sequence[argparse.ArgumentParser] = (),
 ) -> tuple[bool, int, Path]:
     """The examples' command line: ``--quick``, ``--seed`` and ``--output`` (the figure).
+
+    ``parents``: an example's own options (parsers built with ``add_help=False``), shown
+    by ``--help`` and accepted here; the example reads them with its parser's
+    ``parse_known_args(argv)``.
 
     Returns:
         ``(quick, seed, figure_path)``, the path defaulting to ``examples/output/<figure>``.
     """
-    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0], parents=list(parents))
     parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="the figure (PNG)")

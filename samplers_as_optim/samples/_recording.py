@@ -198,14 +198,14 @@ class _PreconditionerWatch:
         """Called as the sample of collector step ``steps`` is recorded."""
         if self.done:
             return
-        warmup = adapting_warmup(self.optimizer)
-        if warmup is not None:
+        lr_warmup = adapting_warmup(self.optimizer)
+        if lr_warmup is not None:
             self.done = True
-            later = warmup.steps - warmup.seen
+            later = lr_warmup.steps - lr_warmup.seen
             warnings.warn(
                 f"SampleCollector recorded a sample at step {steps} from "
                 f"{type(self.optimizer).__name__} while its StepSizeWarmup still adapts lr "
-                f"(step {warmup.seen} of its {warmup.steps}; lr is frozen {later} steps "
+                f"(step {lr_warmup.seen} of its {lr_warmup.steps}; lr is frozen {later} steps "
                 "later): the samples before are not from the chain's stated law. Raise "
                 f"burn_in (now {burn_in}) past it: to at least {steps + later - thin} if "
                 "the collector steps with the optimizer (once per batch).",
