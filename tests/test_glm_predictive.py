@@ -18,8 +18,8 @@ from torch.func import functional_call, jacrev
 from torch.utils.data import DataLoader, TensorDataset
 
 from samplers_as_optim import SWAG, ExtendedKalmanFilter, Laplace, predictive
-from samplers_as_optim.gaussian import _output_jacobians
 from samplers_as_optim.gaussian.kfac import KronPrecision
+from samplers_as_optim.gaussian.linearised import output_jacobians as _output_jacobians
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 

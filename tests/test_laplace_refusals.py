@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from samplers_as_optim import Laplace
-from samplers_as_optim.gaussian.marglik import marglik_training
+from samplers_as_optim.gaussian.laplace.marglik import marglik_training
 
 N = 32
 

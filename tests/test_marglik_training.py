@@ -1,4 +1,4 @@
-"""Online evidence-based training (``gaussian.marglik.marglik_training``)."""
+"""Online evidence-based training (``gaussian.laplace.marglik.marglik_training``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from samplers_as_optim.gaussian.marglik import marglik_training
+from samplers_as_optim.gaussian.laplace.marglik import marglik_training
 
 NOISE = 0.2
 N = 200

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from samplers_as_optim.gaussian._prior_search import grid_scores
 from samplers_as_optim.gaussian.laplace import Laplace
+from samplers_as_optim.gaussian.laplace._prior_search import grid_scores
 
 DTYPE = torch.float64
 GRID = torch.logspace(-2, 4, 13, dtype=DTYPE).tolist()

@@ -7,7 +7,7 @@ Which weights are treated (:func:`select_subset`); one pass over a loader in eva
 Kalman filter: sampling, log-density and penalty for a diagonal, dense or
 Kronecker-factored precision, and its Gaussian over the outputs
 (:meth:`_Gaussian.function_space`), whose GLM predictive in closed form
-(``predictive``) is mixed in from :mod:`~samplers_as_optim.gaussian.glm_predictive`.
+(``predictive``) is mixed in from :mod:`~samplers_as_optim.gaussian.linearised.glm_predictive`.
 """
 
 from __future__ import annotations
@@ -31,10 +31,19 @@ from ..samples.stacked import call_stacked
 from ._data_checks import split_batch
 from ._wide_linalg import solve_triangular
 from .flat import Treated
-from .function_space import FunctionSpaceGaussian, function_space_gaussian
-from .glm_predictive import _GLMPredictive
 from .kfac import KronPrecision
 from .likelihoods import Likelihood
+from .linearised.function_space import FunctionSpaceGaussian, function_space_gaussian
+from .linearised.glm_predictive import GLMPredictive
+
+__all__ = [
+    "Fitted",
+    "Precision",
+    "batches_on",
+    "evaluating",
+    "predict_samples",
+    "select_subset",
+]
 
 Precision = float | Mapping[str, Tensor] | Tensor
 _split_batch = split_batch  # the name the EKF imports
@@ -42,7 +51,7 @@ Fitted = dict[str, Tensor] | Tensor | KronPrecision
 
 
 @contextmanager
-def _evaluating(model: nn.Module) -> Iterator[None]:
+def evaluating(model: nn.Module) -> Iterator[None]:
     """``model`` in eval mode (examples must not interact), its mode restored afterwards."""
     training = model.training
     model.eval()
@@ -52,7 +61,7 @@ def _evaluating(model: nn.Module) -> Iterator[None]:
         model.train(training)
 
 
-def _batches_on(loader: Iterable[Any], device: torch.device) -> Iterator[tuple[Tensor, Tensor]]:
+def batches_on(loader: Iterable[Any], device: torch.device) -> Iterator[tuple[Tensor, Tensor]]:
     """The ``(inputs, targets)`` pairs of ``loader``, moved to ``device``."""
     for batch in loader:
         inputs, targets = split_batch(batch)
@@ -213,7 +222,7 @@ class _WeightGaussian:
         return predict_samples(self.model, mean, samples, x, linear=linear, chunk_size=chunk_size)
 
 
-class _Gaussian(_WeightGaussian, _GLMPredictive):
+class _Gaussian(_WeightGaussian, GLMPredictive):
     r"""A Gaussian :math:`\mathcal N(\mu, T\Lambda^{-1})` over a model's treated parameters.
 
     The shared half of :class:`Laplace` and the extended Kalman filter: sampling,
@@ -474,7 +483,7 @@ class _Gaussian(_WeightGaussian, _GLMPredictive):
         (Immer, Korzepa & Bauer 2021, eq. 7). J covers the treated parameters only (a
         last-layer Laplace differentiates the last layer only); :math:`\Lambda^{-1}` is
         applied through the fitted structure (diagonal, Cholesky factor, or the KFAC
-        eigendecompositions), see :mod:`~samplers_as_optim.gaussian.function_space`.
+        eigendecompositions), see :mod:`~samplers_as_optim.gaussian.linearised.function_space`.
         The model runs in eval mode (its mode is restored), one input at a time inside
         ``vmap``; parameters outside the Gaussian and buffers at their current values.
 
@@ -490,7 +499,7 @@ class _Gaussian(_WeightGaussian, _GLMPredictive):
                 >= 1). The result does not depend on it.
 
         Returns:
-            :class:`~samplers_as_optim.gaussian.function_space.FunctionSpaceGaussian`
+            :class:`~samplers_as_optim.gaussian.linearised.function_space.FunctionSpaceGaussian`
             ``(mean, covariance)``: ``mean`` ``(B, *out)`` the network at
             :math:`\theta_*`, ``covariance`` ``(B, O, O)`` with O the outputs per input
             (flattened, row-major); detached.
@@ -502,7 +511,7 @@ class _Gaussian(_WeightGaussian, _GLMPredictive):
         """
         chunk_size = check_chunk_size(chunk_size)
         mean, precision = self._fitted()
-        with _evaluating(self.model):
+        with evaluating(self.model):
             return function_space_gaussian(
                 self.model,
                 self.treated,

@@ -59,7 +59,7 @@ from torch.func import functional_call
 from ..core.validation import check_choice
 from ._memory import check_dense_fits
 from ._per_example_curvature import dense_curvature, diag_curvature
-from ._weight_gaussian import Precision, _evaluating, _Gaussian, _split_batch, select_subset
+from ._weight_gaussian import Precision, _Gaussian, _split_batch, evaluating, select_subset
 from .likelihoods import make_likelihood
 
 __all__ = ["ExtendedKalmanFilter"]
@@ -290,7 +290,7 @@ class ExtendedKalmanFilter(_Gaussian):
         self, mean: dict[str, Tensor], inputs: Tensor, targets: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
         """The batch's summed NLL at ``mean``, its flat gradient and curvature (eval mode)."""
-        with _evaluating(self.model):
+        with evaluating(self.model):
             params = {name: mean[name].detach().requires_grad_(True) for name in mean}
             with torch.enable_grad():
                 output = functional_call(self.model, params, (inputs,))

@@ -361,7 +361,7 @@ class KronCurvature:
     ``prior`` 0.0; ``diagonal`` is the summed diagonal curvature (times s) of the treated
     parameters outside the layers. :meth:`precision` adds a prior (one number per
     block) and scales the curvature (the regression noise, see
-    :mod:`samplers_as_optim.gaussian._evidence`) without a new eigendecomposition.
+    :mod:`samplers_as_optim.gaussian.laplace._evidence`) without a new eigendecomposition.
     """
 
     treated: Treated

@@ -131,8 +131,8 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from ._gaussian_vi import _GaussianVI
-from ._memory import check_dense_fits
+from .._memory import check_dense_fits
+from ._gaussian_vi import GaussianVI
 
 __all__ = ["FullCovarianceVI", "MeanFieldVI"]
 
@@ -162,7 +162,7 @@ _SHARED_ARGS = r"""model: the network; its parameters with ``requires_grad=True`
             but noisy far from it (module docstring, "Gradients")."""
 
 
-class MeanFieldVI(_GaussianVI):
+class MeanFieldVI(GaussianVI):
     r"""Mean-field Gaussian VI: :math:`q = \mathcal N(\mu, \mathrm{diag}(\sigma^2))`.
 
     .. math::
@@ -249,7 +249,7 @@ class MeanFieldVI(_GaussianVI):
         return torch.stack([part.to(dtype).sum() for part in self.log_std]).sum()
 
 
-class FullCovarianceVI(_GaussianVI):
+class FullCovarianceVI(GaussianVI):
     r"""Full-covariance Gaussian VI: :math:`q = \mathcal N(\mu, LL^\top)`, for small models.
 
     .. math::

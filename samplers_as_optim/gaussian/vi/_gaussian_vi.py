@@ -1,6 +1,6 @@
 r"""The machinery Gaussian VI's families share: prior, objective, reparameterised draws.
 
-:class:`_GaussianVI` holds everything of :mod:`samplers_as_optim.gaussian.vi` but the
+:class:`GaussianVI` holds everything of :mod:`samplers_as_optim.gaussian.vi` but the
 family itself (the module docstring there gives the objective, the gradients and the
 guard): the prior and the closed-form or stick-the-landing KL term, the forward at a
 draw, sampling and the predictive. A family (:class:`~samplers_as_optim.MeanFieldVI`,
@@ -17,15 +17,17 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from ..core.validation import (
+from ...core.validation import (
     check_bool,
     check_num_data,
     check_positive,
     check_positive_int,
     check_temperature,
 )
-from ..samples.stacked import call_stacked
-from .flat import Treated
+from ...samples.stacked import call_stacked
+from ..flat import Treated
+
+__all__ = ["GaussianVI"]
 
 _LOG_2PI = math.log(2 * math.pi)
 # A draw standardised by the current (mu, L) must give back its own noise to within this
@@ -35,7 +37,7 @@ _LOG_2PI = math.log(2 * math.pi)
 _STANDARDISED_TOLERANCE = 0.1
 
 
-class _GaussianVI(nn.Module):
+class GaussianVI(nn.Module):
     """Shared machinery: prior, objective, forward with a reparameterised draw, sampling."""
 
     def __init__(

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core.validation import (
+from ...core.validation import (
     check_bool,
     check_choice,
     check_finite,
@@ -24,7 +24,7 @@ from ..core.validation import (
     check_temperature,
     refuse,
 )
-from ._ivon_kernel import HESS_APPROX, STATISTIC
+from ._kernel import HESS_APPROX, STATISTIC
 
 __all__ = [
     "CHANGED_PARAMETERS",

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
-from ._memory import available_bytes
+from .._memory import available_bytes
 
 __all__ = ["input_chunks", "output_jacobians"]
 

@@ -25,8 +25,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..core.streams import NoiseStream, derive_seed
-from ..core.worker import shared_executor
+from ...core.streams import NoiseStream, derive_seed
+from ...core.worker import shared_executor
 
 __all__ = [
     "PREFETCH_MIN_NUMEL",

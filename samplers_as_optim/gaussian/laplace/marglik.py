@@ -34,19 +34,19 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ..core.progress import ProgressBar, check_progress
-from ..core.validation import (
+from ...core.progress import ProgressBar, check_progress
+from ...core.validation import (
     check_choice,
     check_learning_rate,
     check_nonnegative_integer,
     check_num_data,
     check_positive_int,
 )
-from ._data_checks import check_loader
+from .._data_checks import check_loader
+from .._weight_gaussian import batches_on
+from . import Laplace
 from ._prior_forms import read_prior
 from ._prior_search import HyperParameters, check_tune_noise, evidence_steps
-from ._weight_gaussian import _batches_on
-from .laplace import Laplace
 
 __all__ = ["MarglikResult", "marglik_training"]
 
@@ -209,7 +209,7 @@ class _Run:
             first.noise_std = float(noise)
         total, count = 0.0, 0
         self.model.train()
-        for inputs, targets in _batches_on(self.loader, self.ref.device):
+        for inputs, targets in batches_on(self.loader, self.ref.device):
             self.optimizer.zero_grad()
             output = self.model(inputs)
             theta = torch.cat([param.reshape(-1) for param in self.trained])

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core.validation import check_positive
-from ._wide_linalg import cholesky_ex
-from .flat import Treated
-from .kfac import kron_layers
+from ...core.validation import check_positive
+from .._wide_linalg import cholesky_ex
+from ..flat import Treated
+from ..kfac import kron_layers
 
 __all__ = ["block_priors", "prior_groups", "read_prior"]
 

@@ -33,11 +33,11 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor
 
-from ..core.chain import CHAIN_KEYS, at_group
-from ..core.validation import check_nonnegative_integer
-from ..names import parameter_name
-from ._ivon_checks import COUNTERS, HYPERPARAMETERS
-from ._ivon_kernel import STATISTIC
+from ...core.chain import CHAIN_KEYS, at_group
+from ...core.validation import check_nonnegative_integer
+from ...names import parameter_name
+from ._checks import COUNTERS, HYPERPARAMETERS
+from ._kernel import STATISTIC
 
 __all__ = ["check_saved_groups", "check_saved_state"]
 

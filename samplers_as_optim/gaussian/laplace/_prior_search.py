@@ -26,15 +26,15 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import Tensor, nn
 
-from ..core.progress import ProgressBar, check_progress, progress_bar
-from ..core.validation import check_choice, check_learning_rate, check_positive, check_positive_int
+from ...core.progress import ProgressBar, check_progress, progress_bar
+from ...core.validation import check_choice, check_learning_rate, check_positive, check_positive_int
+from .._weight_gaussian import batches_on, evaluating
+from ..flat import Treated
+from ..likelihoods import Likelihood, Regression
+from ..linearised.glm_predictive import LINK_APPROXIMATIONS
 from ._evidence import FitTerms, curvature_rank
 from ._prior_forms import Groups, read_prior
 from ._prior_grid import CurvatureBasis, batch_scores
-from ._weight_gaussian import _batches_on, _evaluating
-from .flat import Treated
-from .glm_predictive import LINK_APPROXIMATIONS
-from .likelihoods import Likelihood, Regression
 
 __all__ = [
     "HyperParameters",
@@ -366,8 +366,8 @@ def grid_scores(
     total = torch.zeros_like(grid)
     seen = 0
     batches = progress_bar(val_loader, progress, "optimize_prior_precision")
-    with _evaluating(la.model):
-        for index, (inputs, targets) in enumerate(_batches_on(batches, ref.device)):
+    with evaluating(la.model):
+        for index, (inputs, targets) in enumerate(batches_on(batches, ref.device)):
             generator = None
             if link_approx == "mc":
                 generator = torch.Generator(device=ref.device).manual_seed(index)

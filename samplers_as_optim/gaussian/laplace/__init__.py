@@ -57,10 +57,10 @@ forward-mode ``torch.func.jvp`` per sample, :math:`\theta_s \sim q`.
 
 The evidence (:meth:`Laplace.log_marginal_likelihood`, MacKay 1992; Immer et al. 2021,
 eq. 3-4) is computed from what :meth:`Laplace.fit` keeps (the curvature without the prior
-and the data term; :mod:`samplers_as_optim.gaussian._evidence`), so the prior precision
+and the data term; :mod:`samplers_as_optim.gaussian.laplace._evidence`), so the prior precision
 and the regression noise are tuned without a new pass
 (:meth:`Laplace.optimize_prior_precision`; during training:
-:func:`samplers_as_optim.gaussian.marglik.marglik_training`).
+:func:`samplers_as_optim.gaussian.laplace.marglik.marglik_training`).
 
 :meth:`Laplace.optimize_prior_precision`'s ``method="gridsearch"`` scores every value δ
 of its ``grid`` as a scalar prior precision by the validation negative log-likelihood
@@ -74,7 +74,7 @@ draws, the same draws for every δ (batch b's from a generator seeded with b, as
 them); the lowest wins (the first of equal ones). Each batch's Jacobians are computed
 once for the whole grid, in the eigenbasis of the stored curvature (diagonal; the KFAC
 factors' eigenvectors; one ``eigh`` of a dense curvature), so each δ costs a product with
-:math:`1/(\delta + e)`, not a refit (:mod:`~samplers_as_optim.gaussian._prior_grid`).
+:math:`1/(\delta + e)`, not a refit (:mod:`~samplers_as_optim.gaussian.laplace._prior_grid`).
 laplace-torch 0.3's ``optimize_prior_precision(method, n_steps, lr, init_prior_prec,
 prior_structure, val_loader, log_prior_prec_min, log_prior_prec_max, grid_size,
 link_approx, n_samples)`` maps to ``method``, ``num_steps``, ``lr``,
@@ -107,8 +107,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core.progress import progress_bar
-from ..core.validation import check_choice, check_num_data, check_positive
+from ...core.progress import progress_bar
+from ...core.validation import check_choice, check_num_data, check_positive
+from .._memory import check_dense_fits
+from .._per_example_curvature import DenseSum, check_finite_curvature, diag_curvature
+from .._weight_gaussian import Precision, _Gaussian, batches_on, evaluating, select_subset
+from .._wide_linalg import factor_sum, wide_dtype
+from ..kfac import KronCurvature, KronSums, decompose_curvature, kron_curvature, kron_layers
+from ..likelihoods import Regression, check_noise_argument, check_noise_std, make_likelihood
 from ._evidence import (
     DataSums,
     FitTerms,
@@ -116,14 +122,8 @@ from ._evidence import (
     data_term,
     log_marginal_likelihood,
 )
-from ._memory import check_dense_fits
-from ._per_example_curvature import DenseSum, check_finite_curvature, diag_curvature
 from ._prior_forms import block_priors, prior_groups, read_prior
 from ._prior_search import PriorTuning
-from ._weight_gaussian import Precision, _batches_on, _evaluating, _Gaussian, select_subset
-from ._wide_linalg import factor_sum, wide_dtype
-from .kfac import KronCurvature, KronSums, decompose_curvature, kron_curvature, kron_layers
-from .likelihoods import Regression, check_noise_argument, check_noise_std, make_likelihood
 
 __all__ = ["Laplace"]
 
@@ -357,8 +357,8 @@ class Laplace(_Gaussian, PriorTuning):
             else {name: torch.zeros_like(value) for name, value in mean.items()}
         )
         data = DataSums()
-        with _evaluating(self.model):
-            for inputs, targets in _batches_on(batches, ref.device):
+        with evaluating(self.model):
+            for inputs, targets in batches_on(batches, ref.device):
                 if dense:
                     total.add(inputs, targets)
                 else:
@@ -386,8 +386,8 @@ class Laplace(_Gaussian, PriorTuning):
         sums: list[KronSums] | None = None
         diag: dict[str, Tensor] = {}
         data = DataSums()
-        with _evaluating(self.model):
-            for inputs, targets in _batches_on(loader, ref.device):
+        with evaluating(self.model):
+            for inputs, targets in batches_on(loader, ref.device):
                 part, part_diag = kron_curvature(
                     self.model,
                     self.treated,

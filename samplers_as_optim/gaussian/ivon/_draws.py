@@ -3,8 +3,8 @@
 :class:`IVONDraws` is the half of :class:`~samplers_as_optim.gaussian.ivon.IVON` that
 puts a draw θ = m + ε from q in the parameters for a with-block and takes it out again
 (``sampled_params``): each param group is checked first, ε is drawn from the keyed noise
-(``_ivon_noise``), and a training draw's gradients are averaged into the running means
-the next step reads (``_ivon_kernel.accumulate_``). The step, the state and the
+(``_noise``), and a training draw's gradients are averaged into the running means
+the next step reads (``_kernel.accumulate_``). The step, the state and the
 checkpoints are the optimizer's (``ivon``). :func:`posterior` and :func:`draw_samples`
 read q out in the package's one sample layout: q(θ) = N(m, diag(σ²)), σ² = T / (ess (h +
 weight_decay)) per param group (``ivon``'s module docstring), keyed by the parameters'
@@ -20,13 +20,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..core.chain import ChainOptimizer, at_group
-from ..core.distributed import agree_across_ranks
-from ..core.validation import check_bool
-from ..names import parameter_name
-from ._ivon_checks import CHANGED_PARAMETERS, COUNTERS, HYPERPARAMETERS
-from ._ivon_kernel import STATISTIC, accumulate_, perturb_
-from ._ivon_noise import DrawRequest, Prefetcher, draw_key, fill_normals, next_training_draws
+from ...core.chain import ChainOptimizer, at_group
+from ...core.distributed import agree_across_ranks
+from ...core.validation import check_bool
+from ...names import parameter_name
+from ._checks import CHANGED_PARAMETERS, COUNTERS, HYPERPARAMETERS
+from ._kernel import STATISTIC, accumulate_, perturb_
+from ._noise import DrawRequest, Prefetcher, draw_key, fill_normals, next_training_draws
 
 __all__ = ["IVONDraws", "draw_samples", "posterior"]
 

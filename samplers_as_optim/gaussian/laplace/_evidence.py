@@ -42,10 +42,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ._wide_linalg import cholesky_ex, eigvalsh, wide_dtype
-from .flat import Treated
-from .kfac import KronCurvature
-from .likelihoods import Likelihood, Regression
+from .._wide_linalg import cholesky_ex, eigvalsh, wide_dtype
+from ..flat import Treated
+from ..kfac import KronCurvature
+from ..likelihoods import Likelihood, Regression
 
 __all__ = [
     "DataSums",

@@ -3,7 +3,7 @@ r"""The GLM predictive: the function-space Gaussian through the likelihood, in c
 Given the linearised network's Gaussian over each input's outputs,
 :math:`f\sim\mathcal N(\bar f, \Sigma_f)` with :math:`\bar f = f(x;\theta_*)` and
 :math:`\Sigma_f = T J\Lambda^{-1}J^\top`
-(:mod:`~samplers_as_optim.gaussian.function_space`; Immer, Korzepa & Bauer 2021), the
+(:mod:`~samplers_as_optim.gaussian.linearised.function_space`; Immer, Korzepa & Bauer 2021), the
 predictive :math:`p(y\mid x) = \int p(y\mid f)\,\mathcal N(f;\bar f,\Sigma_f)\,df` is
 
 * **regression** (Gaussian noise σ): exactly :math:`\mathcal N(\bar f,\;
@@ -37,7 +37,7 @@ to 0), so a singular :math:`\Sigma_f` (fewer treated weights than outputs, or th
 softmax's shift direction) is drawn exactly.
 
 ``Laplace.predictive`` and ``ExtendedKalmanFilter.predictive`` are the method of
-``_GLMPredictive`` here, mixed into the Gaussian they share (``_weight_gaussian``), which
+``GLMPredictive`` here, mixed into the Gaussian they share (``_weight_gaussian``), which
 gives the function-space Gaussian it puts through the likelihood.
 
 References:
@@ -58,14 +58,20 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from .. import predictive
-from ..core.validation import check_choice, check_positive_int
-from ..predictive import ClassificationPrediction, RegressionPrediction
-from ._wide_linalg import eigh
+from ... import predictive
+from ...core.validation import check_choice, check_positive_int
+from ...predictive import ClassificationPrediction, RegressionPrediction
+from .._wide_linalg import eigh
+from ..likelihoods import Likelihood
 from .function_space import FunctionSpaceGaussian
-from .likelihoods import Likelihood
 
-__all__ = ["LINK_APPROXIMATIONS", "classification_predictive", "draw", "regression_predictive"]
+__all__ = [
+    "LINK_APPROXIMATIONS",
+    "GLMPredictive",
+    "classification_predictive",
+    "draw",
+    "regression_predictive",
+]
 
 LINK_APPROXIMATIONS: tuple[str, ...] = ("probit", "bridge", "bridge_norm", "mc")
 
@@ -151,7 +157,7 @@ def _closed_form(
     generator: torch.Generator | None,
     chunk_size: int | None,
 ) -> ClassificationPrediction | RegressionPrediction:
-    """The work of :meth:`_GLMPredictive.predictive`: its checks, then the closed form."""
+    """The work of :meth:`GLMPredictive.predictive`: its checks, then the closed form."""
     name = linearised.likelihood.name
     if name == "callable":
         raise ValueError(
@@ -175,7 +181,7 @@ def _closed_form(
     return classification_predictive(gaussian, link_approx, num_samples, generator)
 
 
-class _GLMPredictive:
+class GLMPredictive:
     """The GLM predictive in closed form as a method: a mixin of Laplace's and the EKF's Gaussian.
 
     Where the function-space Gaussian (``function_space``) comes from is the Gaussian's
@@ -197,7 +203,7 @@ class _GLMPredictive:
         :math:`f \sim \mathcal N(\bar f, \Sigma_f)` with :math:`\bar f = f(x;\theta_*)`
         and :math:`\Sigma_f = T J\Lambda^{-1}J^\top`, through the likelihood
         (Immer, Korzepa & Bauer 2021; Daxberger et al. 2021, §2 and §4; see
-        :mod:`~samplers_as_optim.gaussian.glm_predictive`):
+        :mod:`~samplers_as_optim.gaussian.linearised.glm_predictive`):
 
         * ``likelihood="regression"``: exact,
           :math:`\mathcal N(\bar f, \mathrm{diag}\,\Sigma_f + \sigma^2)`:

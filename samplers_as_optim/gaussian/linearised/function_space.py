@@ -23,7 +23,7 @@ exactly, without sampling. The O x O covariance is :math:`T\,MM^\top` with
   out x (in+1) matrix; the diagonal part as for ``"diag"``.
 
 Cost per input: O reverse passes for J (vectorised, see
-:mod:`~samplers_as_optim.gaussian._output_jacobians`), :math:`O\cdot P` numbers for J and
+:mod:`~samplers_as_optim.gaussian.linearised.output_jacobians`), :math:`O\cdot P` numbers for J and
 M, :math:`O^2 P` for :math:`MM^\top`, and for ``"dense"`` a triangular solve,
 :math:`O\cdot P^2`.
 """
@@ -36,10 +36,10 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from ._output_jacobians import input_chunks, output_jacobians
-from ._wide_linalg import solve_triangular
-from .flat import Treated
-from .kfac import KronPrecision
+from .._wide_linalg import solve_triangular
+from ..flat import Treated
+from ..kfac import KronPrecision
+from .output_jacobians import input_chunks, output_jacobians
 
 __all__ = ["FunctionSpaceGaussian", "covariance_factor", "function_space_gaussian"]
 

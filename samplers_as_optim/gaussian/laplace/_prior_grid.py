@@ -14,7 +14,7 @@ eigenbasis that does not depend on δ, :math:`C = U\mathrm{diag}(e)U^\top`:
   other treated tensors.
 
 So the function-space covariance of the linearised network (Immer, Korzepa & Bauer 2021,
-eq. 7; :mod:`~samplers_as_optim.gaussian.function_space`) is, for every δ,
+eq. 7; :mod:`~samplers_as_optim.gaussian.linearised.function_space`) is, for every δ,
 
 .. math::
 
@@ -42,7 +42,7 @@ The score of δ is the validation negative log-likelihood of the GLM predictive
   :math:`f_{\cdot s} = \bar f + \mathrm{root}(\Sigma_f(\delta))\,\xi_s`; the standard
   normal :math:`\xi` of batch b come from a generator seeded with b, the same for every δ
   (common random numbers), drawn as
-  :func:`~samplers_as_optim.gaussian.glm_predictive.draw` draws them, so they are those
+  :func:`~samplers_as_optim.gaussian.linearised.glm_predictive.draw` draws them, so they are those
   of ``Laplace.predictive(x, link_approx="mc", generator=torch.Generator().manual_seed(b))``.
 
 These equal, up to round-off, the scores of setting ``prior_precision`` to each δ and
@@ -67,14 +67,14 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from .. import predictive
-from ._data_checks import check_batch
+from ... import predictive
+from .._data_checks import check_batch
+from .._wide_linalg import eigh
+from ..flat import Treated
+from ..kfac import KronCurvature
+from ..likelihoods import Likelihood, Regression
+from ..linearised.output_jacobians import input_chunks, output_jacobians
 from ._evidence import FitTerms, curvature_scale
-from ._output_jacobians import input_chunks, output_jacobians
-from ._wide_linalg import eigh
-from .flat import Treated
-from .kfac import KronCurvature
-from .likelihoods import Likelihood, Regression
 
 __all__ = ["CurvatureBasis", "batch_scores"]
 

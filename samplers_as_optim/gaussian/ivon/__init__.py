@@ -76,7 +76,7 @@ momenta), so a scheduler changes nothing but the step length.
 **Randomness** is the chain core's (``samplers_as_optim.core.chain``): ``seed`` and
 ``step`` in the param groups, each parameter's noise key in its state, and the draw
 counters ``train_draws``/``eval_draws`` of the current step in the param groups (see
-``_ivon_noise``); nothing is drawn from torch's global RNG after construction, and
+``_noise``); nothing is drawn from torch's global RNG after construction, and
 ``state_dict`` round trips, ``copy.deepcopy`` and pickling continue the same run bit for
 bit (a checkpoint is taken outside ``sampled_params``, where the parameters hold m).
 
@@ -115,11 +115,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core.chain import at_group
-from ..core.streams import seed_from_global_rng
-from ..core.validation import check_bool, check_positive_int, check_seed
-from ..samples.stacked import call_stacked
-from ._ivon_checks import (
+from ...core.chain import at_group
+from ...core.streams import seed_from_global_rng
+from ...core.validation import check_bool, check_positive_int, check_seed
+from ...samples.stacked import call_stacked
+from ._checks import (
     CHANGED_PARAMETERS,
     COUNTERS,
     Work,
@@ -127,10 +127,10 @@ from ._ivon_checks import (
     check_group,
     refuse_non_finite,
 )
-from ._ivon_draws import IVONDraws, draw_samples, posterior
-from ._ivon_kernel import STATISTIC, update_
-from ._ivon_noise import Prefetcher
-from ._ivon_state_checks import check_saved_groups, check_saved_state
+from ._draws import IVONDraws, draw_samples, posterior
+from ._kernel import STATISTIC, update_
+from ._noise import Prefetcher
+from ._state_checks import check_saved_groups, check_saved_state
 
 __all__ = ["IVON"]
 
@@ -286,7 +286,7 @@ class IVON(IVONDraws):
         """Load a state saved by :meth:`state_dict`: the run continues bit for bit.
 
         Everything is checked before anything changes: the groups' hyperparameters, seed
-        and counters, and each parameter's state (``_ivon_state_checks``: its entries,
+        and counters, and each parameter's state (``_state_checks``: its entries,
         their shapes, finite values, hess + weight_decay > 0).
 
         Raises:
@@ -403,7 +403,7 @@ class IVON(IVONDraws):
     def _update_group(
         self, group: dict[str, Any], params: list[Tensor], states: list[dict[str, Any]]
     ) -> None:
-        """One group's update from its step's averages (``_ivon_kernel.update_``)."""
+        """One group's update from its step's averages (``_kernel.update_``)."""
         method = group["hess_approx"]
         update_(
             params,

@@ -1,0 +1,1 @@
+"""The linearised network: output Jacobians, the function-space Gaussian, the GLM predictive."""
