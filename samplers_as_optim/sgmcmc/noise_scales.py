@@ -3,7 +3,7 @@ r"""The scalars a sampler's reference update and its fused kernel share, defined
 Each sampler's module states the derivation; here are the resulting standard deviations
 of the noise each update adds (all 0 at :math:`T = 0`, where no noise is drawn), and
 torch's functional AdamW, which the AdamW twin's step is at :math:`T = 0`. The sampler
-modules and the kernel modules (``_*_fused``) both import them, so that the two
+modules and the kernel modules (``triton_kernel``) both import them, so that the two
 backends cannot disagree on a formula.
 """
 
@@ -12,9 +12,18 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["adamw_sghmc_noise_scale", "baoa_noise_scale", "sghmc_noise_scale", "torch_adamw"]
+from torch import Tensor
+
+__all__ = [
+    "adamw_sghmc_noise_scale",
+    "baoa_noise_scale",
+    "sghmc_noise_scale",
+    "torch_adamw",
+    "torch_adamw_step",
+]
 
 
 def sghmc_noise_scale(lr: float, momentum: float, temperature: float, num_data: int) -> float:
@@ -52,3 +61,29 @@ def torch_adamw() -> Any:
     if "decoupled_weight_decay" in inspect.signature(adam.adam).parameters:
         return functools.partial(adam.adam, decoupled_weight_decay=True)
     return adamw.adamw
+
+
+def torch_adamw_step(
+    group: Mapping[str, Any], tensors: Sequence[Sequence[Tensor]], **options: Any
+) -> None:
+    """:func:`torch_adamw`'s step with a param group's hyperparameters, in place.
+
+    ``tensors``: the parameters, gradients, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``
+    (empty without ``amsgrad``) and step counts; ``options``: ``foreach``, ``fused``,
+    ``grad_scale`` and ``found_inf``, as torch's functional Adam takes them.
+    """
+    beta1, beta2 = group["betas"]
+    torch_adamw()(
+        *tensors,
+        capturable=False,
+        differentiable=False,
+        has_complex=False,
+        amsgrad=bool(group["amsgrad"]),
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=bool(group["maximize"]),
+        **options,
+    )

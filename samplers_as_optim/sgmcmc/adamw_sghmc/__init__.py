@@ -127,7 +127,7 @@ from ..arguments import (
     sampling_meaningless,
 )
 from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
-from ..noise_scales import adamw_sghmc_noise_scale, torch_adamw
+from ..noise_scales import adamw_sghmc_noise_scale, torch_adamw_step
 from ..optimizer import SamplerOptimizer
 from ..sampling_preconditioner import (
     FROZEN_AT,
@@ -273,18 +273,6 @@ def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:
             "sampler kernel)"
         )
     sampling_meaningless("amsgrad", group["amsgrad"], False, temperature, where)
-    decoupled = group["weight_decay"] > 0 and not group.get("l2_prior")
-    if temperature > 0 and decoupled and "params" in group:  # (a group, not the defaults)
-        warnings.warn(
-            f"AdamWSGHMC's weight_decay {group['weight_decay']!r} at temperature "
-            f"{temperature!r} is AdamW's decoupled decay: the prior it samples, "
-            "N(0, 1/(N weight_decay a)), depends on the data through the preconditioner a. "
-            "For a stated prior give AdamWSGHMC prior_param_groups(model, num_data=N, "
-            "decoupled=True) and add prior_loss(model, num_data=N) to the loss (or put "
-            "your own prior in the loss with weight_decay=0).",
-            UserWarning,
-            stacklevel=2,  # (one place, so that it is shown once)
-        )
     if group.get("l2_prior") is True and group["weight_decay"] != 0:  # priors.PRIOR_GROUP_KEY
         raise ValueError(
             f"Invalid weight_decay{where}: {group['weight_decay']!r}, the L2 prior of "
@@ -323,29 +311,10 @@ def _update(
 def _adamw_step(group: Mapping[str, Any], inputs: UpdateInput, *, foreach: bool) -> bool:
     """At temperature 0: ``torch.optim.AdamW``'s step, by torch's own functional Adam."""
     buffers = inputs.buffers
-    beta1, beta2 = group["betas"]
-    torch_adamw()(
-        inputs.params,
-        inputs.grads,
-        buffers["exp_avg"],
-        buffers["exp_avg_sq"],
-        buffers.get("max_exp_avg_sq") or [],
-        buffers["step"],
-        foreach=foreach,
-        capturable=False,
-        differentiable=False,
-        fused=None,
-        grad_scale=None,
-        found_inf=None,
-        has_complex=False,
-        amsgrad=bool(group["amsgrad"]),
-        beta1=beta1,
-        beta2=beta2,
-        lr=group["lr"],
-        weight_decay=group["weight_decay"],
-        eps=group["eps"],
-        maximize=bool(group["maximize"]),
-    )
+    state = [buffers[name] for name in ("exp_avg", "exp_avg_sq")]
+    state += [buffers.get("max_exp_avg_sq") or [], buffers["step"]]
+    options = {"foreach": foreach, "fused": None, "grad_scale": None, "found_inf": None}
+    torch_adamw_step(group, [inputs.params, inputs.grads, *state], **options)
     for flag in buffers["preconditioner_step"]:
         if isinstance(flag, Tensor):
             flag.zero_()  # a step of AdamW releases the sampling preconditioner
@@ -582,6 +551,28 @@ DEFINITION = SamplerDefinition(
 
 class AdamWSGHMC(SamplerOptimizer, definition=DEFINITION):
     """SGHMC preconditioned by Adam's second moment, a drop-in for ``torch.optim.AdamW``."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        r"""The base class's; then a warning where a group's prior depends on the data.
+
+        A decoupled ``weight_decay`` at temperature > 0 samples the prior
+        :math:`\mathcal N(0, 1/(N\lambda a))` (module docstring). Said once, as the
+        group is added (the constructor adds each), not when it is re-checked.
+        """
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        temperature = float(group["temperature"])
+        if temperature > 0 and group["weight_decay"] > 0 and not group.get("l2_prior"):
+            warnings.warn(
+                f"AdamWSGHMC's weight_decay {group['weight_decay']!r} at temperature "
+                f"{temperature!r} is AdamW's decoupled decay: the prior it samples, "
+                "N(0, 1/(N weight_decay a)), depends on the data through the preconditioner "
+                "a. For a stated prior give AdamWSGHMC prior_param_groups(model, num_data=N, "
+                "decoupled=True) and add prior_loss(model, num_data=N) to the loss (or put "
+                "your own prior in the loss with weight_decay=0).",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 adamw_sghmc, AdamWSGHMCState = transformation_of(DEFINITION, AdamWSGHMC)

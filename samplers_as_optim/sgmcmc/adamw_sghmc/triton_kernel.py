@@ -1,10 +1,11 @@
 r"""AdamWSGHMC's fused Triton kernel at temperature > 0; torch's fused AdamW at 0.
 
-At temperature > 0, per element, with :math:`g' = \pm g`, :math:`t` the parameter's
-step count after this step, :math:`\sigma = \sqrt{2T/(N\,lr)}` and :math:`\xi =
-\texttt{tl.randn}(seed, \text{global index})`, in float64 and rounded where the state
-is stored (``adamw_sghmc.adamw_sghmc_direction``; Chen et al. 2014, Eq. 9, in AdamW's
-units as that module derives):
+At temperature > 0, per element, with :math:`g' = \pm g` (the decay is decoupled),
+:math:`t` the parameter's step count after this step and :math:`\sigma =
+\sqrt{2T/(N\,lr)}` (:math:`\xi` and what every kernel does alike: ``fused/io``'s module
+docstring), in float64 and rounded where the state is stored
+(``adamw_sghmc.adamw_sghmc_direction``; Chen et al. 2014, Eq. 9, in AdamW's units as
+that module derives):
 
 .. math::
 
@@ -18,9 +19,7 @@ with :math:`a` the sampling preconditioner of :mod:`.sampling_preconditioner` an
 freeze, ``"factored"`` pools :math:`\sqrt{\bar V'/(1-\beta_2^t)} + \epsilon` of this
 step's second moment before the kernel, by torch operations on the device (a
 reduction), and ``"elementwise"`` computes :math:`\sqrt{V'/(1-\beta_2^t)} + \epsilon`
-in registers. The kernel reads :math:`\theta`, :math:`g`, :math:`m`, :math:`V` once and
-writes :math:`\theta`, :math:`m`, :math:`V` once; nothing is written when the step's
-flag (the largest absolute gradient) is not finite. One launch per tensor.
+in registers. One launch per tensor.
 
 At temperature 0 the step is ``torch.optim.AdamW(fused=True)``'s: torch's own
 functional Adam with ``fused=True`` (``amsgrad`` included), told of a non-finite
@@ -37,15 +36,9 @@ temperature 0 the kernel then computes AdamW's update itself (:math:`a = \sqrt{V
 divided by :math:`1-\beta_1^t`), in float64 and rounded once.
 Checked through Triton's interpreter on the CPU only (``tests/test_fused_adaptive.py``):
 compiled for an sm_90 GPU by Triton's compiler
-(``tests/test_fused_transforms.py``), no GPU has run it yet.
-
-Mixed precision (``fused/launch``'s module docstring): with a GradScaler scale
-:math:`s` the gradient is read as :math:`g/s` (float64 division, rounded once to the
-position's dtype); a float16/bfloat16 parameter with a float32 master steps on the
-master, as a float32 parameter would, and receives its rounding to nearest. (One
-without a master exists at temperature 0 only, where torch's fused AdamW steps it, the
-transforms' fused path taking float32 and float64 only: the kernel has no ``NARROW``
-variant.)
+(``tests/test_fused_transforms.py``), no GPU has run it yet. A half parameter without
+master exists at temperature 0 only, where torch's fused AdamW steps it (the transforms'
+fused path takes float32 and float64 only): the kernel has no ``NARROW`` variant.
 """
 
 from __future__ import annotations
@@ -57,83 +50,30 @@ import torch
 from torch import Tensor
 
 from ..fused import io as fio
-from ..fused.launch import (
-    FusedInput,
-    KernelArg,
-    Part,
-    as_float64_bits,
-    constexpr,
-    launch_elementwise,
-    parts,
-)
-from ..fused.launch import optional_module as _optional_module
-from ..fused.pooled import kernel_preconditioner, pooled, second_moment
-from ..noise_scales import adamw_sghmc_noise_scale, torch_adamw
+from ..fused.io import tl
+from ..fused.launch import FusedInput, KernelArg, Part, constexpr, parts
+from ..fused.pooled import Moment, kernel_preconditioner, launch_alone, pooled, second_moment
+from ..noise_scales import adamw_sghmc_noise_scale, torch_adamw_step
 from ..sampling_preconditioner import advanced, prior_floor, released
 
 __all__ = ["launch", "unsupported"]
 
-tl: Any = _optional_module("triton.language")
-
-#: arguments whose values change between steps: not specialised on (one compiled kernel)
-_VARYING = (
-    "numel",
-    "offset",
-    "seed",
-    "lr_bits",
-    "beta1_bits",
-    "beta2_bits",
-    "eps_bits",
-    "correction_bits",
-    "first_correction_bits",
-    "decay_bits",
-    "scale_bits",
-    "inner",
-    "row_stride",
-    "rows",
-    "column_stride",
-    "columns",
-)
-
 
 def _adamw_sghmc(
-    param: KernelArg,
-    grad: KernelArg,
-    exp_avg: KernelArg,
-    exp_avg_sq: KernelArg,
-    max_exp_avg_sq: KernelArg,
-    pre: KernelArg,
-    out: KernelArg,
-    largest: KernelArg,
-    master: KernelArg,
-    grad_scale: KernelArg,
-    numel: KernelArg,
-    offset: KernelArg,
-    seed: KernelArg,
-    lr_bits: KernelArg,
-    beta1_bits: KernelArg,
-    beta2_bits: KernelArg,
-    eps_bits: KernelArg,
-    correction_bits: KernelArg,
-    first_correction_bits: KernelArg,
-    decay_bits: KernelArg,
-    scale_bits: KernelArg,
-    inner: KernelArg,
-    row_stride: KernelArg,
-    rows: KernelArg,
-    column_stride: KernelArg,
-    columns: KernelArg,
-    BLOCK: constexpr,  # noqa: N803
-    MAXIMIZE: constexpr,  # noqa: N803
-    DECAY: constexpr,  # noqa: N803
-    POOLED: constexpr,  # noqa: N803
-    NOISE: constexpr,  # noqa: N803
-    AMSGRAD: constexpr,  # noqa: N803
-    UPDATE: constexpr,  # noqa: N803
-    UNSCALE: constexpr,  # noqa: N803
-    MASTER: constexpr,  # noqa: N803
-    BF16: constexpr,  # noqa: N803
-) -> None:
+    param: KernelArg, grad: KernelArg, exp_avg: KernelArg, exp_avg_sq: KernelArg,
+    max_exp_avg_sq: KernelArg, pre: KernelArg, out: KernelArg,
+    largest: KernelArg, master: KernelArg, grad_scale: KernelArg,
+    numel: KernelArg, offset: KernelArg, seed: KernelArg,
+    lr_bits: KernelArg, beta1_bits: KernelArg, beta2_bits: KernelArg, eps_bits: KernelArg,
+    correction_bits: KernelArg, first_correction_bits: KernelArg,
+    decay_bits: KernelArg, scale_bits: KernelArg,
+    inner: KernelArg, row_stride: KernelArg, rows: KernelArg,  # (fused/pooled.Layout)
+    column_stride: KernelArg, columns: KernelArg,
+    BLOCK: constexpr, MAXIMIZE: constexpr, DECAY: constexpr, POOLED: constexpr,  # noqa: N803
+    NOISE: constexpr, AMSGRAD: constexpr, UPDATE: constexpr,  # noqa: N803
+    UNSCALE: constexpr, MASTER: constexpr, BF16: constexpr,  # noqa: N803
+) -> None:  # fmt: skip
+    """The step of this program's block: :math:`V`, :math:`a`, :math:`m`, then the position."""
     index, mask = fio.elements(tl.program_id(0).to(tl.int64), numel, largest, BLOCK)
     lr, eps = fio.float64(lr_bits), fio.float64(eps_bits)
     beta1, beta2 = fio.float64(beta1_bits), fio.float64(beta2_bits)
@@ -186,7 +126,6 @@ def _adamw(
     fused AdamW divides the gradients by it itself, in place: it is given copies, so that
     ``.grad`` is never written); ``part``'s parameters keep no master.
     """
-    beta1, beta2 = group["betas"]
     devices: dict[torch.device, list[int]] = {}
     for i in part.members:
         devices.setdefault(inputs.params[i].device, []).append(i)
@@ -203,28 +142,17 @@ def _adamw(
         maxima = buffers.get("max_exp_avg_sq") or []
         # torch's fused AdamW writes the gradients it unscales: it gets copies of them
         grads = [inputs.grads[i] for i in index]
-        torch_adamw()(
+        tensors = [
             [inputs.params[i] for i in index],
             grads if part.scale is None else [grad.clone() for grad in grads],
             [buffers["exp_avg"][i] for i in index],
             [buffers["exp_avg_sq"][i] for i in index],
             [maxima[i] for i in index] if maxima else [],
             steps,
-            foreach=None,
-            capturable=False,
-            differentiable=False,
-            fused=True,
-            grad_scale=None if part.scale is None else part.scale.reshape(()),
-            found_inf=found_inf.reshape(()),
-            has_complex=False,
-            amsgrad=bool(group["amsgrad"]),
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=bool(group["maximize"]),
-        )
+        ]
+        scale = None if part.scale is None else part.scale.reshape(())
+        options = {"foreach": None, "fused": True, "grad_scale": scale}
+        torch_adamw_step(group, tensors, **options, found_inf=found_inf.reshape(()))
 
 
 def launch(
@@ -263,56 +191,24 @@ def _launch_one(
     amsgrad = bool(group["amsgrad"]) and temperature == 0
     beta1, beta2 = (float(beta) for beta in group["betas"])
     weight_decay = float(group["weight_decay"])
-    param = inputs.params[i]
-    (position,) = part.positions(inputs)
     buffers["step"][i] = advanced(buffers["step"][i], True)
     step = float(buffers["step"][i])
     correction = 1 - beta2**step
     scale = adamw_sghmc_noise_scale(lr, temperature, group["num_data"])
-    pre, where = kernel_preconditioner(
-        group,
-        inputs,
-        i,
-        position,
-        buffers,
-        square="exp_avg_sq",
-        beta=beta2,
+    moment = Moment(
+        "exp_avg_sq",
+        beta2,
         correction=correction,
         before=1 - beta2 ** (step - 1) or 1.0,  # (V is still 0 at step 1)
-        weight_decay=0.0,
         root=True,
         floor=prior_floor(temperature, float(group["prior_weight_decay"]), group["num_data"]),
     )
-    launch_elementwise(
-        _adamw_sghmc,
-        param,
-        inputs.grads[i],
-        buffers["exp_avg"][i],
-        buffers["exp_avg_sq"][i],
-        buffers["max_exp_avg_sq"][i] if amsgrad else param,  # (param: never read)
-        param if pre is None else pre,
-        param if updates is None else updates[i],
-        inputs.largest[i],
-        position,
-        part.scale_argument(inputs),
-        param.numel(),
-        inputs.offsets[i],
-        inputs.seeds[i],
-        as_float64_bits(lr),
-        as_float64_bits(beta1),
-        as_float64_bits(beta2),
-        as_float64_bits(float(group["eps"])),
-        as_float64_bits(correction),
-        as_float64_bits(1 - beta1**step),
-        as_float64_bits(weight_decay),
-        as_float64_bits(scale),
-        *where,
-        do_not_specialize=_VARYING,
-        MAXIMIZE=bool(group["maximize"]),
-        DECAY=weight_decay != 0,
-        POOLED=pre is not None,
-        NOISE=temperature > 0,
-        AMSGRAD=amsgrad,
-        UPDATE=updates is not None,
-        **part.flags(),
+    pre, where = kernel_preconditioner(group, inputs, part, buffers, moment)
+    maximum = buffers["max_exp_avg_sq"][i] if amsgrad else None
+    out = None if updates is None else updates[i]
+    tensors = [buffers["exp_avg"][i], buffers["exp_avg_sq"][i], maximum, pre, out]
+    scalars = (lr, beta1, beta2, group["eps"], correction, 1 - beta1**step, weight_decay, scale)
+    flags = {"POOLED": pre is not None, "NOISE": temperature > 0, "AMSGRAD": amsgrad}
+    launch_alone(
+        _adamw_sghmc, group, inputs, part, tensors, scalars, where, **flags, UPDATE=out is not None
     )

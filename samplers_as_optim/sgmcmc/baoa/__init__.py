@@ -200,13 +200,10 @@ MOMENTUM = Hyperparameter(
 
 
 def load_fused_kernel() -> Any:
-    """BAOA's fused Triton kernel, ``baoa/triton_kernel``.
+    """BAOA's update as one Triton kernel, ``baoa/triton_kernel`` (imported on first use)."""
+    from . import triton_kernel  # (it imports Triton)
 
-    Imported on first use: it imports Triton.
-    """
-    from . import triton_kernel as _baoa_fused
-
-    return _baoa_fused
+    return triton_kernel
 
 
 DEFINITION = SamplerDefinition(

@@ -9,10 +9,26 @@ of its elements it reads and writes (:func:`this_block`, :func:`column`: the tab
 gradient as the update reads them (:func:`read_inputs`, :func:`position_and_gradient`: a
 float32 master, a GradScaler's unscaling; :func:`effective_gradient`: ``maximize``,
 weight decay), the noise (:func:`normal`), and the stores (:func:`store_state`,
-:func:`store_position`, :func:`store_step`, through :func:`narrowed`: a half parameter's
-rounding to nearest). The compile-time flags ``UNSCALE``, ``MASTER``, ``NARROW`` and
-``BF16`` are ``fused/launch``'s (its module docstring). A kernel module imports this one
-as ``fio`` (``fio.this_block(...)``).
+:func:`store_position`, :func:`store_moved`, :func:`store_step`, through
+:func:`narrowed`: a half parameter's rounding to nearest). The compile-time flags
+``UNSCALE``, ``MASTER``, ``NARROW`` and ``BF16`` are ``fused/launch``'s (its module
+docstring). A kernel module imports this one as ``fio`` (``fio.this_block(...)``), and
+Triton's language from here (``tl``).
+
+What every kernel does alike, said here once (a kernel module's docstring gives its
+update). Per element, with the gradient :math:`g' = \pm g + \lambda\theta` rounded to the
+position's dtype, as ``torch.optim.SGD(fused=True)`` rounds it, and the noise :math:`\xi
+= \texttt{tl.randn}(seed, \text{global index})`, the update is computed in float64 from
+float64 scalars and each value rounded once where it is stored. A kernel reads each of
+its tensors once and writes each once; nothing is written when the step's flag (the
+largest absolute gradient) is not finite. Small tensors share launches
+(``fused/launch.launch_tensors``), each with its own noise key: the numbers of one
+launch per tensor. Mixed precision (``fused/launch``'s module docstring): with a
+GradScaler scale :math:`s` the gradient is read as :math:`g/s` (float64 division,
+rounded once to the position's dtype); a float16/bfloat16 parameter with a float32
+master steps on the master, as a float32 parameter would, and receives its rounding to
+nearest; one without master (temperature 0, ``NARROW``: BAOA's and PSGLD's kernels
+only) is computed in float32 and stored, with its state, in its dtype.
 
 Each is ``triton.jit``'d when this module is imported, which a kernel module is only on
 first use (importing the package never imports Triton); without Triton they stay plain
@@ -40,12 +56,15 @@ __all__ = [
     "position_and_gradient",
     "read_inputs",
     "step_is_finite",
+    "store_moved",
     "store_position",
     "store_state",
     "store_step",
     "this_block",
+    "tl",
 ]
 
+#: Triton's language (None without Triton): the kernel modules import it from here
 tl: Any = optional_module("triton.language")
 _triton: Any = optional_module("triton")
 
@@ -59,17 +78,10 @@ def jit(function: _Function) -> _Function:
 
 @jit
 def this_block(
-    table: KernelArg,
-    count: KernelArg,
-    programs: KernelArg,
-    numel: KernelArg,
-    offset: KernelArg,
-    seed: KernelArg,
-    largest: KernelArg,
-    LARGEST: constexpr,  # noqa: N803
-    BLOCK: constexpr,  # noqa: N803
-    MULTI: constexpr,  # noqa: N803
-) -> KernelArg:
+    table: KernelArg, count: KernelArg, programs: KernelArg,
+    numel: KernelArg, offset: KernelArg, seed: KernelArg, largest: KernelArg,
+    LARGEST: constexpr, BLOCK: constexpr, MULTI: constexpr,  # noqa: N803
+) -> KernelArg:  # fmt: skip
     """This program's block of its tensor: ``(block, rows, index, mask, offset, seed)``.
 
     In a shared launch (``MULTI``) program ``p`` takes block ``table[p] & 0xFFFFFFFF`` of
@@ -112,20 +124,11 @@ def column(
 
 @jit
 def read_inputs(
-    rows: KernelArg,
-    count: KernelArg,
-    param: KernelArg,
-    grad: KernelArg,
-    master: KernelArg,
+    rows: KernelArg, count: KernelArg, param: KernelArg, grad: KernelArg, master: KernelArg,
     MASTER_COLUMN: constexpr,  # noqa: N803
-    grad_scale: KernelArg,
-    index: KernelArg,
-    mask: KernelArg,
-    MULTI: constexpr,  # noqa: N803
-    UNSCALE: constexpr,  # noqa: N803
-    MASTER: constexpr,  # noqa: N803
-    NARROW: constexpr,  # noqa: N803
-) -> KernelArg:
+    grad_scale: KernelArg, index: KernelArg, mask: KernelArg,
+    MULTI: constexpr, UNSCALE: constexpr, MASTER: constexpr, NARROW: constexpr,  # noqa: N803
+) -> KernelArg:  # fmt: skip
     """:func:`position_and_gradient` of this program's tensor: ``(param, position, p, g)``.
 
     Its parameter, gradient and master are columns 3, 4 and ``MASTER_COLUMN`` of a
@@ -142,11 +145,9 @@ def read_inputs(
 
 @jit
 def elements(
-    block: KernelArg,
-    numel: KernelArg,
-    largest: KernelArg,
+    block: KernelArg, numel: KernelArg, largest: KernelArg,
     BLOCK: constexpr,  # noqa: N803
-) -> KernelArg:
+) -> KernelArg:  # fmt: skip
     """The indices of ``block``'s elements and the mask of those read and written.
 
     Nothing is read or written unless every gradient is finite (:func:`step_is_finite`).
@@ -179,16 +180,10 @@ def normal(seed: KernelArg, offset: KernelArg, index: KernelArg) -> KernelArg:
 
 @jit
 def position_and_gradient(
-    param: KernelArg,
-    master: KernelArg,
-    grad: KernelArg,
-    grad_scale: KernelArg,
-    index: KernelArg,
+    param: KernelArg, master: KernelArg, grad: KernelArg, grad_scale: KernelArg, index: KernelArg,
     mask: KernelArg,
-    UNSCALE: constexpr,  # noqa: N803
-    MASTER: constexpr,  # noqa: N803
-    NARROW: constexpr,  # noqa: N803
-) -> KernelArg:
+    UNSCALE: constexpr, MASTER: constexpr, NARROW: constexpr,  # noqa: N803
+) -> KernelArg:  # fmt: skip
     r"""``(position, p, g)``: where the position is kept, its elements and the gradient's.
 
     The position is the float32 master (``MASTER``), else the parameter, read in float32
@@ -210,12 +205,9 @@ def position_and_gradient(
 
 @jit
 def effective_gradient(
-    g: KernelArg,
-    p: KernelArg,
-    decay_bits: KernelArg,
-    MAXIMIZE: constexpr,  # noqa: N803
-    DECAY: constexpr,  # noqa: N803
-) -> KernelArg:
+    g: KernelArg, p: KernelArg, decay_bits: KernelArg,
+    MAXIMIZE: constexpr, DECAY: constexpr,  # noqa: N803
+) -> KernelArg:  # fmt: skip
     r""":math:`g' = \pm g + \lambda p`: negated for ``MAXIMIZE``, decayed with ``DECAY``.
 
     The decay in float64, rounded to the position's dtype, as ``torch.optim.SGD(fused=True)``
@@ -247,13 +239,9 @@ def narrowed(value: KernelArg, BF16: constexpr) -> KernelArg:  # noqa: N803
 
 @jit
 def store_state(
-    buffer: KernelArg,
-    value: KernelArg,
-    index: KernelArg,
-    mask: KernelArg,
-    NARROW: constexpr,  # noqa: N803
-    BF16: constexpr,  # noqa: N803
-) -> None:
+    buffer: KernelArg, value: KernelArg, index: KernelArg, mask: KernelArg,
+    NARROW: constexpr, BF16: constexpr,  # noqa: N803
+) -> None:  # fmt: skip
     """Store a buffer's new elements in its dtype (a half one's through float32: ``NARROW``)."""
     if NARROW:
         value = narrowed(value, BF16)
@@ -262,15 +250,9 @@ def store_state(
 
 @jit
 def store_position(
-    param: KernelArg,
-    position: KernelArg,
-    new: KernelArg,
-    index: KernelArg,
-    mask: KernelArg,
-    MASTER: constexpr,  # noqa: N803
-    NARROW: constexpr,  # noqa: N803
-    BF16: constexpr,  # noqa: N803
-) -> None:
+    param: KernelArg, position: KernelArg, new: KernelArg, index: KernelArg, mask: KernelArg,
+    MASTER: constexpr, NARROW: constexpr, BF16: constexpr,  # noqa: N803
+) -> None:  # fmt: skip
     """Store the new position; a half parameter receives it rounded to nearest (even).
 
     With ``MASTER`` the master is written too; ``NARROW`` (no master) only the parameter.
@@ -282,28 +264,32 @@ def store_position(
 
 
 @jit
+def store_moved(
+    param: KernelArg, position: KernelArg, p: KernelArg, lr: KernelArg, d: KernelArg,
+    index: KernelArg, mask: KernelArg,
+    MASTER: constexpr, NARROW: constexpr, BF16: constexpr,  # noqa: N803
+) -> None:  # fmt: skip
+    r"""Store the position moved by the direction ``d``: :math:`p - lr\,d` (float64), rounded once.
+
+    ``lr`` is a float64 scalar; ``d`` is widened to float64 (:func:`store_position`).
+    """
+    new = (p.to(tl.float64) - lr * d.to(tl.float64)).to(p.dtype)
+    store_position(param, position, new, index, mask, MASTER, NARROW, BF16)
+
+
+@jit
 def store_step(
-    out: KernelArg,
-    param: KernelArg,
-    position: KernelArg,
-    p: KernelArg,
-    lr: KernelArg,
-    d: KernelArg,
-    index: KernelArg,
-    mask: KernelArg,
-    UPDATE: constexpr,  # noqa: N803
-    MASTER: constexpr,  # noqa: N803
-    NARROW: constexpr,  # noqa: N803
-    BF16: constexpr,  # noqa: N803
-) -> None:
+    out: KernelArg, param: KernelArg, position: KernelArg, p: KernelArg, lr: KernelArg,
+    d: KernelArg, index: KernelArg, mask: KernelArg,
+    UPDATE: constexpr, MASTER: constexpr, NARROW: constexpr, BF16: constexpr,  # noqa: N803
+) -> None:  # fmt: skip
     r"""Store the step by the direction ``d`` (float64): the new position, or ``UPDATE``.
 
     With ``UPDATE`` (the transforms' variant) the update :math:`-lr\,d` itself is written
     to ``out``, rounded once to the position's dtype, and the parameter is left as it is;
-    else the position :math:`p - lr\,d`, rounded once (:func:`store_position`).
+    else the moved position (:func:`store_moved`).
     """
     if UPDATE:
         tl.store(out + index, (-lr * d).to(p.dtype), mask=mask)
     else:
-        new = (p.to(tl.float64) - lr * d).to(p.dtype)
-        store_position(param, position, new, index, mask, MASTER, NARROW, BF16)
+        store_moved(param, position, p, lr, d, index, mask, MASTER, NARROW, BF16)

@@ -1,10 +1,12 @@
-r"""What every fused kernel module shares: Triton's language, float64 scalars, the launches.
+r"""What every fused kernel module shares on the host: float64 scalars, the launches.
 
 Importing this module does not import Triton (``sgmcmc/fused`` imports it with the
-package); a kernel module imports Triton's language with :func:`optional_module` (None
-where Triton is missing, so that the module still imports, for pytest's doctest
-collection) and writes its kernels as plain functions that :func:`launch_elementwise`
-(or :func:`launch_tensors`) jits on first launch, when ``TRITON_INTERPRET`` is read.
+package); a kernel module imports Triton's language from ``fused/io`` (``tl``, by
+:func:`optional_module`: None where Triton is missing, so that the module still imports,
+for pytest's doctest collection) and writes its kernels as plain functions that
+:func:`launch_elementwise` (or :func:`launch_tensors`, through
+:meth:`Part.launch_members`) jits on first launch, when ``TRITON_INTERPRET`` is read,
+never specialised on the scalars that change between steps.
 
 Annotations. Triton's compiler (not its interpreter) visits a kernel's annotations and
 refuses any global name that is not Triton's own or a constexpr
@@ -57,10 +59,11 @@ from __future__ import annotations
 
 import array
 import importlib
+import inspect
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from functools import cache
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -76,11 +79,13 @@ __all__ = [
     "as_int64",
     "block_size",
     "constexpr",
+    "group_flags",
     "launch_elementwise",
     "launch_programs",
     "launch_tensors",
     "optional_module",
     "parts",
+    "positions",
     "torch_fused_sgd",
     "torch_gradient",
     "upload_table",
@@ -151,9 +156,15 @@ def block_size(device: torch.device) -> int:
 
 @cache
 def _jitted(function: Callable[..., Any], do_not_specialize: tuple[str, ...]) -> Any:
-    """``triton.jit(function)``, made on first launch (so ``TRITON_INTERPRET`` is read then)."""
+    """``triton.jit(function)``, made on first launch (so ``TRITON_INTERPRET`` is read then).
+
+    Not specialised on ``do_not_specialize`` nor on its float64 scalars (the arguments
+    named ``*_bits``: :func:`as_float64_bits`), whose values change between steps: one
+    compiled kernel.
+    """
     triton = importlib.import_module("triton")
-    return triton.jit(function, do_not_specialize=list(do_not_specialize))
+    scalars = [name for name in inspect.signature(function).parameters if name.endswith("_bits")]
+    return triton.jit(function, do_not_specialize=[*do_not_specialize, *scalars])
 
 
 def launch_elementwise(
@@ -247,8 +258,10 @@ def launch_tensors(
 
     Tensors of at most :data:`MULTI_TENSOR_BLOCKS` blocks share a launch per device and
     column dtypes (one table copied per device); larger ones, and a small one alone,
-    have their own. Empty tensors are skipped. Returns the number of launches.
+    have their own. Empty tensors are skipped. Returns the number of launches. The
+    kernel is not specialised on ``count``, ``programs``, ``offset`` and ``seed`` either.
     """
+    do_not_specialize = ("count", "programs", "offset", "seed", *do_not_specialize)
     sizes: dict[torch.device, int] = {}  # each device's block size
     blocks: list[int] = []  # each tensor's number of blocks
     batches: dict[tuple[Any, ...], list[int]] = {}
@@ -382,10 +395,7 @@ class Part(NamedTuple):
 
     def positions(self, inputs: FusedInput) -> list[Tensor]:
         """The tensors holding the members' positions: their masters, or the parameters."""
-        if not self.master:
-            return self.take(inputs.params)
-        assert inputs.masters is not None
-        return [cast(Tensor, inputs.masters[i]) for i in self.members]
+        return self.take(positions(inputs))
 
     def scale_argument(self, inputs: FusedInput) -> Tensor:
         """The kernels' ``grad_scale`` pointer: the scale (a flag, never read, without)."""
@@ -402,6 +412,47 @@ class Part(NamedTuple):
         too; the others are never given a narrow part (``fused/launch``'s docstring).
         """
         return {"UNSCALE": self.scale is not None, "MASTER": self.master, "BF16": self.bf16}
+
+    def launch_members(
+        self,
+        kernel: Callable[..., Any],
+        group: Mapping[str, Any],
+        inputs: FusedInput,
+        columns: Sequence[Sequence[Tensor]],
+        *scalars: float,
+        **constants: Any,
+    ) -> None:
+        """:func:`launch_tensors` of ``kernel`` over the members (SGLD's, SGHMC's, ...).
+
+        The kernel's tensor columns are the parameters, the gradients, ``columns`` (one
+        entry per parameter of the input) and the positions (:meth:`positions`); its
+        further arguments the scale's pointer (:meth:`scale_argument`) and ``scalars``
+        as float64 (:func:`as_float64_bits`); its compile-time arguments ``MAXIMIZE`` and
+        ``DECAY`` (the group's ``maximize``, a nonzero ``weight_decay``), ``constants``
+        and :meth:`flags`.
+        """
+        flags: dict[str, Any] = {**group_flags(group), **constants, **self.flags()}
+        launch_tensors(
+            kernel,
+            [self.take(column) for column in (inputs.params, inputs.grads, *columns)]
+            + [self.positions(inputs)],
+            self.scale_argument(inputs),
+            *(as_float64_bits(value) for value in scalars),
+            offsets=self.take(inputs.offsets),
+            seeds=self.take(inputs.seeds),
+            **flags,
+        )
+
+
+def group_flags(group: Mapping[str, Any]) -> dict[str, bool]:
+    """The compile-time ``MAXIMIZE`` and ``DECAY`` of a param group (every kernel takes them)."""
+    return {"MAXIMIZE": bool(group["maximize"]), "DECAY": float(group["weight_decay"]) != 0}
+
+
+def positions(inputs: FusedInput) -> list[Tensor]:
+    """Each parameter's position: its float32 master, or the parameter itself."""
+    masters = inputs.masters or [None] * len(inputs.params)
+    return [param if m is None else m for param, m in zip(inputs.params, masters, strict=True)]
 
 
 def parts(inputs: FusedInput) -> list[Part]:
@@ -469,9 +520,8 @@ def torch_fused_sgd(
     a parameter with a float32 master steps its master on the widened gradient, then
     takes its rounding.
     """
-    n = len(inputs.params)
-    masters = inputs.masters or [None] * n
-    positions = [p if m is None else m for p, m in zip(inputs.params, masters, strict=True)]
+    masters = inputs.masters or [None] * len(inputs.params)
+    moved = positions(inputs)
     grads = []
     for grad, master in zip(inputs.grads, masters, strict=True):
         if master is not None:
@@ -481,7 +531,7 @@ def torch_fused_sgd(
         grads.append(grad)
     found: dict[torch.device, Tensor] = {}
     batches: dict[tuple[Any, ...], list[int]] = {}
-    for i, position in enumerate(positions):
+    for i, position in enumerate(moved):
         if position.numel() == 0:
             continue
         scale = None if inputs.grad_scales is None else inputs.grad_scales[i]
@@ -493,7 +543,7 @@ def torch_fused_sgd(
     for (device, _, is_first, _), members in batches.items():
         scale = None if inputs.grad_scales is None else inputs.grad_scales[members[0]]
         torch._fused_sgd_(
-            [positions[i] for i in members],
+            [moved[i] for i in members],
             [grads[i] for i in members],
             [] if buffers is None else [buffers[i] for i in members],
             weight_decay=float(group["weight_decay"]),

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..step.nonfinite import describe_parameter
+from ..step.nonfinite import count_skipped_where, describe_parameter
 from ..tensor_lists import buckets
 
 __all__ = ["DeferredRefusal", "NonfiniteCheck", "check_gradients", "count_skipped"]
@@ -86,16 +86,14 @@ def check_gradients(gathered: Gathered) -> NonfiniteCheck:
 
 
 def count_skipped(gathered: Gathered, largest: dict[torch.device, Tensor]) -> None:
-    """``nonfinite="skip"``: count the step in each group's ``skipped_steps`` if skipped."""
-    for _, group, params, _ in gathered:
-        if params:
-            device = params[0].device
-            skipped = group.get("skipped_steps")
-            if not isinstance(skipped, Tensor):
-                skipped = group["skipped_steps"] = torch.zeros((), dtype=torch.int64, device=device)
-            flag = largest[skipped.device] if skipped.device in largest else largest[device]
-            refused = flag.isfinite().logical_not().to(torch.int64).reshape(())
-            skipped.add_(refused.to(skipped.device))
+    """``nonfinite="skip"``: count the step in each group's ``skipped_steps`` if skipped.
+
+    Skipped where the device's flag is not finite (``step/nonfinite.count_skipped_where``).
+    """
+    refused = {
+        device: flag.isfinite().logical_not().reshape(()) for device, flag in largest.items()
+    }
+    count_skipped_where(gathered, refused)
 
 
 class DeferredRefusal:

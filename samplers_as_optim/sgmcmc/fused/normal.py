@@ -7,16 +7,12 @@ a fused step.
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import Tensor
 
-from .io import normal
-from .launch import KernelArg, constexpr, launch_elementwise, optional_module
+from .io import normal, tl
+from .launch import KernelArg, constexpr, launch_elementwise
 
 __all__ = ["draw_"]
-
-tl: Any = optional_module("triton.language")
 
 
 def _draw(

@@ -27,12 +27,16 @@ Adafactor's estimate) and :math:`s_r, s_c` their strides in the tensor (:class:`
 A vector (one value per member) has :math:`R = C = 1`; an unpooled (elementwise)
 :math:`a` has :math:`n = 1`, :math:`R = C = 1`, so entry :math:`i` (:func:`pooled`, a
 Triton function: this module, imported by the kernel modules only, imports Triton).
+
+The two kernels launch alike, one launch per tensor: the step count advanced, :math:`a`
+of this step (:func:`kernel_preconditioner`, of the sampler's :class:`Moment`), then the
+kernel with its layout (:func:`launch_alone`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -45,21 +49,29 @@ from ..sampling_preconditioner import (
     released,
     sampling_preconditioner,
 )
-from .io import jit
-from .launch import FusedInput, KernelArg, optional_module, torch_gradient
+from .io import jit, tl
+from .launch import (
+    FusedInput,
+    KernelArg,
+    Part,
+    as_float64_bits,
+    group_flags,
+    launch_elementwise,
+    torch_gradient,
+)
 
 __all__ = [
     "Layout",
+    "Moment",
     "compact_layout",
     "kernel_preconditioner",
+    "launch_alone",
     "layout",
     "pooled",
     "preconditioner_before_kernel",
     "refused_step_fallback",
     "second_moment",
 ]
-
-tl: Any = optional_module("triton.language")
 
 
 class Layout(NamedTuple):
@@ -99,15 +111,9 @@ def layout(param: Tensor, how: str) -> Layout:
 
 @jit
 def pooled(
-    pre: KernelArg,
-    index: KernelArg,
-    mask: KernelArg,
-    inner: KernelArg,
-    row_stride: KernelArg,
-    rows: KernelArg,
-    column_stride: KernelArg,
-    columns: KernelArg,
-) -> KernelArg:
+    pre: KernelArg, index: KernelArg, mask: KernelArg, inner: KernelArg, row_stride: KernelArg,
+    rows: KernelArg, column_stride: KernelArg, columns: KernelArg,
+) -> KernelArg:  # fmt: skip
     """In a kernel: each element's entry of the compact ``a`` at ``pre`` (the module docstring).
 
     ``inner`` to ``columns``: the tensor's :class:`Layout`; 1 where ``mask`` is off.
@@ -120,13 +126,9 @@ def pooled(
 
 @jit
 def second_moment(
-    square: KernelArg,
-    g64: KernelArg,
-    beta: KernelArg,
-    p: KernelArg,
-    index: KernelArg,
+    square: KernelArg, g64: KernelArg, beta: KernelArg, p: KernelArg, index: KernelArg,
     mask: KernelArg,
-) -> KernelArg:
+) -> KernelArg:  # fmt: skip
     r"""In a kernel: this step's :math:`V' = \beta V + (1-\beta)\,g'^2` (``_second_moment``).
 
     In float64 from the kept :math:`V`, rounded to the position ``p``'s dtype, as RMSprop
@@ -230,39 +232,57 @@ def refused_step_fallback(
     return torch.where(finite, fresh, old.to(fresh.dtype)).contiguous()
 
 
+class Moment(NamedTuple):
+    r"""The second moment a kernel's preconditioner follows (:func:`kernel_preconditioner`).
+
+    The defaults are RMSprop's (PSGLD's): no bias correction, no root kept.
+
+    Attributes:
+        square: the state field holding it, :math:`V`.
+        beta: its decay, :math:`V' = \beta V + (1-\beta)\,g'^2`.
+        correction: its bias correction :math:`c` at this step (AdamW's :math:`1-\beta_2^t`).
+        before: the correction of the moment a refused step leaves.
+        weight_decay: the decay in :math:`g'` (PSGLD's coupled one; 0 where it is decoupled).
+        root: whether the frozen :math:`\sqrt{a}` is kept too (AdamWSGHMC's).
+        floor: ``sampling_preconditioner``'s (the prior's share of the second moment).
+    """
+
+    square: str
+    beta: float
+    correction: float = 1.0
+    before: float = 1.0
+    weight_decay: float = 0.0
+    root: bool = False
+    floor: float = 0.0
+
+
 def kernel_preconditioner(
     group: Mapping[str, Any],
     inputs: FusedInput,
-    i: int,
-    position: Tensor,
+    part: Part,
     buffers: dict[str, list[Any]],
-    *,
-    square: str,
-    beta: float,
-    correction: float,
-    before: float,
-    weight_decay: float,
-    root: bool,
-    floor: float = 0.0,
+    moment: Moment,
 ) -> tuple[Tensor | None, Layout]:
-    r"""The compact :math:`a` parameter ``i``'s kernel reads at this step, and its layout.
+    r"""The compact :math:`a` the kernel of ``part``'s one parameter :math:`i` reads; its layout.
 
     For PSGLD's and AdamWSGHMC's launches, after the step count ``buffers["step"][i]``
     was advanced; the state fields are advanced in ``buffers``. None (the kernel then
     computes :math:`a` in registers, or AdamW's denominator): at temperature 0, where
     the preconditioner is released, and for ``"elementwise"`` before its freeze.
-    Frozen (its mark set, and with ``root`` its root kept), :math:`a` as kept; else this
-    step's (:func:`preconditioner_before_kernel` of the second moment
-    ``buffers[square]`` with ``beta``, ``correction`` and ``weight_decay``), which, at
-    the step the warm-up ends, freezes: the preconditioner kept is
-    :func:`refused_step_fallback`'s (``before``: the correction of the moment a refused
-    step leaves), and with ``root`` its :math:`\sqrt{a}` (0 where :math:`a` has no
-    scale, as AdamWSGHMC's reference keeps it). ``floor``: ``sampling_preconditioner``'s
-    (where it is set, an ``"elementwise"`` :math:`a` is computed here too).
+    Frozen (its mark set, and with ``moment.root`` its root kept), :math:`a` as kept;
+    else this step's (:func:`preconditioner_before_kernel` of the second ``moment``),
+    which, at the step the warm-up ends, freezes: the preconditioner kept is
+    :func:`refused_step_fallback`'s (of the moment a refused step leaves), and with
+    ``root`` its :math:`\sqrt{a}` (0 where :math:`a` has no scale, as AdamWSGHMC's
+    reference keeps it). Where ``moment.floor`` is set, an ``"elementwise"`` :math:`a`
+    is computed here too.
     """
+    (i,) = part.members
+    (position,) = part.positions(inputs)
+    square, beta, correction, before, weight_decay, root, floor = moment
     flag, frozen = buffers["preconditioner_step"][i], buffers["preconditioner"][i]
     eps, how, maximize = float(group["eps"]), group["preconditioner"], bool(group["maximize"])
-    param, moment = inputs.params[i], buffers[square][i]
+    param, second = inputs.params[i], buffers[square][i]
     if float(group["temperature"]) == 0:
         buffers["preconditioner_step"][i] = released(flag, True)
         return None, _UNPOOLED
@@ -274,7 +294,7 @@ def kernel_preconditioner(
     if how == "elementwise" and not freeze and floor == 0:
         return None, _UNPOOLED
     pre = preconditioner_before_kernel(
-        moment,
+        second,
         torch_gradient(inputs, i),
         position,
         beta=beta,
@@ -287,10 +307,52 @@ def kernel_preconditioner(
     )
     if freeze:
         fallback = refused_step_fallback(
-            pre, moment, param, inputs.largest[i], correction=before, eps=eps, how=how, floor=floor
+            pre, second, param, inputs.largest[i], correction=before, eps=eps, how=how, floor=floor
         )
         buffers["preconditioner"][i] = fallback
         if root:
             buffers["preconditioner_root"][i] = fallback.sqrt().masked_fill(fallback == eps, 0.0)
         buffers["preconditioner_step"][i] = freeze_mark(flag, step)
     return pre, compact_layout(param, pre)
+
+
+def launch_alone(
+    kernel: Callable[..., Any],
+    group: Mapping[str, Any],
+    inputs: FusedInput,
+    part: Part,
+    tensors: Sequence[Tensor | None],
+    scalars: Sequence[float],
+    where: Layout,
+    **constants: Any,
+) -> None:
+    """Launch PSGLD's or AdamWSGHMC's ``kernel`` on ``part``'s one parameter.
+
+    Called as ``kernel(param, grad, *tensors, largest, position, grad_scale, numel,
+    offset, seed, *scalars, *where, ...)``: a tensor None (a buffer an option does not
+    keep) is given as the parameter, never read; the scalars as float64
+    (``fused/launch.as_float64_bits``); ``where`` the compact :math:`a`'s layout. The
+    compile-time arguments ``MAXIMIZE``, ``DECAY`` (``fused/launch.group_flags``),
+    ``constants`` and ``part.flags()``; not specialised on the numel, the noise's
+    offset and key and the layout.
+    """
+    (i,) = part.members
+    param = inputs.params[i]
+    launch_elementwise(
+        kernel,
+        param,
+        inputs.grads[i],
+        *(param if tensor is None else tensor for tensor in tensors),
+        inputs.largest[i],
+        *part.positions(inputs),
+        part.scale_argument(inputs),
+        param.numel(),
+        inputs.offsets[i],
+        inputs.seeds[i],
+        *(as_float64_bits(value) for value in scalars),
+        *where,
+        do_not_specialize=("numel", "offset", "seed", *Layout._fields),
+        **group_flags(group),
+        **constants,
+        **part.flags(),
+    )

@@ -354,13 +354,10 @@ def _zeros(param: Tensor, group: Mapping[str, Any]) -> Tensor:
 
 
 def load_fused_kernel() -> Any:
-    """PSGLD's fused Triton kernel, ``psgld/triton_kernel``.
+    """PSGLD's update as one Triton kernel, ``psgld/triton_kernel`` (imported on first use)."""
+    from . import triton_kernel  # (it imports Triton)
 
-    Imported on first use: it imports Triton.
-    """
-    from . import triton_kernel as _psgld_fused
-
-    return _psgld_fused
+    return triton_kernel
 
 
 DEFINITION = SamplerDefinition(

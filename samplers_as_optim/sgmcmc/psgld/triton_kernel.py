@@ -1,7 +1,7 @@
 r"""PSGLD's fused Triton kernel: ``psgld.psgld_direction`` and the step in one pass.
 
-Per element, with :math:`g' = \pm g + \lambda\theta` (rounded to the parameter's dtype,
-as ``torch.optim.RMSprop`` rounds it), in float64 and rounded where the state is stored:
+Per element (:math:`g'`, :math:`\xi` and what every kernel does alike: ``fused/io``'s
+module docstring), in float64 and rounded where the state is stored:
 
 .. math::
 
@@ -9,11 +9,10 @@ as ``torch.optim.RMSprop`` rounds it), in float64 and rounded where the state is
     d = g'/a + \sigma\,\xi/\sqrt{a} \;\big[{} - (T/N)\,\Gamma\big], \qquad
     \theta \leftarrow \theta - lr\, d,
 
-with :math:`\sigma = \sqrt{2T/(N\,lr)}`, :math:`\xi = \texttt{tl.randn}(seed,
-\text{global index})`, no noise where :math:`a = \epsilon` (a preconditioner without
-scale, :func:`~.sampling_preconditioner.sampling_preconditioner`), and :math:`a` the
-sampling preconditioner of :mod:`.sampling_preconditioner` (Li et al. 2016, Algorithm
-1, with the pooled and frozen :math:`a` of this package's default):
+with :math:`\sigma = \sqrt{2T/(N\,lr)}`, no noise where :math:`a = \epsilon` (a
+preconditioner without scale, :func:`~.sampling_preconditioner.sampling_preconditioner`),
+and :math:`a` the sampling preconditioner of :mod:`.sampling_preconditioner` (Li et al.
+2016, Algorithm 1, with the pooled and frozen :math:`a` of this package's default):
 
 * frozen: the kept compact :math:`a`, read broadcast (``fused/pooled``);
 * ``"factored"`` before its freeze: :math:`a = \sqrt{\bar V'} + \epsilon` of this step's
@@ -28,23 +27,15 @@ At temperature 0 it is RMSprop's step, ``momentum`` (:math:`b \leftarrow \mu b +
 :math:`\theta \leftarrow \theta - lr\,b`) and ``centered`` (:math:`a = \sqrt{V - \bar
 g^2} + \epsilon`, :math:`\bar g \leftarrow \bar g + (1-\alpha)(g' - \bar g)`) included,
 computed in float64 and rounded once, so equal to ``torch.optim.RMSprop`` up to its
-roundings (which round each operation in the parameter's dtype). It reads
-:math:`\theta`, :math:`g`, :math:`V` (and the buffers an option keeps) once and writes
-:math:`\theta`, :math:`V` (and them) once; nothing is written when the step's flag (the
-largest absolute gradient) is not finite. One launch per tensor. The step counts and the
-freeze marks are host numbers, advanced in Python as the reference advances them.
+roundings (which round each operation in the parameter's dtype). One launch per
+tensor. The step counts and the freeze marks are host numbers, advanced in Python as the
+reference advances them.
 
 ``launch`` takes the Optimizer's step (the parameter written in place); ``launch`` with
 ``updates`` (the transforms' fused path) writes the update :math:`-lr\,d` there instead
 and leaves the parameter unchanged. Checked through Triton's interpreter on the CPU only
 (``tests/test_fused_adaptive.py``): compiled for an sm_90 GPU by Triton's compiler
 (``tests/test_fused_transforms.py``), no GPU has run it yet.
-
-Mixed precision (``fused/launch``'s module docstring): with a GradScaler scale
-:math:`s` the gradient is read as :math:`g/s` (float64 division, rounded once to the
-position's dtype); a float16/bfloat16 parameter with a float32 master steps on the
-master, as a float32 parameter would, and receives its rounding to nearest; one without
-master (temperature 0) is computed in float32 and stored, with its state, in its dtype.
 """
 
 from __future__ import annotations
@@ -55,86 +46,31 @@ from typing import Any
 from torch import Tensor
 
 from ..fused import io as fio
-from ..fused.launch import (
-    FusedInput,
-    KernelArg,
-    Part,
-    as_float64_bits,
-    constexpr,
-    launch_elementwise,
-    parts,
-)
-from ..fused.launch import optional_module as _optional_module
-from ..fused.pooled import kernel_preconditioner, pooled, second_moment
+from ..fused.io import tl
+from ..fused.launch import FusedInput, KernelArg, Part, constexpr, parts
+from ..fused.pooled import Moment, kernel_preconditioner, launch_alone, pooled, second_moment
 from ..sampling_preconditioner import advanced, prior_floor
 from .dtypes import psgld_noise_scale
 
 __all__ = ["launch", "unsupported"]
 
-tl: Any = _optional_module("triton.language")
-
-#: arguments whose values change between steps: not specialised on (one compiled kernel)
-_VARYING = (
-    "numel",
-    "offset",
-    "seed",
-    "lr_bits",
-    "alpha_bits",
-    "eps_bits",
-    "decay_bits",
-    "scale_bits",
-    "momentum_bits",
-    "gamma_bits",
-    "inner",
-    "row_stride",
-    "rows",
-    "column_stride",
-    "columns",
-)
-
 
 def _psgld(
-    param: KernelArg,
-    grad: KernelArg,
-    square: KernelArg,
-    pre: KernelArg,
-    momentum_buffer: KernelArg,
-    grad_avg: KernelArg,
-    previous_param: KernelArg,
-    previous_grad: KernelArg,
-    out: KernelArg,
-    largest: KernelArg,
-    master: KernelArg,
-    grad_scale: KernelArg,
-    numel: KernelArg,
-    offset: KernelArg,
-    seed: KernelArg,
-    lr_bits: KernelArg,
-    alpha_bits: KernelArg,
-    eps_bits: KernelArg,
-    decay_bits: KernelArg,
-    scale_bits: KernelArg,
-    momentum_bits: KernelArg,
-    gamma_bits: KernelArg,
-    inner: KernelArg,
-    row_stride: KernelArg,
-    rows: KernelArg,
-    column_stride: KernelArg,
-    columns: KernelArg,
-    BLOCK: constexpr,  # noqa: N803
-    MAXIMIZE: constexpr,  # noqa: N803
-    DECAY: constexpr,  # noqa: N803
-    NOISE: constexpr,  # noqa: N803
-    POOLED: constexpr,  # noqa: N803
-    MOMENTUM: constexpr,  # noqa: N803
-    CENTERED: constexpr,  # noqa: N803
-    CORRECTION: constexpr,  # noqa: N803
-    UPDATE: constexpr,  # noqa: N803
-    UNSCALE: constexpr,  # noqa: N803
-    MASTER: constexpr,  # noqa: N803
-    NARROW: constexpr,  # noqa: N803
-    BF16: constexpr,  # noqa: N803
-) -> None:
+    param: KernelArg, grad: KernelArg, square: KernelArg, pre: KernelArg,
+    momentum_buffer: KernelArg, grad_avg: KernelArg,
+    previous_param: KernelArg, previous_grad: KernelArg, out: KernelArg,
+    largest: KernelArg, master: KernelArg, grad_scale: KernelArg,
+    numel: KernelArg, offset: KernelArg, seed: KernelArg,
+    lr_bits: KernelArg, alpha_bits: KernelArg, eps_bits: KernelArg, decay_bits: KernelArg,
+    scale_bits: KernelArg, momentum_bits: KernelArg, gamma_bits: KernelArg,
+    inner: KernelArg, row_stride: KernelArg, rows: KernelArg,  # (fused/pooled.Layout)
+    column_stride: KernelArg, columns: KernelArg,
+    BLOCK: constexpr, MAXIMIZE: constexpr, DECAY: constexpr, NOISE: constexpr,  # noqa: N803
+    POOLED: constexpr, MOMENTUM: constexpr, CENTERED: constexpr,  # noqa: N803
+    CORRECTION: constexpr, UPDATE: constexpr,  # noqa: N803
+    UNSCALE: constexpr, MASTER: constexpr, NARROW: constexpr, BF16: constexpr,  # noqa: N803
+) -> None:  # fmt: skip
+    """The step of this program's block: :math:`V`, :math:`a`, then :math:`d` (and its state)."""
     index, mask = fio.elements(tl.program_id(0).to(tl.int64), numel, largest, BLOCK)
     lr, alpha, eps = fio.float64(lr_bits), fio.float64(alpha_bits), fio.float64(eps_bits)
     position, p, g = fio.position_and_gradient(
@@ -170,17 +106,10 @@ def _psgld(
 
 @fio.jit
 def _centered(
-    grad_avg: KernelArg,
-    g64: KernelArg,
-    v64: KernelArg,
-    p: KernelArg,
-    alpha: KernelArg,
-    eps: KernelArg,
-    index: KernelArg,
-    mask: KernelArg,
-    NARROW: constexpr,  # noqa: N803
-    BF16: constexpr,  # noqa: N803
-) -> KernelArg:
+    grad_avg: KernelArg, g64: KernelArg, v64: KernelArg, p: KernelArg, alpha: KernelArg,
+    eps: KernelArg, index: KernelArg, mask: KernelArg,
+    NARROW: constexpr, BF16: constexpr,  # noqa: N803
+) -> KernelArg:  # fmt: skip
     r"""``centered``'s :math:`a = \sqrt{V - \bar g^2} + \epsilon`, :math:`\bar g` moved and stored.
 
     :math:`\bar g \leftarrow \bar g + (1-\alpha)(g' - \bar g)`, as ``torch.optim.RMSprop``.
@@ -194,17 +123,9 @@ def _centered(
 
 @fio.jit
 def _li_gamma(
-    previous_param: KernelArg,
-    previous_grad: KernelArg,
-    p: KernelArg,
-    g: KernelArg,
-    g64: KernelArg,
-    v64: KernelArg,
-    a: KernelArg,
-    alpha: KernelArg,
-    index: KernelArg,
-    mask: KernelArg,
-) -> KernelArg:
+    previous_param: KernelArg, previous_grad: KernelArg, p: KernelArg, g: KernelArg, g64: KernelArg,
+    v64: KernelArg, a: KernelArg, alpha: KernelArg, index: KernelArg, mask: KernelArg,
+) -> KernelArg:  # fmt: skip
     r"""Li et al.'s :math:`\Gamma` from the secant of the last step (``psgld/li_correction``).
 
     The curvature :math:`(g' - g'_{-1}) / (\theta - \theta_{-1})` (0 where the parameter
@@ -237,81 +158,50 @@ def launch(
     preconditioner frozen or released). With ``updates`` (one contiguous tensor per
     parameter), write :math:`-lr\,d` there and leave the parameters unchanged.
     """
+    lr, temperature, num_data = float(group["lr"]), float(group["temperature"]), group["num_data"]
+    alpha, decay = float(group["alpha"]), float(group["weight_decay"])
+    floor = prior_floor(temperature, decay, num_data)
+    moment = Moment("square_avg", alpha, weight_decay=decay, floor=floor)
+    noise = psgld_noise_scale(lr, temperature, num_data)
+    scalars = (lr, alpha, group["eps"], decay, noise, group["momentum"], temperature / num_data)
     buffers: dict[str, list[Any]] = {name: list(v) for name, v in inputs.buffers.items()}
     for part in parts(inputs):
         for i in part.members:
-            _launch_one(group, inputs, part.alone(i), buffers, updates)
+            alone = part.alone(i)
+            buffers["step"][i] = advanced(buffers["step"][i], True)
+            pre, where = kernel_preconditioner(group, inputs, alone, buffers, moment)
+            tensors, flags = _options(group, alone, buffers, pre, updates)
+            launch_alone(_psgld, group, inputs, alone, tensors, scalars, where, **flags)
     return buffers
 
 
-def _launch_one(
+def _options(
     group: Mapping[str, Any],
-    inputs: FusedInput,
     part: Part,
     buffers: dict[str, list[Any]],
+    pre: Tensor | None,
     updates: list[Tensor] | None,
-) -> None:
-    """The step of ``part``'s one parameter :math:`i`; its state fields advanced in ``buffers``."""
+) -> tuple[list[Tensor | None], dict[str, bool]]:
+    """The kernel's tensors after the gradient (None: not kept) and the flags they set.
+
+    Of ``part``'s one parameter :math:`i`.
+    """
     (i,) = part.members
-    lr, temperature = float(group["lr"]), float(group["temperature"])
-    alpha, weight_decay = float(group["alpha"]), float(group["weight_decay"])
-    momentum, centered = float(group["momentum"]), bool(group["centered"])
-    correction = bool(group["correction"]) and temperature > 0
-    param = inputs.params[i]
-    (position,) = part.positions(inputs)
-    buffers["step"][i] = advanced(buffers["step"][i], True)
-    pre, where = kernel_preconditioner(
-        group,
-        inputs,
-        i,
-        position,
-        buffers,
-        square="square_avg",
-        beta=alpha,
-        correction=1.0,
-        before=1.0,
-        weight_decay=weight_decay,
-        root=False,
-        floor=prior_floor(temperature, weight_decay, group["num_data"]),
-    )
-    fallback = param  # (a pointer for the buffers an option does not keep: never read)
+    temperature = float(group["temperature"])
+    momentum = float(group["momentum"])
     momentum_buffer = buffers["momentum_buffer"][i] if temperature == 0 and momentum else None
-    grad_avg = buffers["grad_avg"][i] if temperature == 0 and centered else None
+    grad_avg = buffers["grad_avg"][i] if temperature == 0 and group["centered"] else None
+    correction = bool(group["correction"]) and temperature > 0
     previous = (buffers["previous_param"][i], buffers["previous_grad"][i]) if correction else None
-    launch_elementwise(
-        _psgld,
-        param,
-        inputs.grads[i],
-        buffers["square_avg"][i],
-        fallback if pre is None else pre,
-        fallback if momentum_buffer is None else momentum_buffer,
-        fallback if grad_avg is None else grad_avg,
-        fallback if previous is None else previous[0],
-        fallback if previous is None else previous[1],
-        fallback if updates is None else updates[i],
-        inputs.largest[i],
-        position,
-        part.scale_argument(inputs),
-        param.numel(),
-        inputs.offsets[i],
-        inputs.seeds[i],
-        as_float64_bits(lr),
-        as_float64_bits(alpha),
-        as_float64_bits(float(group["eps"])),
-        as_float64_bits(weight_decay),
-        as_float64_bits(psgld_noise_scale(lr, temperature, group["num_data"])),
-        as_float64_bits(momentum),
-        as_float64_bits(temperature / group["num_data"]),
-        *where,
-        do_not_specialize=_VARYING,
-        MAXIMIZE=bool(group["maximize"]),
-        DECAY=weight_decay != 0,
-        NOISE=temperature > 0,
-        POOLED=pre is not None,
-        MOMENTUM=momentum_buffer is not None,
-        CENTERED=grad_avg is not None,
-        CORRECTION=previous is not None,
-        UPDATE=updates is not None,
-        NARROW=part.narrow,
-        **part.flags(),
-    )
+    out = None if updates is None else updates[i]
+    tensors = [buffers["square_avg"][i], pre, momentum_buffer, grad_avg, *(previous or [None] * 2)]
+    flags = {
+        "NOISE": temperature > 0,
+        "POOLED": pre is not None,
+        "MOMENTUM": momentum_buffer is not None,
+        "CENTERED": grad_avg is not None,
+        "CORRECTION": previous is not None,
+        "UPDATE": out is not None,
+        "NARROW": part.narrow,
+    }
+    return [*tensors, out], flags

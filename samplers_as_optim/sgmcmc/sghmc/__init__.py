@@ -340,13 +340,10 @@ _OPTIMIZER_DOC = r"""Stochastic gradient Hamiltonian Monte Carlo, a drop-in for 
 
 
 def load_fused_kernel() -> Any:
-    """SGHMC's fused Triton kernel, ``sghmc/triton_kernel``.
+    """SGHMC's update as one Triton kernel, ``sghmc/triton_kernel`` (imported on first use)."""
+    from . import triton_kernel  # (it imports Triton)
 
-    Imported on first use: it imports Triton.
-    """
-    from . import triton_kernel as _sghmc_fused
-
-    return _sghmc_fused
+    return triton_kernel
 
 
 DEFINITION = SamplerDefinition(

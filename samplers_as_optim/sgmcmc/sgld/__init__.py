@@ -165,13 +165,10 @@ MOMENTUM = Hyperparameter(
 
 
 def load_fused_kernel() -> Any:
-    """SGLD's fused Triton kernel, ``sgld/triton_kernel``.
+    """SGLD's update as one Triton kernel, ``sgld/triton_kernel`` (imported on first use)."""
+    from . import triton_kernel  # (it imports Triton)
 
-    Imported on first use: it imports Triton.
-    """
-    from . import triton_kernel as _sgld_fused
-
-    return _sgld_fused
+    return triton_kernel
 
 
 DEFINITION = SamplerDefinition(

@@ -125,6 +125,7 @@ __all__ = [
     "sgnht_initial_state",
 ]
 
+
 #: the thermostat's estimates of the kinetic energy (see the module docstring)
 KINETIC_ENERGY = ("symmetric", "ding")
 
@@ -414,13 +415,10 @@ _OPTIMIZER_DOC = r"""Stochastic gradient Nosé--Hoover thermostat, a drop-in for
 
 
 def load_fused_kernel() -> Any:
-    """SGNHT's fused Triton kernel, ``sgnht/triton_kernel``.
+    """SGNHT's update as two Triton kernels, ``sgnht/triton_kernel`` (imported on first use)."""
+    from . import triton_kernel  # (it imports Triton)
 
-    Imported on first use: it imports Triton.
-    """
-    from . import triton_kernel as _sgnht_fused
-
-    return _sgnht_fused
+    return triton_kernel
 
 
 DEFINITION = SamplerDefinition(

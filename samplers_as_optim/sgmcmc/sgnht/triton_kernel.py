@@ -5,11 +5,10 @@ kinetic energy of the whole tensor, a reduction, but only *after* the buffer and
 parameter have moved: the step reads the old :math:`\alpha`, and the new one serves the
 next step. So the two phases need no host synchronisation and read each tensor once:
 
-1. one elementwise pass per tensor (small tensors share launches,
-   ``fused/launch.launch_tensors``) reads :math:`\alpha` from device memory and, per
-   element, with :math:`g' = \pm g + \lambda\theta` rounded to the parameter's dtype,
-   :math:`\sigma = \sqrt{2(1-\mu)T/(N\,lr)}` and :math:`\xi = \texttt{tl.randn}(seed,
-   \text{global index})`, in float64,
+1. one elementwise pass per tensor (small tensors share launches) reads :math:`\alpha`
+   from device memory and, per element, with :math:`\sigma = \sqrt{2(1-\mu)T/(N\,lr)}`
+   (:math:`g'`, :math:`\xi` and what every kernel does alike: ``fused/io``'s module
+   docstring), in float64,
 
    .. math::
 
@@ -32,19 +31,13 @@ next step. So the two phases need no host synchronisation and read each tensor o
 
    in float64, rounded once to the thermostat's dtype.
 
-Both read the step's device flag (the largest absolute gradient) and write nothing when
-it is not finite: the parameter, the buffer and :math:`\alpha` keep every bit. An empty
-tensor has nothing to thermostat: its :math:`\alpha` stays as it is. The reference rounds
-each operation in the parameter's dtype and sums :math:`e^2` in the thermostat's; this
-kernel agrees with it up to that rounding (``tests/test_fused_sgnht_baoa.py``, through
-Triton's interpreter on the CPU only: no GPU has run these kernels).
-
-Mixed precision (``fused/launch``'s module docstring): with a GradScaler scale
-:math:`s` the gradient is read as :math:`g/s` (float64 division, rounded once to the
-position's dtype); a float16/bfloat16 parameter with a float32 master steps on the
-master, as a float32 parameter would, and receives its rounding to nearest. (SGNHT
-refuses temperature 0, where a half parameter would have no master: the kernel has no
-``NARROW`` variant.)
+Both read the step's device flag and write nothing when it is not finite: the
+parameter, the buffer and :math:`\alpha` keep every bit. An empty tensor has nothing to
+thermostat: its :math:`\alpha` stays as it is. The reference rounds each operation in
+the parameter's dtype and sums :math:`e^2` in the thermostat's; this kernel agrees with
+it up to that rounding (``tests/test_fused_sgnht_baoa.py``, through Triton's interpreter
+on the CPU only: no GPU has run these kernels). SGNHT refuses temperature 0, where a
+half parameter would have no master: the kernel has no ``NARROW`` variant.
 """
 
 from __future__ import annotations
@@ -57,58 +50,38 @@ from torch import Tensor
 
 from ..fused import io as fio
 from ..fused import launch as _fused_launch
+from ..fused.io import tl
 from ..fused.launch import (
     FusedInput,
     KernelArg,
     as_float64_bits,
     constexpr,
     launch_programs,
-    launch_tensors,
     parts,
     upload_table,
 )
-from ..fused.launch import optional_module as _optional_module
 from ..sghmc import sghmc_noise_scale
 
 __all__ = ["CHUNK", "launch", "unsupported"]
 
-tl: Any = _optional_module("triton.language")
-
 #: partial sums added per iteration of the thermostat's program (phase 2)
 CHUNK = 1024
 
-#: arguments whose values change between steps: not specialised on (one compiled kernel)
-_VARYING = ("count", "programs", "offset", "seed", "lr_bits", "decay_bits", "scale_bits")
-
 
 def _sgnht(
-    table: KernelArg,
-    count: KernelArg,
-    programs: KernelArg,
-    numel: KernelArg,
-    offset: KernelArg,
-    seed: KernelArg,
-    param: KernelArg,
-    grad: KernelArg,
-    buffer: KernelArg,
-    thermostat: KernelArg,
-    largest: KernelArg,
-    partials: KernelArg,
-    master: KernelArg,
-    grad_scale: KernelArg,
-    lr_bits: KernelArg,
-    decay_bits: KernelArg,
-    scale_bits: KernelArg,
-    BLOCK: constexpr,  # noqa: N803
-    MULTI: constexpr,  # noqa: N803
-    MAXIMIZE: constexpr,  # noqa: N803
-    DECAY: constexpr,  # noqa: N803
-    SYMMETRIC: constexpr,  # noqa: N803
-    UNSCALE: constexpr,  # noqa: N803
-    MASTER: constexpr,  # noqa: N803
-    BF16: constexpr,  # noqa: N803
-) -> None:
-    """Phase 1: the buffer, the parameter and each block's sum of :math:`e^2`."""
+    table: KernelArg, count: KernelArg, programs: KernelArg,  # (fused/launch.launch_tensors)
+    numel: KernelArg, offset: KernelArg, seed: KernelArg,
+    param: KernelArg, grad: KernelArg, buffer: KernelArg, thermostat: KernelArg,
+    largest: KernelArg, partials: KernelArg, master: KernelArg, grad_scale: KernelArg,
+    lr_bits: KernelArg, decay_bits: KernelArg, scale_bits: KernelArg,
+    BLOCK: constexpr, MULTI: constexpr, MAXIMIZE: constexpr, DECAY: constexpr,  # noqa: N803
+    SYMMETRIC: constexpr, UNSCALE: constexpr, MASTER: constexpr, BF16: constexpr,  # noqa: N803
+) -> None:  # fmt: skip
+    """Phase 1: the buffer, the parameter and each block's sum of :math:`e^2`.
+
+    Columns (``fused/io.this_block``): 3 param, 4 grad, 5 buffer, 6 thermostat, 7 largest,
+    8 partials, 9 master.
+    """
     block, rows, index, mask, offset, seed = fio.this_block(
         table, count, programs, numel, offset, seed, largest, 7, BLOCK, MULTI
     )
@@ -126,10 +99,9 @@ def _sgnht(
     b = friction * old + kick
     energy = (friction + 1.0) * old + kick if SYMMETRIC else b
     tl.store(partials + block, tl.sum(tl.where(mask, energy * energy, 0.0)))
-    tl.store(buffer + index, b.to(buffer.dtype.element_ty), mask=mask)
+    fio.store_state(buffer, b, index, mask, False, BF16)
     d = b.to(p.dtype)
-    new = (p.to(tl.float64) - fio.float64(lr_bits) * d.to(tl.float64)).to(p.dtype)
-    fio.store_position(param, position, new, index, mask, MASTER, False, BF16)
+    fio.store_moved(param, position, p, fio.float64(lr_bits), d, index, mask, MASTER, False, BF16)
 
 
 def _thermostat(
@@ -174,31 +146,17 @@ def launch(group: Mapping[str, Any], inputs: FusedInput) -> Mapping[str, list[Te
     large tensor, one per device and dtypes for the small ones) and one per device and
     thermostat dtype for phase 2.
     """
-    lr, temperature = float(group["lr"]), float(group["temperature"])
-    num_data, weight_decay = group["num_data"], float(group["weight_decay"])
+    lr, temperature, num_data = float(group["lr"]), float(group["temperature"]), group["num_data"]
     symmetric = group["kinetic_energy"] == "symmetric"
     buffers = cast(list[Tensor], inputs.buffers["momentum_buffer"])  # set by the state's init
     thermostats = cast(list[Tensor], inputs.buffers["thermostat"])
     partials = _partial_sums(inputs.params)
     noise_scale = sghmc_noise_scale(lr, float(group["momentum"]), temperature, num_data)
+    scalars = (lr, group["weight_decay"], noise_scale)
     for part in parts(inputs):
         assert not part.narrow  # (a half parameter keeps a master at T > 0)
-        columns = (inputs.params, inputs.grads, buffers, thermostats, inputs.largest, partials)
-        launch_tensors(
-            _sgnht,
-            [part.take(column) for column in columns] + [part.positions(inputs)],
-            part.scale_argument(inputs),
-            as_float64_bits(lr),
-            as_float64_bits(weight_decay),
-            as_float64_bits(noise_scale),
-            offsets=part.take(inputs.offsets),
-            seeds=part.take(inputs.seeds),
-            do_not_specialize=_VARYING,
-            MAXIMIZE=bool(group["maximize"]),
-            DECAY=weight_decay != 0,
-            SYMMETRIC=symmetric,
-            **part.flags(),
-        )
+        columns = [buffers, thermostats, inputs.largest, partials]
+        part.launch_members(_sgnht, group, inputs, columns, *scalars, SYMMETRIC=symmetric)
     factor = lr * lr / 4 if symmetric else lr * lr
     _move_thermostats(inputs, thermostats, partials, factor, lr * temperature / num_data)
     return {"momentum_buffer": buffers, "thermostat": thermostats}
@@ -257,5 +215,5 @@ def _move_thermostats(
             as_float64_bits(factor),
             as_float64_bits(cooling),
             block=CHUNK,
-            do_not_specialize=("count", "factor_bits", "cooling_bits"),
+            do_not_specialize=("count",),
         )

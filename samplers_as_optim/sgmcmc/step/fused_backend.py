@@ -134,16 +134,9 @@ def _update_group(
     """
     lr, temperature, fields = rates
     masters, tensors = positions(opt, params, temperature)
+    foreach = default_foreach(params)
     states = ready_state(
-        opt,
-        group,
-        fields,
-        params,
-        tensors,
-        lr=lr,
-        temperature=temperature,
-        foreach=default_foreach(params),
-        unless_nonfinite=finite_where,
+        opt, group, rates, params, tensors, foreach=foreach, unless_nonfinite=finite_where
     )
     keys = opt._noise_keys(params) if temperature > 0 else [0] * len(params)
     seeds = (

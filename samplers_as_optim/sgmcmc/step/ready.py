@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..momentum_units import rescale_momentum_state
 from .half_precision import HALF_DTYPES, compute_tensors
+from .plan import StepRates
 
 __all__ = ["init_state", "positions", "ready_state", "reexpress_state"]
 
@@ -52,21 +53,20 @@ def init_state(opt: Any, group: dict[str, Any], param: Tensor, state: dict[str, 
 def ready_state(
     opt: Any,
     group: dict[str, Any],
-    fields: tuple[str, ...],
+    rates: StepRates,
     params: list[Tensor],
     tensors: list[Tensor],
     *,
-    lr: float,
-    temperature: float,
     foreach: bool,
     unless_nonfinite: dict[torch.device, Tensor] | None = None,
 ) -> list[dict[str, Any]]:
-    """The per-parameter states of the group's ``fields``, ready for this step.
+    """The per-parameter states of the group's fields (``rates.fields``), ready for this step.
 
     What a state lacks is created (new, or loaded from another kind) like its
     ``tensors``; state in lr's units follows a change of lr (``unless_nonfinite`` as for
     :func:`reexpress_state`). No field: no state (an empty list).
     """
+    lr, temperature, fields = rates
     if not fields:
         return []
     state_of = opt.state

@@ -85,17 +85,7 @@ def _update_tensors(
     if foreach is None:  # under compile, whole tensors (both paths: the same numbers)
         foreach = torch.compiler.is_compiling() or default_foreach(params)
     gate = rescale_gate(keep, opt.host_state)  # (where a skip puts back the rate)
-    states = ready_state(
-        opt,
-        group,
-        fields,
-        params,
-        tensors,
-        lr=lr,
-        temperature=temperature,
-        foreach=foreach,
-        unless_nonfinite=gate,
-    )
+    states = ready_state(opt, group, rates, params, tensors, foreach=foreach, unless_nonfinite=gate)
     buffers: list[list[Any]] = [[state.get(name) for state in states] for name in fields]
     exact = opt.definition.zero_temperature_step
     if exact is not None and temperature == 0:
