@@ -140,3 +140,18 @@ def test_optimizers_with_an_l2_decay_still_take_them(make):
 def test_hmc_still_takes_them():
     model, _, _ = model_and_data()
     HMC(prior_param_groups(model, num_data=N), lr=1e-4, num_steps=5, num_data=N, seed=0)
+
+
+def test_a_refused_group_leaves_the_callers_dict_as_it_was() -> None:
+    """A group refused by add_param_group after some steps keeps no 'step' or 'seed'."""
+    model = torch.nn.Linear(3, 1)
+    opt = SGHMC([model.weight], lr=1e-3, num_data=10, seed=0)
+    model.weight.grad = torch.ones_like(model.weight)
+    opt.step()
+    group = {"params": [model.bias], "lr": -1.0}
+    with pytest.raises(ValueError, match=r"Invalid lr in param group 1: -1\.0"):
+        opt.add_param_group(group)
+    assert set(group) == {"params", "lr"} and len(opt.param_groups) == 1
+    accepted = {"params": [model.bias]}
+    opt.add_param_group(accepted)
+    assert accepted["step"] == opt.steps_taken == 1 and accepted["seed"] == 0

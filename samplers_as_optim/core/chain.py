@@ -141,19 +141,21 @@ class ChainOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Validate a param group, then add it as ``torch.optim.Optimizer`` does.
 
-        Nothing is added when a value is invalid. A group added after some steps starts
-        at the current step counter and, unless it names its own ``seed``, the
-        optimizer's seed.
+        Nothing is added, and the dict given is left as it was, when a value is invalid.
+        A group added after some steps starts at the current step counter and, unless it
+        names its own ``seed``, the optimizer's seed.
         """
+        chain: dict[str, Any] = {}
         if isinstance(param_group, dict):
             where = at_group(len(getattr(self, "param_groups", [])))
             if getattr(self, "param_groups", None):
-                param_group.setdefault("step", self.steps_taken)
-                param_group.setdefault("seed", self.seed)
-            candidate = {**self.defaults, **param_group}
+                chain = {"step": self.steps_taken, "seed": self.seed}
+                chain = {k: v for k, v in chain.items() if k not in param_group}
+            candidate = {**self.defaults, **chain, **param_group}
             self.check_hyperparameters(candidate, where=where)
             self._check_chain_state(candidate, where=where)
         super().add_param_group(param_group)
+        self.param_groups[-1].update(chain)  # (into the group once it is accepted)
 
     # ------------------------------------------------------------------ the chain's state
     @property
