@@ -206,6 +206,7 @@ def test_refused_optimizers_and_states() -> None:
     opt = SGLD([param], lr=0.0, num_data=N)
     with pytest.raises(ValueError, match=r"Invalid lr \(param group 0\): 0\.0 \(expected > 0"):
         StepSizeWarmup(opt, steps=100)
+    assert not opt._optimizer_step_pre_hooks  # refused before the monitor attached
     warmup = StepSizeWarmup(SGLD([param], lr=1.0, num_data=N), steps=100)
     with pytest.raises(ValueError, match=r"Invalid state_dict: missing field\(s\) \['seen'"):
         warmup.load_state_dict({})

@@ -147,15 +147,20 @@ class StepSizeWarmup:
         if not math.isfinite(max_increase) or max_increase < 1:
             refuse("max_increase", max_increase, "a finite number >= 1", "")
         self.max_increase = float(max_increase)
-        self.monitor = TemperatureMonitor(
-            optimizer, every=every, level=level, warn=False, stride=stride, coordinates=coordinates
-        )
-        self.optimizer = optimizer
-        self._z = statistics.NormalDist().inv_cdf((1 + level) / 2)
+        if not isinstance(optimizer, SamplerOptimizer):
+            raise TypeError(
+                f"Invalid optimizer: {type(optimizer).__name__} (expected an SG-MCMC sampler, "
+                "a SamplerOptimizer)"
+            )
         self.start = [float(group["lr"]) for group in optimizer.param_groups]
         for index, (group, lr) in enumerate(zip(optimizer.param_groups, self.start, strict=True)):
             if float(group["temperature"]) > 0 and not lr > 0:
                 refuse("lr", lr, "> 0 in every group at T > 0", f" (param group {index})")
+        self.monitor = TemperatureMonitor(  # (attaches its hooks: after every check)
+            optimizer, every=every, level=level, warn=False, stride=stride, coordinates=coordinates
+        )
+        self.optimizer = optimizer
+        self._z = statistics.NormalDist().inv_cdf((1 + level) / 2)
         self.lrs = list(self.start)
         self.done = False
         self.history: list[tuple[int, list[float]]] = []
