@@ -25,7 +25,8 @@ sampler with its Triton kernel, the pipeline ``sgmcmc/step``, the fused backend'
 (a subfolder counts once in its parent) and added 20 lines of package docstrings to the
 closure (9,392); ``tensor_lists.scalar_operand``, the CPU's multiply by a 0-d tensor made
 once (16 us against 40 for 6 tensors, the same product), added 11 (9,403); the
-kernels' shared conventions said once (``fused/io``) took it to 9,325. Front ends that a sampler's module does not import are the next step
+kernels' shared conventions said once (``fused/io``) took it to 9,325, and
+``add_param_group`` leaving a refused group's dict as it was added 2 (9,327). Front ends that a sampler's module does not import are the next step
 for the closure. ``gaussian`` (28) was divided into folders by concept (``laplace``,
 ``ivon``, ``vi``, ``linearised``): 15.
 
@@ -52,7 +53,7 @@ LONG_FUNCTIONS_IN_SGMCMC = 2
 MODULES_PER_FOLDER = {"sgmcmc": 20, "gaussian": 15, "": 15, "hmc": 10, "samples": 10, "core": 9}
 #: SGHMC's import closure inside the package (target: 16 modules, 4,000 lines)
 SGHMC_CLOSURE_MODULES = 44
-SGHMC_CLOSURE_LINES = 9325
+SGHMC_CLOSURE_LINES = 9327
 #: private names imported from a module of another folder (target met: none)
 PRIVATE_ACROSS_FOLDERS = 0
 
