@@ -246,11 +246,17 @@ SCENARIOS = {
 def run(rank: int, scenario: str, port: int, out: str) -> None:
     """Entry point of each spawned process."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+        )
         result = SCENARIOS[scenario](rank, out)
+        # neither rank tears the group down while the other is still in a collective
+        # (a gloo peer that vanishes mid-collective aborts the other process)
+        dist.barrier()
     except Exception:  # reported to the test, which fails with the traceback
         result = {"traceback": traceback.format_exc()}
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
