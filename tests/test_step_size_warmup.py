@@ -99,6 +99,28 @@ def test_a_cold_start_raises_lr_at_most_by_max_increase() -> None:
     assert opt.param_groups[0]["lr"] > 1e-3  # cool: raised
 
 
+def _two_groups(max_spread: float) -> list[list[float]]:
+    """A flat group (lr free to rise to its cap) beside a stiff one: their lrs per window."""
+    flat = torch.nn.Parameter(torch.zeros(D))
+    stiff = torch.nn.Parameter(torch.zeros(D))
+    opt = SGHMC([{"params": [flat]}, {"params": [stiff]}], lr=0.5, momentum=0.9, num_data=N, seed=5)
+    warmup = StepSizeWarmup(opt, steps=600, every=10, max_spread=max_spread)
+    for _ in range(600):
+        opt.zero_grad()
+        (0.5 * (1e-3 * LAM * flat.square() + 30 * LAM * stiff.square()).sum() / N).backward()
+        opt.step()
+    return [lrs for _, lrs in warmup.history]
+
+
+def test_no_group_s_lr_exceeds_max_spread_times_the_smallest() -> None:
+    # coupled groups of one network: a group whose own estimates never read hot (a flat
+    # layer) would otherwise rise to max_increase while a stiff one falls
+    free = _two_groups(max_spread=1e6)
+    assert max(flat / stiff for flat, stiff in free) > 20  # the guard is what holds them
+    for flat, stiff in _two_groups(max_spread=4.0):
+        assert flat <= 4.0 * stiff * (1 + 1e-12)
+
+
 def _checkpointed(split: int | None) -> tuple[list[float], torch.Tensor]:
     theta = torch.nn.Parameter(torch.zeros(D))
     opt = SGHMC([theta], lr=3.0, momentum=0.9, num_data=N, seed=4)
@@ -190,6 +212,9 @@ def test_a_group_at_temperature_zero_is_left_alone() -> None:
         ({"steps": 100, "max_increase": 0.5}, ValueError, r"Invalid max_increase: 0\.5"),
         ({"steps": 100, "max_increase": "2"}, TypeError, r"Invalid max_increase: '2'"),
         ({"steps": 100, "max_increase": math.inf}, ValueError, r"Invalid max_increase: inf"),
+        ({"steps": 100, "max_spread": 0.5}, ValueError, r"Invalid max_spread: 0\.5 \(exp"),
+        ({"steps": 100, "max_spread": "4"}, TypeError, r"Invalid max_spread: '4' \(expected"),
+        ({"steps": 100, "max_spread": math.nan}, ValueError, r"Invalid max_spread: nan"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs: dict, error: type, match: str) -> None:

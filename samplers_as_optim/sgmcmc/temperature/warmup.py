@@ -29,6 +29,14 @@ precision-weighted mean). The step is symmetric, so the estimates' noise moves l
 ways alike and does not bias it; lr changes by at most :math:`e^{\pm 0.5}` per window at
 first, and never exceeds ``max_increase`` times the lr it started from.
 
+The groups of one network are coupled, and each group's estimates average over its
+coordinates: a layer whose own readings stay cool at any lr (most of its directions
+flat) would rise to its cap while the layer its output feeds, stiffer, is lowered, and the
+few stiff directions of the cool layer then throw the chain into bursts its averages did
+not foresee (seen on the regression benchmark: an input layer at 9x its starting lr
+beside an output layer and a noise scale at 0.3x, hot bursts after the warm-up). So no
+group's lr exceeds ``max_spread`` times the smallest adapted lr of the optimizer.
+
 A chain started at a mode (the MAP, momentum zero) reads below T until it has
 thermalised, and a reading below T then says nothing about lr (at stationarity the chain
 is never colder than T): until a group's chain has once read at T or above (within its
@@ -100,6 +108,8 @@ class StepSizeWarmup:
             about the relative error of the posterior's variances the chain accepts.
         max_increase: no group's lr exceeds this multiple of the lr it started from
             (a number >= 1).
+        max_spread: no group's lr exceeds this multiple of the smallest group's (a number
+            >= 1; the groups of one network are coupled: see the module docstring).
         level, coordinates, stride: the monitor's (``TemperatureMonitor``).
 
     Attributes:
@@ -133,6 +143,7 @@ class StepSizeWarmup:
         every: int = 10,
         target: float = 0.02,
         max_increase: float = 10.0,
+        max_spread: float = 4.0,
         level: float = 0.999,
         coordinates: int | None = 4096,
         stride: int = 1,
@@ -147,6 +158,11 @@ class StepSizeWarmup:
         if not math.isfinite(max_increase) or max_increase < 1:
             refuse("max_increase", max_increase, "a finite number >= 1", "")
         self.max_increase = float(max_increase)
+        if isinstance(max_spread, bool) or not isinstance(max_spread, int | float):
+            refuse("max_spread", max_spread, "a number >= 1", "", TypeError)
+        if not math.isfinite(max_spread) or max_spread < 1:
+            refuse("max_spread", max_spread, "a finite number >= 1", "")
+        self.max_spread = float(max_spread)
         if not isinstance(optimizer, SamplerOptimizer):
             raise TypeError(
                 f"Invalid optimizer: {type(optimizer).__name__} (expected an SG-MCMC sampler, "
@@ -197,18 +213,20 @@ class StepSizeWarmup:
         self.seen += 1
         if len(self.monitor.history) > len(self.history):
             _, reports = self.monitor.history[-1]
-            for index, group in enumerate(self.optimizer.param_groups):
-                if float(group["temperature"]) > 0:
-                    self._adapt(index, [r for r in reports if r.group == index])
+            hot = [float(group["temperature"]) > 0 for group in self.optimizer.param_groups]
+            logs = [
+                self._adapt(index, [r for r in reports if r.group == index]) if at_t else None
+                for index, at_t in enumerate(hot)
+            ]
+            self._apply(logs)
             self.history.append((self.seen, list(self.lrs)))
         if self.seen >= self.steps:
             self._freeze()
 
-    def _adapt(self, index: int, reports: list[ChainTemperatureReport]) -> None:
+    def _adapt(self, index: int, reports: list[ChainTemperatureReport]) -> float:
         """One Robbins-Monro step of group ``index``'s log lr from its window's reports."""
         reading = self._excess(reports)
         log_lr = math.log(self.lrs[index])
-        late = 2 * self.seen > self.steps
         if reading is not None:
             excess, error = reading
             z = (excess - self.target) / max(self.target, error)
@@ -218,11 +236,22 @@ class StepSizeWarmup:
                 gain = GAIN * self._adapted[index] ** -DECAY
                 log_lr -= gain * min(max(z, -1.0), 1.0)
                 log_lr = min(log_lr, math.log(self.start[index] * self.max_increase))
-        self.lrs[index] = math.exp(log_lr)
-        self.optimizer.param_groups[index]["lr"] = self.lrs[index]
-        if late:
-            total, count = self._late[index]
-            self._late[index] = (total + log_lr, count + 1)
+        return log_lr
+
+    def _apply(self, logs: list[float | None]) -> None:
+        """Set the adapted lrs, none above ``max_spread`` times the smallest; average late."""
+        adapted = [log for log in logs if log is not None]
+        ceiling = min(adapted) + math.log(self.max_spread) if adapted else math.inf
+        late = 2 * self.seen > self.steps
+        for index, log_lr in enumerate(logs):
+            if log_lr is None:
+                continue
+            log_lr = min(log_lr, ceiling)
+            self.lrs[index] = math.exp(log_lr)
+            self.optimizer.param_groups[index]["lr"] = self.lrs[index]
+            if late:
+                total, count = self._late[index]
+                self._late[index] = (total + log_lr, count + 1)
 
     def _excess(self, reports: list[ChainTemperatureReport]) -> tuple[float, float] | None:
         """The excess over the estimates not cold, weighted by precision, and its error.
