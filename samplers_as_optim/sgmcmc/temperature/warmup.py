@@ -62,6 +62,7 @@ import weakref
 from typing import Any
 
 from ...core.validation import (
+    check_finite,
     check_open_unit_interval,
     check_positive_int,
     check_state_fields,
@@ -83,6 +84,13 @@ def adapting_warmup(optimizer: Any) -> StepSizeWarmup | None:
         return _ADAPTING.get(optimizer)
     except TypeError:  # (not weakly referenceable: no warm-up can hold it)
         return None
+
+
+def _factor(name: str, value: Any) -> float:
+    """``value`` as a float if it is a finite number >= 1 (a cap, a ratio), else refused."""
+    if not check_finite(name, value) >= 1:
+        refuse(name, value, "a finite number >= 1", "")
+    return float(value)
 
 
 #: the Robbins-Monro gain a and its decay exponent
@@ -153,16 +161,8 @@ class StepSizeWarmup:
         if self.steps < 2 * self.every:
             refuse("steps", steps, f"an integer >= 2 * every = {2 * self.every}", "")
         self.target = check_open_unit_interval("target", target)
-        if isinstance(max_increase, bool) or not isinstance(max_increase, int | float):
-            refuse("max_increase", max_increase, "a number >= 1", "", TypeError)
-        if not math.isfinite(max_increase) or max_increase < 1:
-            refuse("max_increase", max_increase, "a finite number >= 1", "")
-        self.max_increase = float(max_increase)
-        if isinstance(max_spread, bool) or not isinstance(max_spread, int | float):
-            refuse("max_spread", max_spread, "a number >= 1", "", TypeError)
-        if not math.isfinite(max_spread) or max_spread < 1:
-            refuse("max_spread", max_spread, "a finite number >= 1", "")
-        self.max_spread = float(max_spread)
+        self.max_increase = _factor("max_increase", max_increase)
+        self.max_spread = _factor("max_spread", max_spread)
         if not isinstance(optimizer, SamplerOptimizer):
             raise TypeError(
                 f"Invalid optimizer: {type(optimizer).__name__} (expected an SG-MCMC sampler, "
