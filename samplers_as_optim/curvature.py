@@ -76,7 +76,7 @@ from .gaussian.likelihoods import Classification, Likelihood, Regression, make_l
 __all__ = ["conjugate_gradient", "fisher_vector_product", "ggn_vector_product"]
 
 Vector = TypeVar("Vector", Tensor, dict[str, Tensor])
-LikelihoodArg = str | Callable[[Tensor, Tensor], Tensor]
+LikelihoodArg = str | Callable[[Tensor, Tensor], Tensor] | Likelihood
 
 
 # ---------------------------------------------------------------------------- products
@@ -146,12 +146,13 @@ def _check_targets(like: Likelihood, out: Tensor, targets: object) -> None:
     An output the likelihood refuses is left to its own message.
     """
     if isinstance(like, Classification):
-        if out.dim() != 2:
+        if out.dim() < 2:
             return
-        batch, classes = out.shape
+        lead, classes, ignore = tuple(out.shape[:-1]), out.shape[-1], like.ignore_index
+        allowed = "" if ignore is None else f" (or ignore_index {ignore})"
         expected = (
-            f"class indices of shape ({batch},) in [0, {classes}) or class probabilities of "
-            f"shape ({batch}, {classes}), for the model output of shape ({batch}, {classes})"
+            f"class indices of shape {lead} in [0, {classes}){allowed} or class probabilities "
+            f"of shape {tuple(out.shape)}, for the model output of shape {tuple(out.shape)}"
         )
         if not isinstance(targets, Tensor) or targets.dtype == torch.bool or targets.is_complex():
             what = (
@@ -165,15 +166,19 @@ def _check_targets(like: Likelihood, out: Tensor, targets: object) -> None:
                     f"{expected})"
                 )
         else:
-            if targets.shape != (batch,):
+            if targets.shape != lead:
                 raise ValueError(
                     f"Invalid targets: class indices of shape {tuple(targets.shape)} (expected "
                     f"{expected})"
                 )
-            if bool(((targets < 0) | (targets >= classes)).any()):
+            bad = (targets < 0) | (targets >= classes)
+            if ignore is not None:
+                bad = bad & (targets != ignore)
+            if bool(bad.any()):
+                hint = "; there is no ignore_index: leave such examples out"
                 raise ValueError(
                     f"Invalid targets: class indices outside [0, {classes}) (expected "
-                    f"{expected}; there is no ignore_index: leave such examples out)"
+                    f"{expected}{hint if ignore is None else ''})"
                 )
     elif isinstance(like, Regression):
         if not isinstance(targets, Tensor) or targets.dtype == torch.bool or targets.is_complex():
@@ -282,15 +287,22 @@ def ggn_vector_product(
         model: the network; its output for ``inputs`` has the batch first.
         inputs: a batch of inputs (the model's one positional argument).
         targets: the batch's targets: for classification, class indices ``(B,)`` in
-            ``[0, C)`` or probabilities ``(B, C)``; for regression, a tensor shaped like the
-            output (checked, finite, although the GGN of these likelihoods does not depend
-            on them); for a callable likelihood, whatever it takes (passed through).
+            ``[0, C)`` or probabilities ``(B, C)`` (``(B, *positions)`` and ``(B,
+            *positions, C)`` for outputs with positions); for regression, a tensor shaped
+            like the output (checked, finite, although the GGN of these likelihoods does
+            not depend on them); for a callable likelihood, whatever it takes (passed
+            through).
         v: a dict name -> tensor for every treated parameter (other names are ignored),
             or the flat (P,) vector; real and finite, converted to the parameters' dtype.
         likelihood: ``"classification"`` (softmax cross-entropy, default),
             ``"regression"`` (Gaussian, standard deviation ``noise_std``) or a callable
             ``log_likelihood(output, target)`` returning one value per example (its output
-            Hessian by autograd, negative eigenvalues clipped), as for ``Laplace``.
+            Hessian by autograd, negative eigenvalues clipped), as for ``Laplace``; or a
+            :class:`~samplers_as_optim.gaussian.likelihoods.Likelihood` object such as a
+            fitted ``Laplace``'s ``la.likelihood`` (which carries its ``ignore_index``).
+            Outputs ``(B, *positions, K)`` are one observation per position
+            (:mod:`~samplers_as_optim.gaussian.likelihoods`):
+            :math:`\sum_{i,t}J_{it}^\top H_{it}J_{it}v`.
         noise_std: σ for ``likelihood="regression"`` (default None: 1.0).
 
     Returns:
@@ -310,9 +322,8 @@ def ggn_vector_product(
     output = _output_fn(model, inputs, like, targets)
     with torch.no_grad():
         out, jv = jvp(output, (params,), (tangent,))[:2]
-        factor = like.hessian_factor(out.detach(), targets).to(out.dtype)  # (B, O, K)
         u = jv.reshape(out.shape[0], -1)
-        hu = torch.einsum("bok,bk->bo", factor, torch.einsum("bok,bo->bk", factor, u))
+        hu = like.hessian_product(out.detach(), targets, u)  # V (V^T u), block by block
         pullback = vjp(output, params)[1]
         (grads,) = pullback(hu.reshape(out.shape))
     result = _result("ggn_vector_product", treated, grads, flat, model, inputs, targets)
@@ -332,6 +343,8 @@ def fisher_vector_product(
 
     :math:`g_i = \nabla_\theta\ell_i`. Computed as :math:`G^\top(Gv)` by a ``jvp`` and a
     ``vjp`` of the vector of per-example losses, so no per-example gradient is formed.
+    For outputs ``(B, *positions, K)`` the losses are per position,
+    :math:`\sum_{i,t}g_{it}(g_{it}^\top v)`, as ``Laplace``'s ``curvature="ef"``.
     (The true Fisher of these likelihoods is the GGN: :func:`ggn_vector_product`.)
 
     Args:
@@ -353,8 +366,8 @@ def fisher_vector_product(
     treated, params, tangent, flat = _as_params(model, v)
     output = _output_fn(model, inputs, like, targets)
 
-    def losses(p: dict[str, Tensor]) -> Tensor:
-        return like.nll(output(p), targets)
+    def losses(p: dict[str, Tensor]) -> Tensor:  # one per observation (position)
+        return like.token_nll(output(p), targets)
 
     with torch.no_grad():
         gv = jvp(losses, (params,), (tangent,))[1]

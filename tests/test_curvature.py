@@ -267,12 +267,22 @@ def test_errors():
     model = mlp()
     x, y = classification_batch()
     treated = Treated.of(model)
+    # (batch, positions, classes) logits are one observation per position: their targets
+    # are (batch, positions); a (batch,) output is no logits at all
     with pytest.raises(
-        ValueError, match=r"Invalid model output: shape \(9, 1, 3\) \(expected \(batch, classes\)"
+        ValueError,
+        match=r"Invalid targets: shape \(9,\) \(expected class indices of an integer dtype, "
+        r"shape \(9, 1\), in \[0, 3\), or class probabilities of the output's shape \(9, 1, 3\)\)",
     ):
         diag_curvature(
             nn.Sequential(model, nn.Unflatten(1, (1, 3))), treated, x, y, Classification(), "ggn"
         )
+    with pytest.raises(
+        ValueError,
+        match=r"Invalid model output: shape \(27,\) \(expected \(batch, classes\) or "
+        r"\(batch, \*positions, classes\) logits",
+    ):
+        diag_curvature(nn.Sequential(model, nn.Flatten(0)), treated, x, y, Classification(), "ggn")
     with pytest.raises(
         ValueError,
         match=r"Invalid targets: shape \(9,\) \(expected the model output's shape \(9, 3\)",

@@ -458,16 +458,31 @@ def test_refuses_a_callable_likelihood():
 
 
 def test_refuses_classification_outputs_that_are_not_logits():
-    """Fitted on (batch, 4) inputs, asked about (batch, positions, 4) ones."""
-    la, _ = fitted("diag")
+    """Fitted on (batch, 4) inputs; a model whose output has lost its classes is refused.
+
+    (batch, positions, 4) inputs give (batch, positions, 3) logits: predicted per
+    position since issue #37 (tests/test_laplace_sequence.py).
+    """
+    la, x = fitted("diag")
+    la.model.append(nn.Flatten(0))  # (2, 3) logits -> (6,): not (batch, classes)
     with pytest.raises(
         ValueError,
         match=re.escape(
-            "Invalid model output: shape (2, 5, 3) (expected (batch, classes) logits for "
-            "likelihood='classification')"
+            "Invalid x: shape (2, 4) gives outputs of shape (6,) (expected a batch of "
+            "inputs, the batch first in both)"
         ),
     ):
-        la.predictive(torch.randn(2, 5, 4))
+        la.predictive(x[:2])
+    la.model[-1] = nn.Linear(3, 1)  # (2, 1), then (2,): one number per input
+    la.model.append(nn.Flatten(0))
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "Invalid model output: shape (2,) (expected (batch, classes) or (batch, "
+            "*positions, classes) logits for likelihood='classification')"
+        ),
+    ):
+        la.predictive(x[:2])
 
 
 def test_refuses_a_jacobian_that_cannot_fit(monkeypatch):

@@ -521,7 +521,7 @@ CONSTRUCTION_ERRORS = [
     (
         {"structure": "blocks"},
         ValueError,
-        "Invalid structure: 'blocks' (expected one of 'diag', 'dense', 'kron')",
+        "Invalid structure: 'blocks' (expected one of 'diag', 'dense', 'kron', 'lowrank')",
     ),
     (
         {

@@ -28,27 +28,32 @@ from ONE backward of the batch output, vmapped over the K columns
 (``torch.autograd.grad(..., is_grads_batched=True)``) and taken with respect to the layer
 outputs only, so no weight gradient and no per-example gradient is ever formed. Memory
 beyond a forward pass: the K output gradients of each layer. A convolution shares its
-weight across positions, so the square cannot move inside the sum; there the
-per-example gradients :math:`G_{ik} U_i^\top` (U: the unfolded input) are formed one
-chunk of examples at a time, for that layer only.
+weight across positions, and so does a Linear layer on a ``(batch, *positions, in)``
+input (a transformer's), so the square cannot move inside the sum; there the
+per-example gradients :math:`G_{ik} U_i^\top` (U: the unfolded input, or the positions'
+inputs) are formed one chunk of examples at a time, for that layer only.
 
-**Everything else** (other modules, shared weights, a layer called twice, inputs with
-more than a batch dimension) goes through the generic path: for a chunk of examples,
-``vmap`` over examples of ``vjp`` of the model output, ``vmap``-ed over the K columns,
-with respect to those parameters only. Dense curvature always takes this path and
-accumulates :math:`R^\top R` over chunks of rows. Both paths give the same numbers; the
-tests check one against the other.
+**Outputs with positions** (``(batch, *positions, classes)``): the factor is block
+diagonal, one block per output position (:mod:`~samplers_as_optim.gaussian.likelihoods`):
+T·K columns, and every sum here is :math:`\sum_t J_{it}^\top H_{it}J_{it}` exactly,
+even through a model that mixes the positions. The backward passes take whole
+positions' columns in chunks of at most ``_CHUNK_BYTES``; the generic path forms the
+block-diagonal factor of a chunk of examples only.
+
+**Everything else** (other modules, shared weights, a layer called twice) goes through
+the generic path: for a chunk of examples, ``vmap`` over examples of ``vjp`` of the
+model output, ``vmap``-ed over the K columns, with respect to those parameters only;
+dense curvature accumulates :math:`R^\top R` over chunks of rows (one Linear layer has
+its own exact path, :class:`DenseSum`). Both give the same numbers; the tests check it.
 
 Examples must not interact (batch norm in training mode would make them): the wrappers
 run the model in eval mode while computing curvature.
 
 **Bad data.** Every path runs the batch through
 :func:`~samplers_as_optim.gaussian._data_checks.checked_forward`, which refuses
-(``ValueError``) a batch whose inputs, targets or model outputs hold NaN or ±inf, or whose
-targets the likelihood refuses (a class index out of range): one NaN would otherwise turn
-every sum it enters into NaN, and a target the curvature does not depend on (the GGN of a
-Gaussian or softmax likelihood) would pass unseen. What finite data can still overflow,
-the summed curvature, ``check_finite_curvature`` refuses where the sums are complete.
+(``ValueError``) a batch whose inputs, targets or outputs hold NaN or ±inf, or whose
+targets the likelihood refuses (a class index out of range, which the GGN would not
+notice); ``check_finite_curvature`` refuses an overflowed sum where the sums are complete.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ from torch.func import functional_call, vjp, vmap
 
 from ._data_checks import check_finite_batch, check_finite_curvature, checked_forward
 from .flat import Treated
-from .likelihoods import Likelihood
+from .likelihoods import Likelihood, block_diagonal, factor_blocks, factor_columns
 
 __all__ = [
     "DenseSum",
@@ -80,10 +85,18 @@ _CHUNK_BYTES = 2**27
 
 
 def batch_factor(likelihood: Likelihood, kind: str, output: Tensor, target: Tensor) -> Tensor:
-    """``V`` of shape (B, O, K): output gradients (``"ef"``) or Hessian factors (``"ggn"``)."""
-    if kind == "ef":
-        return likelihood.output_grad(output, target).unsqueeze(-1)
-    return likelihood.hessian_factor(output, target).to(output.dtype)
+    """``V`` of shape (B, O, K): output gradients (``"ef"``) or Hessian factors (``"ggn"``).
+
+    For an output with T positions (``likelihood.positions``) both are block diagonal,
+    one block per position (:func:`~samplers_as_optim.gaussian.likelihoods.factor_blocks`):
+    K = T for the empirical Fisher, T times the classes for the GGN of a softmax.
+    """
+    return _example_factors(factor_blocks(likelihood, kind, output, target))
+
+
+def _example_factors(blocks: Tensor) -> Tensor:
+    """The (b, O, K) factors of a run of examples from their (b, T, O_t, K_t) blocks."""
+    return blocks[:, 0] if blocks.shape[1] == 1 else block_diagonal(blocks)
 
 
 def _rows_per_chunk(row_bytes: int) -> int:
@@ -161,36 +174,68 @@ def recorded_input(calls: list[tuple[Any, int, Tensor]], batch: int) -> Tensor |
     return inp
 
 
-def layer_output_grads(output: Tensor, factor: Tensor, layer_outputs: list[Tensor]) -> list[Tensor]:
-    """The gradients of the K factor columns with respect to each layer output.
+def layer_output_grads(
+    output: Tensor, columns: Tensor, layer_outputs: list[Tensor], *, retain_graph: bool = False
+) -> list[Tensor]:
+    """The gradients of K factor columns with respect to each layer output.
 
-    One batched backward from ``output`` with ``factor`` (B, O, K) as its K cotangents;
+    One batched backward from ``output`` with ``columns`` (K, B, O) as its K cotangents;
     each result is (K, *layer_output.shape), zeros for a layer ``output`` does not use.
     """
     if not layer_outputs:
         return []
-    columns = factor.shape[-1]
-    grad_outputs = factor.permute(2, 0, 1).reshape(columns, *output.shape)
+    count = columns.shape[0]
+    grad_outputs = columns.reshape(count, *output.shape)
     grads = torch.autograd.grad(
         output,
         layer_outputs,
-        grad_outputs if columns > 1 else grad_outputs[0],
-        is_grads_batched=columns > 1,
+        grad_outputs if count > 1 else grad_outputs[0],
+        is_grads_batched=count > 1,
         allow_unused=True,
+        retain_graph=retain_graph,
     )
     result = []
     for layer_out, grad in zip(layer_outputs, grads, strict=True):
         if grad is None:
-            grad = layer_out.new_zeros(columns, *layer_out.shape)
-        elif columns == 1:
+            grad = layer_out.new_zeros(count, *layer_out.shape)
+        elif count == 1:
             grad = grad.unsqueeze(0)
         result.append(grad)
     return result
 
 
-def _usable(module: nn.Module, calls: list[tuple[Any, int, Tensor]], batch: int) -> bool:
+def layer_grad_chunks(
+    output: Tensor, blocks: Tensor, layer_outputs: list[Tensor]
+) -> Iterator[list[Tensor]]:
+    """:func:`layer_output_grads` of all the factor's columns, a chunk of them at a time.
+
+    ``blocks``: the factor per position (``likelihoods.factor_blocks``). One chunk of all
+    K columns without positions; with T positions, whole positions' columns, at most
+    ``_CHUNK_BYTES`` of cotangents and layer gradients at once.
+    """
+    if not layer_outputs:
+        return
+    positions = blocks.shape[1]
+    numbers = output.numel() + sum(layer.numel() for layer in layer_outputs)
+    most = _rows_per_chunk(numbers * output.element_size())
+    for columns in factor_columns(blocks, most):
+        yield layer_output_grads(output, columns, layer_outputs, retain_graph=positions > 1)
+
+
+def _usable(
+    module: nn.Module, calls: list[tuple[Any, int, Tensor]], batch: int, shared: bool = False
+) -> bool:
+    """One usable call (:func:`recorded_input`), on an input the fast paths take.
+
+    A (batch, in) input for a Linear layer (``shared``: or (batch, *positions, in)), a
+    4-d one for a convolution.
+    """
     inp = recorded_input(calls, batch)
-    return inp is not None and inp.dim() == (2 if isinstance(module, nn.Linear) else 4)
+    if inp is None:
+        return False
+    if isinstance(module, nn.Linear):
+        return inp.dim() == 2 or (shared and inp.dim() > 2)
+    return inp.dim() == 4
 
 
 def _linear_diag(
@@ -199,9 +244,14 @@ def _linear_diag(
     """``grads``: (K, B, out). Adds the weight/bias diagonals into ``out``."""
     summed = grads.square().sum(0)
     if "weight" in entries:
-        out[entries["weight"]] = summed.transpose(0, 1) @ inp.detach().square()
+        _add(out, entries["weight"], summed.transpose(0, 1) @ inp.detach().square())
     if "bias" in entries:
-        out[entries["bias"]] = summed.sum(0)
+        _add(out, entries["bias"], summed.sum(0))
+
+
+def _add(out: dict[str, Tensor], name: str, value: Tensor) -> None:
+    """``out[name] += value`` (a chunk of the factor's columns), or the first value."""
+    out[name] = value if name not in out else out[name] + value
 
 
 def unfold_input(module: nn.Conv2d, inp: Tensor) -> Tensor:
@@ -216,18 +266,28 @@ def unfold_input(module: nn.Conv2d, inp: Tensor) -> Tensor:
     )
 
 
-def _conv_diag(
-    module: nn.Conv2d, inp: Tensor, grads: Tensor, entries: dict[str, str], out: dict[str, Tensor]
+def _shared_diag(
+    module: nn.Module, inp: Tensor, grads: Tensor, entries: dict[str, str], out: dict[str, Tensor]
 ) -> None:
-    """``grads``: (K, B, C_out, H, W). Per-example gradients, a chunk of examples at a time."""
-    k, batch, channels = grads.shape[:3]
-    grads = grads.reshape(k, batch, channels, -1)
+    r"""A weight shared over L positions: per-example gradients, a chunk of examples at a time.
+
+    A convolution (``grads`` (K, B, C_out, H, W), its unfolded input) or a Linear layer on
+    ``(B, *positions, in)`` (``grads`` (K, B, *positions, out)): the diagonal of
+    :math:`\sum_{i,k} g_{ik}g_{ik}^\top` with :math:`g_{ik} = \sum_l G_{ikl}u_{il}^\top`.
+    """
+    k, batch = grads.shape[:2]
+    if isinstance(module, nn.Conv2d):
+        grads = grads.reshape(k, batch, grads.shape[2], -1)
+        unfolded = unfold_input(module, inp) if "weight" in entries else None
+    else:
+        grads = grads.reshape(k, batch, -1, grads.shape[-1]).transpose(2, 3)
+        unfolded = inp.detach().reshape(batch, -1, inp.shape[-1]).transpose(1, 2)
+    channels = grads.shape[2]
     if "bias" in entries:
-        out[entries["bias"]] = grads.sum(-1).square().sum((0, 1))
-    if "weight" not in entries:
+        _add(out, entries["bias"], grads.sum(-1).square().sum((0, 1)))
+    if unfolded is None or "weight" not in entries:
         return
-    unfolded = unfold_input(module, inp)
-    weight = module.weight
+    weight = cast(Tensor, module.weight)
     total = torch.zeros(channels, unfolded.shape[1], dtype=weight.dtype, device=weight.device)
     step = _rows_per_chunk(k * weight.numel() * weight.element_size())
     for start in range(0, batch, step):
@@ -235,7 +295,7 @@ def _conv_diag(
             "kbol,bjl->kboj", grads[:, start : start + step], unfolded[start : start + step]
         )
         total += per_example.square().sum((0, 1))
-    out[entries["weight"]] = total.reshape(weight.shape)
+    _add(out, entries["weight"], total.reshape(weight.shape))
 
 
 def _per_example_vjp(
@@ -255,21 +315,29 @@ def _per_example_vjp(
     return run
 
 
+def _example_bytes(blocks: Tensor, numel: int, itemsize: int) -> int:
+    """Bytes per example of the generic path: K pseudo-gradients (and a formed factor)."""
+    positions, rows, width = blocks.shape[1:]
+    formed = positions * rows if positions > 1 else 0  # the block-diagonal factor's rows
+    return positions * width * (numel + formed) * itemsize
+
+
 def _generic_diag(
-    model: nn.Module, names: list[str], x: Tensor, factor: Tensor, out: dict[str, Tensor]
+    model: nn.Module, names: list[str], x: Tensor, blocks: Tensor, out: dict[str, Tensor]
 ) -> None:
     current = dict(model.named_parameters())
     params = {name: current[name].detach() for name in names}
     run = _per_example_vjp(model, params)
     numel = sum(p.numel() for p in params.values())
     itemsize = next(iter(params.values())).element_size()
-    step = _rows_per_chunk(factor.shape[-1] * numel * itemsize)
+    step = _rows_per_chunk(_example_bytes(blocks, numel, itemsize))
     totals = {name: torch.zeros_like(p) for name, p in params.items()}
     for start in range(0, x.shape[0], step):
+        factor = _example_factors(blocks[start : start + step])
         # torch.func transforms ignore an outer no_grad; it only stops the module's other
         # parameters from recording history into the results.
         with torch.no_grad():
-            grads = vmap(run)(x[start : start + step], factor[start : start + step])
+            grads = vmap(run)(x[start : start + step], factor)
         for name in names:
             totals[name] += grads[name].square().sum((0, 1))
     out.update(totals)
@@ -305,25 +373,24 @@ def diag_curvature(
     out: dict[str, Tensor] = {}
     with capture_layer_io(layers) as records, torch.set_grad_enabled(bool(layers)):
         output = checked_forward(model, x, target, likelihood)
-    factor = batch_factor(likelihood, kind, output.detach(), target)
+    blocks = factor_blocks(likelihood, kind, output.detach(), target)
     usable = {
         module: entries
         for module, entries in layers.items()
-        if _usable(module, records.get(module, []), batch)
+        if _usable(module, records.get(module, []), batch, shared=True)
     }
-    if usable:
-        outputs = [records[module][0][2] for module in usable]
-        grads = layer_output_grads(output, factor, outputs)
+    outputs = [records[module][0][2] for module in usable]
+    for grads in layer_grad_chunks(output, blocks, outputs):
         for (module, entries), grad in zip(usable.items(), grads, strict=True):
             inp = records[module][0][0]
-            if isinstance(module, nn.Linear):
+            if isinstance(module, nn.Linear) and inp.dim() == 2:
                 _linear_diag(inp, grad, entries, out)
             else:
-                _conv_diag(cast(nn.Conv2d, module), inp, grad, entries, out)
-    del records, output
+                _shared_diag(module, inp, grad, entries, out)
+    del records, output, outputs
     rest = [name for name in treated.names if name not in out]
     if rest:
-        _generic_diag(model, rest, x, factor, out)
+        _generic_diag(model, rest, x, blocks, out)
     return {name: out[name] for name in treated.names}
 
 
@@ -363,22 +430,24 @@ def _linear_dense_sum(
         output = checked_forward(model, x, target, likelihood)
     if not _usable(module, records.get(module, []), batch):
         return None
-    factor = batch_factor(likelihood, kind, output.detach(), target)
+    blocks = factor_blocks(likelihood, kind, output.detach(), target)
     inp, _, layer_out = records[module][0]
-    (grads,) = layer_output_grads(output, factor, [layer_out])
-    del records, output
-    grads = grads.detach()
-    out_features = grads.shape[-1]
+    out_features = layer_out.shape[-1]
     # M_i and a~_i a~_i^T are symmetric: only their upper triangles enter the product.
-    upper_out = torch.triu_indices(out_features, out_features, device=grads.device)
-    m = torch.einsum("kbo,kbp->bop", grads, grads)[:, upper_out[0], upper_out[1]]
+    upper_out = torch.triu_indices(out_features, out_features, device=layer_out.device)
+    m = layer_out.new_zeros(0)
+    for (grads,) in layer_grad_chunks(output, blocks, [layer_out]):
+        grads = grads.detach()
+        part = torch.einsum("kbo,kbp->bop", grads, grads)[:, upper_out[0], upper_out[1]]
+        m = part if m.numel() == 0 else m + part
+    del records, output
     parts = [inp.detach()] if "weight" in entries else []
     if "bias" in entries:
-        parts.append(grads.new_ones(batch, 1))
+        parts.append(m.new_ones(batch, 1))
     augmented = torch.cat(parts, dim=1)
     width = augmented.shape[1]
-    upper_in = torch.triu_indices(width, width, device=grads.device)
-    total = grads.new_zeros(m.shape[1], upper_in.shape[1])
+    upper_in = torch.triu_indices(width, width, device=m.device)
+    total = m.new_zeros(m.shape[1], upper_in.shape[1])
     step = _rows_per_chunk(upper_in.shape[1] * augmented.element_size())
     for start in range(0, batch, step):
         chunk = augmented[start : start + step]
@@ -499,7 +568,7 @@ def _generic_dense(
     """Per-example ``vmap(vjp)`` rows, a chunk of examples at a time: sum of R^T R."""
     with torch.no_grad():
         output = checked_forward(model, x, target, likelihood)
-    factor = batch_factor(likelihood, kind, output, target)
+    blocks = factor_blocks(likelihood, kind, output, target)
     current = dict(model.named_parameters())
     params = {name: current[name].detach() for name in treated.names}
     run = _per_example_vjp(model, params)
@@ -507,10 +576,11 @@ def _generic_dense(
     total = torch.zeros(
         treated.numel, treated.numel, dtype=reference.dtype, device=reference.device
     )
-    step = _rows_per_chunk(factor.shape[-1] * treated.numel * reference.element_size())
+    step = _rows_per_chunk(_example_bytes(blocks, treated.numel, reference.element_size()))
     for start in range(0, x.shape[0], step):
+        factor = _example_factors(blocks[start : start + step])
         with torch.no_grad():
-            grads = vmap(run)(x[start : start + step], factor[start : start + step])
+            grads = vmap(run)(x[start : start + step], factor)
         rows = treated.flatten(grads, batch_dims=2).reshape(-1, treated.numel)
         total += rows.transpose(0, 1) @ rows
     return total

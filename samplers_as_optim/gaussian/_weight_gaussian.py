@@ -4,8 +4,8 @@ Which weights are treated (:func:`select_subset`); one pass over a loader in eva
 :class:`_WeightGaussian`, the temperature and the predictive of every such Gaussian
 (stacked weight draws, sampled or linearised at the mean: :func:`predict_samples`); and
 :class:`_Gaussian`, the :math:`\mathcal N(\mu, T\Lambda^{-1})` of Laplace and the extended
-Kalman filter: sampling, log-density and penalty for a diagonal, dense or
-Kronecker-factored precision, and its Gaussian over the outputs
+Kalman filter: sampling, log-density and penalty for a diagonal, dense,
+Kronecker-factored or low-rank-plus-diagonal precision, and its Gaussian over the outputs
 (:meth:`_Gaussian.function_space`), whose GLM predictive in closed form
 (``predictive``) is mixed in from :mod:`~samplers_as_optim.gaussian.linearised.glm_predictive`.
 """
@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jvp, vmap
 
 from ..core.validation import (
+    check_bool,
     check_chunk_size,
     check_positive,
     check_positive_int,
@@ -33,7 +34,11 @@ from ._wide_linalg import solve_triangular
 from .flat import Treated
 from .kfac import KronPrecision
 from .likelihoods import Likelihood
-from .linearised.function_space import FunctionSpaceGaussian, function_space_gaussian
+from .linearised.function_space import (
+    FlatPrecision,
+    FunctionSpaceGaussian,
+    function_space_gaussian,
+)
 from .linearised.glm_predictive import GLMPredictive
 
 __all__ = [
@@ -47,7 +52,7 @@ __all__ = [
 
 Precision = float | Mapping[str, Tensor] | Tensor
 _split_batch = split_batch  # the name the EKF imports
-Fitted = dict[str, Tensor] | Tensor | KronPrecision
+Fitted = dict[str, Tensor] | Tensor | KronPrecision | FlatPrecision
 
 
 @contextmanager
@@ -229,8 +234,10 @@ class _Gaussian(_WeightGaussian, GLMPredictive):
     log-density, penalty, the sampled and linearised predictive (linearised by default:
     both Gaussians are posteriors of the network linearised at their mean) and its
     closed forms (:meth:`function_space`; :meth:`predictive`, mixed in from
-    ``glm_predictive``), for a diagonal (dict), dense (P x P with its Cholesky factor) or
-    Kronecker-factored (:class:`~samplers_as_optim.gaussian.kfac.KronPrecision`) precision.
+    ``glm_predictive``), for a diagonal (dict), dense (P x P with its Cholesky factor),
+    Kronecker-factored (:class:`~samplers_as_optim.gaussian.kfac.KronPrecision`) or
+    low-rank-plus-diagonal (a
+    :class:`~samplers_as_optim.gaussian.linearised.function_space.FlatPrecision`) precision.
     """
 
     #: ``predict(x)`` linearises by default (the GLM predictive; Immer et al. 2021).
@@ -314,10 +321,12 @@ class _Gaussian(_WeightGaussian, GLMPredictive):
 
     @property
     def precision(self) -> Fitted:
-        r""":math:`\Lambda` at temperature 1 (a dict, a matrix or a KronPrecision).
+        r""":math:`\Lambda` at temperature 1 (a dict, a matrix, a KronPrecision, ...).
 
-        A dict of diagonals (``"diag"``), (P, P) (``"dense"``) or a
-        :class:`~samplers_as_optim.gaussian.kfac.KronPrecision` (``"kron"``).
+        A dict of diagonals (``"diag"``), (P, P) (``"dense"``), a
+        :class:`~samplers_as_optim.gaussian.kfac.KronPrecision` (``"kron"``) or a
+        :class:`~samplers_as_optim.gaussian.laplace._lowrank.LowRankPrecision`
+        (``"lowrank"``: its ``diagonal``, ``eigenvectors``, ``eigenvalues``, ``rank``).
         Pass a diagonal or dense one as the next task's ``prior_precision`` (continual
         learning).
         """
@@ -328,10 +337,12 @@ class _Gaussian(_WeightGaussian, GLMPredictive):
     def covariance(self) -> dict[str, Tensor] | Tensor:
         r""":math:`T\Lambda^{-1}`: a dict of variances, or the (P, P) matrix (``"dense"``).
 
-        For ``"kron"``, a dict of its marginal variances (its diagonal, exact through the
-        eigendecomposition; the matrix itself is never formed).
+        For ``"kron"`` and ``"lowrank"``, a dict of its marginal variances (its diagonal,
+        exact through the eigendecompositions or Woodbury; the matrix is never formed).
         """
         precision = self._fitted()[1]
+        if isinstance(precision, FlatPrecision):
+            return self.treated.unflatten(self.temperature * precision.variances())
         if isinstance(precision, dict):
             return {name: self.temperature / value for name, value in precision.items()}
         if isinstance(precision, KronPrecision):
@@ -345,7 +356,9 @@ class _Gaussian(_WeightGaussian, GLMPredictive):
         With :math:`\Lambda = LL^\top` (Cholesky) the dense square root is
         :math:`L^{-\top}`; for ``"diag"`` it is :math:`1/\sqrt{\Lambda_{jj}}`; for
         ``"kron"`` it is :math:`(Q_G\otimes Q_A)\,\mathrm{diag}(D)^{-1/2}` per layer (see
-        :mod:`samplers_as_optim.gaussian.kfac`).
+        :mod:`samplers_as_optim.gaussian.kfac`); for ``"lowrank"``
+        :math:`A^{-1/2}(I + BB^\top)^{-1/2}` (exact, see
+        :mod:`samplers_as_optim.gaussian.laplace._lowrank`).
 
         Args:
             n: number of samples (an integer >= 1).
@@ -367,7 +380,9 @@ class _Gaussian(_WeightGaussian, GLMPredictive):
             device=flat_mean.device,
         )
         scale = math.sqrt(self.temperature)
-        if isinstance(precision, dict):
+        if isinstance(precision, FlatPrecision):
+            step = scale * precision.inverse_sqrt(noise)
+        elif isinstance(precision, dict):
             step = noise * (scale * self.treated.flatten(precision).rsqrt())
         elif isinstance(precision, KronPrecision):
             step = scale * self.treated.flatten(
@@ -460,6 +475,8 @@ class _Gaussian(_WeightGaussian, GLMPredictive):
         if isinstance(precision, KronPrecision):
             quad = precision.quadratic(self.treated.unflatten(delta), batch_dims)
             return quad, precision.logdet()
+        if isinstance(precision, FlatPrecision):
+            return precision.quadratic(delta), precision.logdet()
         if isinstance(precision, dict):
             diag = self.treated.flatten(precision)
             return (delta.square() * diag).sum(-1), diag.log().sum()
@@ -471,7 +488,9 @@ class _Gaussian(_WeightGaussian, GLMPredictive):
         return self._fitted()[0]
 
     # ------------------------------------------------------------------ GLM predictive
-    def function_space(self, x: Tensor, *, chunk_size: int | None = None) -> FunctionSpaceGaussian:
+    def function_space(
+        self, x: Tensor, *, chunk_size: int | None = None, per_position: bool = False
+    ) -> FunctionSpaceGaussian:
         r"""The linearised network's Gaussian over each input's outputs, exactly.
 
         .. math::
@@ -482,8 +501,9 @@ class _Gaussian(_WeightGaussian, GLMPredictive):
         the distribution of :meth:`predict`'s ``linear=True`` draws, without sampling
         (Immer, Korzepa & Bauer 2021, eq. 7). J covers the treated parameters only (a
         last-layer Laplace differentiates the last layer only); :math:`\Lambda^{-1}` is
-        applied through the fitted structure (diagonal, Cholesky factor, or the KFAC
-        eigendecompositions), see :mod:`~samplers_as_optim.gaussian.linearised.function_space`.
+        applied through the fitted structure (diagonal, Cholesky factor, the KFAC
+        eigendecompositions, or the low-rank square root), see
+        :mod:`~samplers_as_optim.gaussian.linearised.function_space`.
         The model runs in eval mode (its mode is restored), one input at a time inside
         ``vmap``; parameters outside the Gaussian and buffers at their current values.
 
@@ -491,25 +511,33 @@ class _Gaussian(_WeightGaussian, GLMPredictive):
         passes per input; memory :math:`3\cdot C\cdot O\cdot P` numbers for a chunk
         of C inputs (C chosen to stay under 256 MiB unless ``chunk_size`` is given);
         time :math:`O(B\cdot O^2 P)` for the products, plus :math:`O(B\cdot O P^2)`
-        for ``"dense"``. Refused when one input's Jacobian cannot fit in memory.
+        for ``"dense"`` (:math:`O(B\cdot O Pk)` for ``"lowrank"``). Refused when one
+        input's Jacobian cannot fit in memory.
 
         Args:
             x: a batch of inputs on the parameters' device (the batch first).
             chunk_size: inputs per Jacobian chunk (default: None, automatic; an integer
                 >= 1). The result does not depend on it.
+            per_position: for outputs ``(B, *positions, K)`` (a language model's
+                ``(batch, sequence, vocabulary)``), only each position's K x K block of the
+                covariance (default: False, the joint one); what :meth:`predictive` uses.
+                No effect on ``(B, K)`` outputs.
 
         Returns:
             :class:`~samplers_as_optim.gaussian.linearised.function_space.FunctionSpaceGaussian`
             ``(mean, covariance)``: ``mean`` ``(B, *out)`` the network at
             :math:`\theta_*`, ``covariance`` ``(B, O, O)`` with O the outputs per input
-            (flattened, row-major); detached.
+            (flattened, row-major), or with ``per_position`` ``(B, *positions, K, K)``;
+            detached.
 
         Raises:
             RuntimeError: not fitted yet.
             ValueError: a bad ``chunk_size``, outputs without the batch first, or one
                 input's Jacobian too large for the device's free memory.
+            TypeError: ``per_position`` is not a bool.
         """
         chunk_size = check_chunk_size(chunk_size)
+        per_position = check_bool("per_position", per_position)
         mean, precision = self._fitted()
         with evaluating(self.model):
             return function_space_gaussian(
@@ -521,4 +549,5 @@ class _Gaussian(_WeightGaussian, GLMPredictive):
                 self.temperature,
                 x,
                 chunk_size,
+                per_position,
             )

@@ -17,12 +17,35 @@ the K-FAC "expectation of a product ≈ product of expectations" (Martens & Gros
 eq. 1-2; Ritter, Botev & Barber 2018 for the Laplace approximation). It is exact when
 the sum has one term (n = 1), or when :math:`\sum_k g_{ik}g_{ik}^\top` does not depend on
 i (a linear-Gaussian last layer). ``"ggn"`` uses the K columns of the output-Hessian
-factor, ``"ef"`` the one column :math:`\nabla_f\ell_i`. A convolution (and a Linear layer
-applied to inputs with more than a batch dimension) shares its weight over T positions;
-the positions are treated as extra examples ("KFAC-expand", Grosse & Martens 2016;
-Eschenhagen et al. 2023): :math:`G = \sum_{i,t,k} g_{itk}g_{itk}^\top`,
-:math:`A = \frac{1}{nT}\sum_{i,t}\tilde u_{it}\tilde u_{it}^\top` with :math:`u_{it}`
-the unfolded input patch. Memory: :math:`O(\sum_\ell d_\text{in}^2 + d_\text{out}^2)`.
+factor, ``"ef"`` the one column :math:`\nabla_f\ell_i` (one per output position).
+
+**Weight sharing: KFAC-expand.** A convolution, and a Linear layer applied to inputs
+with more than a batch dimension (a transformer's ``(batch, sequence, features)``),
+shares its weight over the layer's T positions. This module implements **KFAC-expand**
+(Eschenhagen et al. 2023, §3, "the expand setting"; for convolutions Grosse & Martens
+2016): the positions are treated as extra examples,
+
+.. math::
+
+    G = \sum_{i}\sum_{c}\sum_{t=1}^{T} g_{ict}g_{ict}^\top, \qquad
+    A = \frac{1}{nT}\sum_{i}\sum_{t=1}^{T}\tilde u_{it}\tilde u_{it}^\top,
+
+with :math:`u_{it}` the layer's input at position t (a convolution's unfolded patch) and
+:math:`g_{ict} = \partial(f_i\cdot v_{ic})/\partial z_{it}` for every column c of the
+likelihood's factor. For a model output with positions, ``(batch, *positions,
+classes)``, the factor is block diagonal with one block per output position s
+(:mod:`~samplers_as_optim.gaussian.likelihoods`), c = (s, k): then where the network
+after the layer acts on each position alone (:math:`g_{i(s,k)t} = 0` for s ≠ t) this is
+exactly the KFAC of the same data with the positions flattened into the batch, the
+setting in which Eschenhagen et al. show KFAC-expand exact for deep linear networks; a
+network that mixes positions (attention) keeps its cross-position terms in G through
+:math:`g_{i(s,k)t}`, s ≠ t, and the expand approximation drops only the products of
+different positions t ≠ t' of the layer. With ``ignore_index`` the ignored positions'
+columns are zero, and A averages over the rows of the kept positions only (for a Linear
+layer whose input is laid out like the targets, ``(batch, *positions, in)``; another
+layer keeps the rows of every example with a kept position), so padding changes
+nothing. (KFAC-reduce, which sums the positions before the outer products, is not
+implemented.) Memory: :math:`O(\sum_\ell d_\text{in}^2 + d_\text{out}^2)`.
 
 **The damped inverse by eigendecomposition** (Martens & Grosse 2015, App. B; George et
 al. 2018). With :math:`G = Q_G\,\mathrm{diag}(\lambda_G)Q_G^\top` and :math:`A =
@@ -65,17 +88,16 @@ from torch import Tensor, nn
 
 from ._data_checks import check_finite_curvature, checked_forward
 from ._per_example_curvature import (
-    batch_factor,
     capture_layer_io,
     diag_curvature,
     fast_layers,
-    layer_output_grads,
+    layer_grad_chunks,
     recorded_input,
     unfold_input,
 )
 from ._wide_linalg import eigh
 from .flat import Treated
-from .likelihoods import Likelihood
+from .likelihoods import Likelihood, factor_blocks
 
 __all__ = ["KronBlock", "KronCurvature", "KronPrecision", "decompose_curvature", "kron_curvature"]
 
@@ -124,6 +146,20 @@ def _output_grads(module: nn.Module, grad: Tensor) -> Tensor:
     return grad.reshape(-1, grad.shape[-1])
 
 
+def _kept_rows(module: nn.Module, inp: Tensor, mask: Tensor, count: int) -> Tensor:
+    """Which of a layer's ``count`` input rows :math:`A` averages, given the targets' mask.
+
+    ``mask`` is ``(B, *positions)``, False where the target is ignored. A Linear layer
+    whose input is laid out like the targets, ``(B, *positions, in)``, keeps the rows of
+    the kept positions; any other layer keeps the rows of the examples with at least one
+    kept position (rows are example-major).
+    """
+    if isinstance(module, nn.Linear) and inp.shape[:-1] == mask.shape:
+        return mask.reshape(-1)
+    examples = mask.reshape(mask.shape[0], -1).any(-1)
+    return examples.repeat_interleave(count // mask.shape[0])
+
+
 def _kron_usable(module: nn.Module, calls: list[tuple[object, int, Tensor]], batch: int) -> bool:
     inp = recorded_input(calls, batch)
     if inp is None:
@@ -161,7 +197,7 @@ def kron_curvature(
     batch = x.shape[0]
     with capture_layer_io(layers) as records, torch.set_grad_enabled(bool(layers)):
         output = checked_forward(model, x, target, likelihood)
-    factor = batch_factor(likelihood, kind, output.detach(), target)
+    blocks = factor_blocks(likelihood, kind, output.detach(), target)
     names = {module: name for name, module in model.named_modules()}
     for module in layers:
         if not _kron_usable(module, records.get(module, []), batch):
@@ -172,17 +208,27 @@ def kron_curvature(
                 "exactly once, on an input with the batch first, unchanged in place)"
             )
     outputs = [records[module][0][2] for module in layers]
-    # No layer (a subset of, say, normalisation weights only): nothing to differentiate.
-    grads = layer_output_grads(output, factor, outputs)
+    mask = likelihood.position_mask(output, target)
+    # G summed over the factor's columns, a chunk at a time (one chunk without positions);
+    # no layer (a subset of, say, normalisation weights only): nothing to differentiate.
+    g_sums: list[Tensor] = []
+    for grads in layer_grad_chunks(output, blocks, outputs):
+        for index, (module, grad) in enumerate(zip(layers, grads, strict=True)):
+            rows_g = _output_grads(module, grad.detach())
+            if index == len(g_sums):
+                g_sums.append(rows_g.T @ rows_g)
+            else:
+                g_sums[index] = g_sums[index] + rows_g.T @ rows_g
     sums = []
-    for (module, entries), grad in zip(layers.items(), grads, strict=True):
-        rows_g = _output_grads(module, grad.detach())
+    for (module, entries), g_sum in zip(layers.items(), g_sums, strict=True):
         rows_a = _input_rows(module, records[module][0][0])
+        if mask is not None:
+            rows_a = rows_a[_kept_rows(module, records[module][0][0], mask, rows_a.shape[0])]
         sums.append(
             KronSums(
                 entries.get("weight"),
                 entries.get("bias"),
-                rows_g.T @ rows_g,
+                g_sum,
                 _augmented_gram(rows_a, "weight" in entries, "bias" in entries),
                 rows_a.shape[0],
             )

@@ -41,6 +41,10 @@ per-example gradient formed. ``nn.Conv2d`` forms per-example gradients of that l
 only, a chunk of examples at a time; other modules (and dense) use chunked
 ``vmap(vjp)`` per example. See ``samplers_as_optim/_curvature.py``.
 
+``"lowrank"`` keeps the curvature's top-k eigenpairs (block Lanczos on batched products,
+a few passes) and the diagonal of the rest, every operation exact in O(kP) memory
+(Daxberger et al. 2021, §3.2; :mod:`._lowrank`, :mod:`._lowrank_fit`).
+
 ``"kron"`` keeps a Kronecker factor pair per ``nn.Linear``/``nn.Conv2d`` layer (KFAC;
 Martens & Grosse 2015, Ritter et al. 2018), the bias inside the factor, with the damped
 inverse, log-determinant and square root exact through the factors'
@@ -122,6 +126,8 @@ from ._evidence import (
     data_term,
     log_marginal_likelihood,
 )
+from ._lowrank import LowRankCurvature
+from ._lowrank_fit import check_rank, fit_lowrank
 from ._prior_forms import block_priors, prior_groups, read_prior
 from ._prior_search import PriorTuning
 
@@ -146,14 +152,23 @@ class Laplace(_Gaussian, PriorTuning):
 
     Args:
         model: the trained network; its output for a batch has the batch first.
-        num_data: the number of training examples N (required, a positive integer).
+        num_data: the number of training examples N (required, a positive integer): for
+            outputs with positions, the number of sequences, not of tokens (each
+            example's log-likelihood is its sum over positions; n, the examples
+            :meth:`fit` sees, counts sequences too).
         likelihood: ``"classification"`` (softmax cross-entropy on ``(batch, classes)``
-            logits; targets are class indices of an integer dtype in ``[0, classes)``
-            or probabilities of the logits' shape), ``"regression"``
-            (Gaussian with standard deviation ``noise_std``; targets shaped like the
-            output) or a callable ``log_likelihood(output, target)`` returning one
-            log-likelihood per example, shape ``(batch,)`` (its output Hessian, for the
-            GGN, is computed by autograd and its negative eigenvalues clipped).
+            logits, or ``(batch, *positions, classes)`` ones such as a causal language
+            model's ``(batch, sequence, vocabulary)``, one observation per position;
+            targets are class indices of an integer dtype in ``[0, classes)`` of shape
+            ``(batch, *positions)``, or probabilities of the logits' shape),
+            ``"regression"`` (Gaussian with standard deviation ``noise_std``; targets
+            shaped like the output, ``(batch, *positions, outputs)`` read as one
+            observation per position) or a callable ``log_likelihood(output, target)``
+            returning one log-likelihood per example, shape ``(batch,)`` (its output
+            Hessian, for the GGN, is computed by autograd and its negative eigenvalues
+            clipped). Per position, the GGN is :math:`\sum_t J_{it}^\top H_{it}J_{it}`
+            and the empirical Fisher :math:`\sum_t\nabla\ell_{it}\nabla\ell_{it}^\top`
+            (see :mod:`samplers_as_optim.gaussian.likelihoods`).
         noise_std: the Gaussian noise scale σ for ``likelihood="regression"`` (default:
             None, meaning 1.0; a finite number > 0). Must be None otherwise. Settable
             after :meth:`fit` without a new pass; tuned by the evidence
@@ -167,7 +182,12 @@ class Laplace(_Gaussian, PriorTuning):
             :math:`O(\sum d_\text{in}^2 + d_\text{out}^2)`; see
             :mod:`samplers_as_optim.gaussian.kfac`). A float16/bfloat16 model's
             factorisations run in float32, its results keep its dtype (see
-            :mod:`samplers_as_optim.gaussian._wide_linalg`).
+            :mod:`samplers_as_optim.gaussian._wide_linalg`); or ``"lowrank"``: the top
+            ``rank`` eigenpairs of the curvature plus the diagonal of the rest, O(kP)
+            memory, a few passes over the loader (:mod:`._lowrank`).
+        rank: ``structure="lowrank"``'s k in [1, P] (default: None, ``min(P, 20)``), or
+            a float f in (0, 1): the fewest eigenpairs holding f of the curvature's
+            trace; None with the other structures. The fitted k: ``la.precision.rank``.
         prior_precision: :math:`\Lambda_0` (default: 1.0). A finite number > 0 for the
             prior :math:`\mathcal N(0, 1/\Lambda_0)` on every weight, i.e. ``num_data *
             weight_decay``; a 1-d tensor with one value per treated tensor (the order of
@@ -180,8 +200,9 @@ class Laplace(_Gaussian, PriorTuning):
             <samplers_as_optim.gaussian.kfac.KronBlock.prior>`): a number, or one number
             per treated tensor with the same value for a layer's weight and bias (they
             share one Kronecker factor pair); a prior that varies within a tensor is
-            refused there. Settable after :meth:`fit` (the posterior is rebuilt from the
-            stored curvature); tuned by :meth:`optimize_prior_precision`.
+            refused there. ``"lowrank"`` takes ``"diag"``'s forms. Settable after
+            :meth:`fit` (the posterior is rebuilt from the stored curvature); tuned by
+            :meth:`optimize_prior_precision`.
         temperature: T, multiplies the covariance (default: 1.0; a finite number >= 0;
             0 gives the point mass at :math:`\theta_*`). The fit does not depend on it:
             set ``la.temperature = T`` after ``fit`` to sweep temperatures without
@@ -191,6 +212,11 @@ class Laplace(_Gaussian, PriorTuning):
             the last module, in ``model.named_modules()`` order, that owns any) or a
             list of names from ``model.named_parameters()``. The rest stay at the MAP in
             every sample and prediction.
+        ignore_index: ``likelihood="classification"`` only (default: None): positions
+            (or examples) whose class-index target equals it add nothing to the
+            curvature, the log-likelihood or the evidence, as in
+            ``torch.nn.CrossEntropyLoss(ignore_index=-100)`` for padding; any integer
+            (one in ``[0, classes)`` ignores that class). They still count in n.
 
     Example:
         >>> import torch
@@ -223,16 +249,20 @@ class Laplace(_Gaussian, PriorTuning):
         noise_std: float | None = None,
         curvature: str = "ggn",
         structure: str = "diag",
+        rank: int | float | None = None,
         prior_precision: Precision = 1.0,
         temperature: float = 1.0,
         subset: str | Sequence[str] | None = None,
+        ignore_index: int | None = None,
     ) -> None:
         self.treated = select_subset(model, subset)
         self.model = model
         self.num_data = check_num_data(num_data)
-        self.likelihood = make_likelihood(likelihood, noise_std)
+        self.likelihood = make_likelihood(likelihood, noise_std, ignore_index)
         self.curvature = check_choice("curvature", curvature, ("ggn", "ef"))
-        self.structure = check_choice("structure", structure, ("diag", "dense", "kron"))
+        self.structure = check_choice("structure", structure, ("diag", "dense", "kron", "lowrank"))
+        #: ``structure="lowrank"``'s k (an int) or trace fraction (a float); else None.
+        self.rank = check_rank(rank, self.structure, self.treated.numel)
         self.temperature = temperature
         reference = self._reference()
         if self.structure == "dense":
@@ -342,9 +372,15 @@ class Laplace(_Gaussian, PriorTuning):
                 the likelihood refuses (a class index out of range, float class indices,
                 regression targets not shaped like the output), or the summed curvature
                 overflowed (for every ``structure`` and ``subset``); the loader yielded
-                nothing; a dense precision is not positive definite. A refused fit leaves
-                the previous fit (or none) in place.
+                nothing; a dense precision is not positive definite; a later ``"lowrank"``
+                pass (:mod:`._lowrank_fit`) that sees other examples than the first. A
+                refused fit leaves the previous fit (or none) in place.
+            TypeError: ``"lowrank"`` with an iterator (it cannot be passed over again).
         """
+        if self.structure == "lowrank":
+            with evaluating(self.model):
+                self._install(self.treated.current(self.model), fit_lowrank(self, loader, progress))
+            return self
         batches = progress_bar(loader, progress, "Laplace.fit")
         if self.structure == "kron":
             return self._fit_kron(batches)
@@ -442,6 +478,9 @@ class Laplace(_Gaussian, PriorTuning):
                 [float(value) for value in blocks[:count]], diagonal, scale
             )
             self._cholesky = None
+        elif isinstance(curvature, LowRankCurvature):
+            self._precision = curvature.precision(prior, scale, ref.dtype)
+            self._cholesky = None
         elif isinstance(curvature, dict):
             flat = prior + scale * self.treated.flatten(curvature)
             self._precision = self.treated.unflatten(flat)
@@ -491,7 +530,7 @@ class Laplace(_Gaussian, PriorTuning):
         prior :math:`\mathcal N(0,\Lambda_0^{-1})` on the treated weights (the others are
         held at :math:`\theta_*` and do not enter), :math:`\log p(D\mid\theta_*)` the
         fitted pass's log-likelihood scaled to N (:attr:`log_likelihood`) and Λ the
-        precision of this structure (diagonal, KFAC, dense). It is the evidence of the
+        precision of the structure (diag, KFAC, dense, low-rank). It is the evidence of the
         temperature-1 posterior whatever ``temperature`` is. For regression,
         :math:`\log p(D\mid\theta_*) = -\frac{NO}{2}\log(2\pi\sigma^2) -
         \mathrm{SSE}/(2\sigma^2)` and the GGN is :math:`C/\sigma^2` (the empirical

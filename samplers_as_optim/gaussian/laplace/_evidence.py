@@ -46,6 +46,7 @@ from .._wide_linalg import cholesky_ex, eigvalsh, wide_dtype
 from ..flat import Treated
 from ..kfac import KronCurvature
 from ..likelihoods import Likelihood, Regression
+from ._lowrank import LowRankCurvature, lowrank_logdet
 
 __all__ = [
     "DataSums",
@@ -57,7 +58,7 @@ __all__ = [
     "posterior_logdet",
 ]
 
-Curvature = dict[str, Tensor] | Tensor | KronCurvature
+Curvature = dict[str, Tensor] | Tensor | KronCurvature | LowRankCurvature
 
 
 @dataclass
@@ -66,8 +67,9 @@ class FitTerms:
 
     Attributes:
         curvature: :math:`\frac Nn\sum_i C_i` without the prior, at ``fit_noise``: a dict
-            of diagonals, a (P, P) matrix or a
-            :class:`~samplers_as_optim.gaussian.kfac.KronCurvature`.
+            of diagonals, a (P, P) matrix, a
+            :class:`~samplers_as_optim.gaussian.kfac.KronCurvature` or a
+            :class:`~._lowrank.LowRankCurvature`.
         log_likelihood: :math:`\frac Nn\sum_i\log p(y_i\mid x_i,\theta_*)` (0-d) at
             ``fit_noise``.
         sse: regression only: :math:`\frac Nn\sum_i\lVert y_i-f_i\rVert^2` (0-d), else
@@ -139,9 +141,12 @@ def posterior_logdet(
     ``prior`` is the flat diagonal (P,) or a dense (P, P) prior; ``blocks`` the per-block
     priors of a KFAC curvature (see :mod:`._prior_forms`); ``scalar``: ``prior`` is one
     value δ everywhere, so a dense :math:`\log\det(\delta I + cC) = \sum_j\log(\delta +
-    c\lambda_j)` from C's eigenvalues (computed once), else a Cholesky factorisation.
+    c\lambda_j)` from C's eigenvalues (computed once), else a Cholesky factorisation; a
+    low-rank curvature by the determinant lemma (:func:`~._lowrank.lowrank_logdet`).
     """
     curvature = terms.curvature
+    if isinstance(curvature, LowRankCurvature):
+        return lowrank_logdet(curvature, prior, scale)
     if isinstance(curvature, KronCurvature):
         assert blocks is not None
         scale_tensor = torch.as_tensor(scale, dtype=prior.dtype, device=prior.device)
@@ -173,10 +178,13 @@ def curvature_rank(terms: FitTerms) -> int:
     Diagonal: the entries of each tensor; dense: the eigenvalues (computed once and kept,
     as :func:`posterior_logdet` does); KFAC: per block the products
     :math:`\lambda_{G,a}\lambda_{A,b}` of the factors' eigenvalues above round-off, plus
-    the diagonal part. "Above round-off": larger than ``size * eps`` times the largest
-    eigenvalue of their matrix (``size`` its dimension, ``eps`` its dtype's).
+    the diagonal part; low-rank: :meth:`~._lowrank.LowRankCurvature.rank`. "Above
+    round-off": larger than ``size * eps`` times the largest eigenvalue of their matrix
+    (``size`` its dimension, ``eps`` its dtype's).
     """
     curvature = terms.curvature
+    if isinstance(curvature, LowRankCurvature):
+        return curvature.rank()
     if isinstance(curvature, KronCurvature):
         count = sum(
             _above_roundoff(block.g_eigenvalues, block.g_eigenvalues.numel())

@@ -27,6 +27,13 @@ per validation chunk; each δ then costs the marginal variances
 and regression, whose predictive needs only the variances), or the full O x O covariance
 :math:`T(R\,\mathrm{diag}\,w)R^\top` (the Laplace bridge and Monte Carlo).
 
+A low-rank curvature (``"lowrank"``, :mod:`._lowrank`) has no eigenbasis common to
+every δ (its diagonal part :math:`\delta + cD` is not a multiple of I), so R = J and
+each δ builds its precision :math:`\Lambda(\delta) = \delta I + c(D + U\mathrm{diag}(s)
+U^\top)` from the stored pairs (O(kP) and one k x k eigendecomposition) and applies its
+square root W, :math:`\Sigma_f(\delta) = T(JW)(JW)^\top`: O(kP) per output row and δ,
+still without a pass over the training data or a new Jacobian.
+
 The score of δ is the validation negative log-likelihood of the GLM predictive
 (Daxberger et al. 2021, §2; laplace-torch's ``gridsearch`` scores
 ``pred_type="glm", link_approx="probit"`` by default), summed over the examples:
@@ -61,6 +68,7 @@ References:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 from typing import cast
 
 import torch
@@ -75,6 +83,7 @@ from ..kfac import KronCurvature
 from ..likelihoods import Likelihood, Regression
 from ..linearised.output_jacobians import input_chunks, output_jacobians
 from ._evidence import FitTerms, curvature_scale
+from ._lowrank import LowRankCurvature
 
 __all__ = ["CurvatureBasis", "batch_scores"]
 
@@ -82,17 +91,26 @@ __all__ = ["CurvatureBasis", "batch_scores"]
 class CurvatureBasis:
     r"""U and c·e of the fitted curvature :math:`cC = U\mathrm{diag}(ce)U^\top`.
 
+    A low-rank curvature has none: there :meth:`rotate` is J and each δ builds its
+    precision (module docstring).
+
     Attributes:
-        eigenvalues: ``(P,)`` c·e, in the order of the columns of :meth:`rotate`.
+        eigenvalues: ``(P,)`` c·e, in the order of the columns of :meth:`rotate` (empty
+            for a low-rank curvature).
     """
 
     def __init__(self, terms: FitTerms, treated: Treated, noise_std: float | None) -> None:
         scale = float(curvature_scale(terms, noise_std))
         curvature = terms.curvature
         self.treated = treated
+        self._scale = scale
         self._kron: KronCurvature | None = None
         self._vectors: Tensor | None = None
-        if isinstance(curvature, KronCurvature):
+        self._lowrank: LowRankCurvature | None = None
+        if isinstance(curvature, LowRankCurvature):
+            self._lowrank = curvature
+            self.eigenvalues = curvature.diagonal.new_zeros(0)
+        elif isinstance(curvature, KronCurvature):
             self._kron = curvature
             parts = [
                 torch.outer(block.g_eigenvalues, block.a_eigenvalues).reshape(-1)
@@ -125,6 +143,39 @@ class CurvatureBasis:
             return torch.cat(parts, dim=-1)
         flat = self.treated.flatten(jacobians, batch_dims=2)
         return flat if self._vectors is None else flat @ self._vectors
+
+    def _factors(self, rotated: Tensor, grid: Tensor) -> Iterator[Tensor]:
+        r"""Low-rank: per δ, :math:`JW_\delta` (:meth:`~._lowrank.LowRankPrecision.factor`)."""
+        assert self._lowrank is not None
+        size, lowrank = self.treated.numel, self._lowrank
+        for value in grid:
+            precision = lowrank.precision(value.expand(size), self._scale, rotated.dtype)
+            yield precision.factor(rotated)
+
+    def covariances(self, rotated: Tensor, grid: Tensor) -> Iterator[Tensor]:
+        r"""Per δ of ``grid`` in turn, :math:`J\Lambda(\delta)^{-1}J^\top` ``(C, O, O)``.
+
+        :math:`R\,\mathrm{diag}(\delta + ce)^{-1}R^\top` in the eigenbasis; low-rank
+        :math:`(JW_\delta)(JW_\delta)^\top`.
+        """
+        if self._lowrank is None:
+            weights = (grid.unsqueeze(1) + self.eigenvalues.unsqueeze(0)).reciprocal()
+            return ((rotated * weight) @ rotated.mT for weight in weights)
+        return (factor @ factor.mT for factor in self._factors(rotated, grid))
+
+    def variances(self, rotated: Tensor, grid: Tensor) -> Tensor:
+        r""":math:`\mathrm{diag}(J\Lambda(\delta)^{-1}J^\top)` per δ: ``(G, C·O)``.
+
+        In the eigenbasis one product for the whole grid,
+        :math:`(R\circ R)(\delta + ce)^{-1}`; low-rank: the rows of :math:`JW_\delta`.
+        """
+        if self._lowrank is None:
+            weights = (grid.unsqueeze(1) + self.eigenvalues.unsqueeze(0)).reciprocal()
+            squares = rotated.square().reshape(-1, rotated.shape[-1])
+            return (squares @ weights.T).T
+        return torch.stack(
+            [factor.square().sum(-1).reshape(-1) for factor in self._factors(rotated, grid)]
+        )
 
 
 def _regression_nll(mean: Tensor, variance: Tensor, targets: Tensor) -> Tensor:
@@ -189,7 +240,6 @@ def batch_scores(
                 dtype=center.dtype,
                 device=center.device,
             )
-        weights = (grid.unsqueeze(1) + basis.eigenvalues.unsqueeze(0)).reciprocal()
         total = center.new_zeros(grid.shape[0])
         chunks = input_chunks(
             batch, outputs, basis.treated.numel, center.dtype, center.device, None
@@ -206,16 +256,14 @@ def batch_scores(
                 total += _full_covariance_nll(
                     likelihood,
                     mean,
-                    rotated,
-                    weights,
+                    basis.covariances(rotated, grid),
                     temperature,
                     target,
                     link_approx,
                     None if noise is None else noise[:, part],
                 )
                 continue
-            squares = rotated.square().reshape(-1, rotated.shape[-1])
-            variances = (temperature * (squares @ weights.T)).T.reshape(-1, *mean.shape)
+            variances = temperature * basis.variances(rotated, grid).reshape(-1, *mean.shape)
             if isinstance(likelihood, Regression):
                 total += _regression_nll(mean, variances + likelihood.noise_std**2, target)
             else:
@@ -228,17 +276,16 @@ def batch_scores(
 def _full_covariance_nll(
     likelihood: Likelihood,
     mean: Tensor,
-    rotated: Tensor,
-    weights: Tensor,
+    covariances: Iterable[Tensor],
     temperature: float,
     targets: Tensor,
     link_approx: str,
     noise: Tensor | None,
 ) -> Tensor:
-    r"""Per δ, :math:`\Sigma_f = T R\,\mathrm{diag}(w_\delta)R^\top`, through the bridge or MC."""
+    r"""Per δ, :math:`\Sigma_f = T J\Lambda(\delta)^{-1}J^\top`, through the bridge or MC."""
     scores = []
-    for weight in weights:
-        covariance = temperature * ((rotated * weight) @ rotated.mT)
+    for part in covariances:
+        covariance = temperature * part
         if link_approx == "mc":
             assert noise is not None
             scores.append(_monte_carlo_nll(likelihood, mean, covariance, noise, targets))

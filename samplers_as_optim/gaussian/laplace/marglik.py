@@ -313,7 +313,8 @@ def marglik_training(
             parameters or a subset of them (every parameter it updates must be one of
             ``model.parameters()``; default: None, ``Adam(model.parameters(), lr=1e-3)``).
         num_epochs: epochs of training (default: 300; an integer >= 1).
-        structure: the Laplace structure of every round (default: ``"kron"``).
+        structure: the Laplace structure of every round (default: ``"kron"``;
+            ``"lowrank"`` keeps its default ``rank``, min(P, 20), refitted each round).
         curvature: ``"ggn"`` (default) or ``"ef"``.
         prior_structure: ``"layerwise"`` (default: one per layer; with ``"kron"`` a
             layer's weight and bias share it), ``"scalar"`` or ``"diag"`` (not with

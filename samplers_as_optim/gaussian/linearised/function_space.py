@@ -20,7 +20,10 @@ exactly, without sampling. The O x O covariance is :math:`T\,MM^\top` with
   (Q_G\otimes Q_A)^\top` (see :mod:`~samplers_as_optim.gaussian.kfac`),
   :math:`S = (Q_G\otimes Q_A)\,\mathrm{diag}(D)^{-1/2}`, so the block's columns of M are
   :math:`(Q_G^\top J_o Q_A)\oslash\sqrt D` for each output's Jacobian :math:`J_o` as an
-  out x (in+1) matrix; the diagonal part as for ``"diag"``.
+  out x (in+1) matrix; the diagonal part as for ``"diag"``;
+* a :class:`FlatPrecision` (``"lowrank"``, :math:`\Lambda = A + BB^\top` in the units
+  of :mod:`~samplers_as_optim.gaussian.laplace._lowrank`): its own square root W,
+  :math:`M = JW` (:meth:`FlatPrecision.factor`, O(P·k) per output row).
 
 Cost per input: O reverse passes for J (vectorised, see
 :mod:`~samplers_as_optim.gaussian.linearised.output_jacobians`), :math:`O\cdot P` numbers for J and
@@ -41,7 +44,12 @@ from ..flat import Treated
 from ..kfac import KronPrecision
 from .output_jacobians import input_chunks, output_jacobians
 
-__all__ = ["FunctionSpaceGaussian", "covariance_factor", "function_space_gaussian"]
+__all__ = [
+    "FlatPrecision",
+    "FunctionSpaceGaussian",
+    "covariance_factor",
+    "function_space_gaussian",
+]
 
 
 class FunctionSpaceGaussian(NamedTuple):
@@ -57,6 +65,41 @@ class FunctionSpaceGaussian(NamedTuple):
     covariance: Tensor
 
 
+class FlatPrecision:
+    r"""A precision over the flat (P,) treated vector that applies its own square root.
+
+    The interface a Gaussian (``_weight_gaussian``) and :func:`covariance_factor` use
+    for a structure that is neither a diagonal, a dense matrix nor KFAC: a matrix W with
+    :math:`WW^\top = \Lambda^{-1}`, applied to standard normal draws (:meth:`inverse_sqrt`)
+    and to Jacobian rows (:meth:`factor`), the quadratic form, the log-determinant and
+    the marginal variances. Every argument and result is in the flat order of the
+    treated parameters (``named_parameters()``), with any leading dimensions.
+    """
+
+    def inverse_sqrt(self, noise: Tensor) -> Tensor:
+        r""":math:`Wz` for each row z of ``noise`` ``(..., P)``: covariance :math:`\Lambda^{-1}`."""
+        raise NotImplementedError
+
+    def factor(self, rows: Tensor) -> Tensor:
+        r""":math:`j^\top W` per row j of ``rows`` ``(..., P)``: :math:`JW` squares to the GLM's.
+
+        :math:`(JW)(JW)^\top = J\Lambda^{-1}J^\top`.
+        """
+        raise NotImplementedError
+
+    def quadratic(self, delta: Tensor) -> Tensor:
+        r""":math:`\delta^\top\Lambda\delta` for each row of ``delta`` ``(..., P)``: ``(...)``."""
+        raise NotImplementedError
+
+    def logdet(self) -> Tensor:
+        r""":math:`\log\det\Lambda`, 0-d."""
+        raise NotImplementedError
+
+    def variances(self) -> Tensor:
+        r""":math:`\mathrm{diag}(\Lambda^{-1})`, ``(P,)``."""
+        raise NotImplementedError
+
+
 def _block_eigenvalues(block: Any) -> Tensor:
     """D of a :class:`~samplers_as_optim.gaussian.kfac.KronBlock` (a property or a method)."""
     values = block.eigenvalues
@@ -66,13 +109,14 @@ def _block_eigenvalues(block: Any) -> Tensor:
 def covariance_factor(
     jacobians: dict[str, Tensor],
     treated: Treated,
-    precision: dict[str, Tensor] | Tensor | KronPrecision,
+    precision: dict[str, Tensor] | Tensor | KronPrecision | FlatPrecision,
     cholesky: Tensor | None,
 ) -> Tensor:
     r"""M with :math:`MM^\top = J\Lambda^{-1}J^\top`: ``(C, O, P)`` from ``(C, O, *shape)``.
 
     ``precision`` is the fitted structure at temperature 1 (a dict of diagonals, the
-    dense matrix with its Cholesky factor ``cholesky``, or a ``KronPrecision``).
+    dense matrix with its Cholesky factor ``cholesky``, a ``KronPrecision`` or a
+    :class:`FlatPrecision`).
     """
     first = jacobians[treated.names[0]]
     lead = first.shape[:2]
@@ -86,6 +130,8 @@ def covariance_factor(
             parts.append((jacobians[name] * diagonal.rsqrt()).reshape(*lead, -1))
         return torch.cat(parts, dim=-1)
     flat = treated.flatten(jacobians, batch_dims=2)
+    if isinstance(precision, FlatPrecision):
+        return precision.factor(flat)
     if isinstance(precision, dict):
         return flat * treated.flatten(precision).rsqrt()
     assert cholesky is not None
@@ -99,16 +145,20 @@ def function_space_gaussian(
     model: nn.Module,
     treated: Treated,
     mean: dict[str, Tensor],
-    precision: dict[str, Tensor] | Tensor | KronPrecision,
+    precision: dict[str, Tensor] | Tensor | KronPrecision | FlatPrecision,
     cholesky: Tensor | None,
     temperature: float,
     x: Tensor,
     chunk_size: int | None,
+    per_position: bool = False,
 ) -> FunctionSpaceGaussian:
     r""":math:`\big(f(x;\mu),\; T J\Lambda^{-1}J^\top\big)` for a batch, chunk by chunk.
 
     The model runs as it is (call it in eval mode: one input at a time must give the
-    same outputs as the batch); the result is detached.
+    same outputs as the batch); the result is detached. ``per_position``, for outputs
+    ``(B, *positions, K)`` with positions: only the K x K block of each position, the
+    covariance ``(B, *positions, K, K)`` (the diagonal blocks of the joint ``(B, O, O)``,
+    in :math:`B\cdot O\cdot K` numbers instead of :math:`B\cdot O^2`).
 
     Raises:
         ValueError: an input without a batch dimension, or one input's Jacobian cannot
@@ -123,7 +173,13 @@ def function_space_gaussian(
                 "both)"
             )
         batch, outputs = center.shape[0], center[0].numel()
-        covariance = center.new_empty(batch, outputs, outputs)
+        blocks = per_position and center.dim() > 2
+        width = center.shape[-1]
+        covariance = (
+            center.new_empty(batch, outputs // width, width, width)
+            if blocks
+            else center.new_empty(batch, outputs, outputs)
+        )
         chunks = input_chunks(
             batch, outputs, treated.numel, center.dtype, center.device, chunk_size
         )
@@ -131,5 +187,9 @@ def function_space_gaussian(
             jacobians = output_jacobians(model, mean, x[part])
             factor = covariance_factor(jacobians, treated, precision, cholesky)
             del jacobians
+            if blocks:
+                factor = factor.reshape(factor.shape[0], -1, width, factor.shape[-1])
             covariance[part] = temperature * (factor @ factor.mT)
+    if blocks:
+        covariance = covariance.reshape(*center.shape, width)
     return FunctionSpaceGaussian(center, covariance)

@@ -32,6 +32,14 @@ predictive :math:`p(y\mid x) = \int p(y\mid f)\,\mathcal N(f;\bar f,\Sigma_f)\,d
   closed form's entropy and the identity holds only as far as the closed form matches
   the Monte Carlo average.
 
+An output with positions, ``(B, *positions, K)`` (a language model's ``(batch,
+sequence, vocabulary)`` logits; one observation per position, as the fit reads it:
+:mod:`~samplers_as_optim.gaussian.likelihoods`), is predicted position by position from
+the K x K diagonal blocks of :math:`\Sigma_f` (``function_space(x,
+per_position=True)``), as if the B·T positions were a batch of B·T inputs (the same
+draws, in that order): the fields gain the positions (``probs`` ``(B, *positions,
+K)``, the entropies ``(B, *positions)``).
+
 The draws use the covariance's eigendecomposition (negative round-off eigenvalues set
 to 0), so a singular :math:`\Sigma_f` (fewer treated weights than outputs, or the
 softmax's shift direction) is drawn exactly.
@@ -86,7 +94,7 @@ class _Linearised(Protocol):
     def noise_std(self) -> Any: ...
 
     def function_space(
-        self, x: Tensor, *, chunk_size: int | None = None
+        self, x: Tensor, *, chunk_size: int | None = None, per_position: bool = False
     ) -> FunctionSpaceGaussian: ...
 
 
@@ -167,18 +175,33 @@ def _closed_form(
         )
     link_approx = check_choice("link_approx", link_approx, LINK_APPROXIMATIONS)
     num_samples = check_positive_int("num_samples", num_samples)
-    gaussian = linearised.function_space(x, chunk_size=chunk_size)
+    gaussian = linearised.function_space(x, chunk_size=chunk_size, per_position=True)
     if name == "regression":
         noise = torch.as_tensor(
             linearised.noise_std, dtype=gaussian.mean.dtype, device=gaussian.mean.device
         )
         return regression_predictive(gaussian, noise.square())
-    if gaussian.mean.dim() != 2:
+    mean, covariance = gaussian
+    if mean.dim() < 2:
         raise ValueError(
-            f"Invalid model output: shape {tuple(gaussian.mean.shape)} (expected "
-            "(batch, classes) logits for likelihood='classification')"
+            f"Invalid model output: shape {tuple(mean.shape)} (expected (batch, classes) or "
+            "(batch, *positions, classes) logits for likelihood='classification')"
         )
-    return classification_predictive(gaussian, link_approx, num_samples, generator)
+    if mean.dim() == 2:
+        return classification_predictive(gaussian, link_approx, num_samples, generator)
+    # each position's K x K block, as a batch of B * T inputs (the same draws, in order)
+    lead, classes = mean.shape[:-1], mean.shape[-1]
+    flat = FunctionSpaceGaussian(
+        mean.reshape(-1, classes), covariance.reshape(-1, classes, classes)
+    )
+    result = classification_predictive(flat, link_approx, num_samples, generator)
+    return ClassificationPrediction(
+        result.log_probs.reshape(mean.shape),
+        result.probs.reshape(mean.shape),
+        result.total.reshape(lead),
+        result.aleatoric.reshape(lead),
+        result.epistemic.reshape(lead),
+    )
 
 
 class GLMPredictive:
@@ -227,7 +250,7 @@ class GLMPredictive:
           :meth:`function_space` or ``predict(x)``'s draws through it).
 
         Cost: that of :meth:`function_space`, plus one O x O eigendecomposition per
-        input for the draws.
+        input for the draws (K x K per position for outputs with positions).
 
         Args:
             x: a batch of inputs on the parameters' device.
@@ -239,15 +262,17 @@ class GLMPredictive:
             chunk_size: inputs per Jacobian chunk (default: None, automatic).
 
         Returns:
-            A ``ClassificationPrediction`` (``[B, K]`` probabilities, ``[B]``
-            entropies) or a ``RegressionPrediction`` (each ``(B, *out)``); detached.
+            A ``ClassificationPrediction`` (``[B, *positions, K]`` probabilities,
+            ``[B, *positions]`` entropies: outputs with positions are predicted per
+            position, module docstring) or a ``RegressionPrediction`` (each
+            ``(B, *out)``); detached.
 
         Raises:
             RuntimeError: not fitted yet.
             ValueError: a callable likelihood, an unknown ``link_approx``, a bad
                 ``num_samples`` or ``chunk_size``, classification outputs that are not
-                ``(batch, classes)`` logits, or one input's Jacobian too large for
-                memory.
+                ``(batch, classes)`` or ``(batch, *positions, classes)`` logits, or one
+                input's Jacobian too large for memory.
 
         Example:
             >>> import torch
