@@ -64,7 +64,7 @@ from .._per_example_curvature import diag_curvature
 from .._weight_gaussian import batches_on
 from .._wide_linalg import wide_dtype
 from ..flat import Treated
-from ..likelihoods import Likelihood, factor_blocks
+from ..likelihoods import Classification, Likelihood, factor_blocks
 from ._evidence import DataSums, FitTerms
 from ._lowrank import LowRankCurvature
 
@@ -112,6 +112,34 @@ def check_rank(rank: Any, structure: str, size: int) -> int | float | None:
     raise TypeError(f"Invalid rank: {rank!r} (expected {expected})")
 
 
+def _output_product(
+    likelihood: Likelihood, kind: str, output: Tensor, targets: Tensor
+) -> Callable[[Tensor], Tensor]:
+    r"""``u`` (the output's shape) :math:`\mapsto V V^\top u`, position by position, vmap-safe.
+
+    The softmax GGN in closed form, :math:`p\odot(u - p^\top u)` per position (O(C), not
+    the O(C²) of its factor: a language model's vocabulary); otherwise the factor's blocks
+    :func:`~samplers_as_optim.gaussian.likelihoods.factor_blocks`, computed once.
+    """
+    if kind == "ggn" and isinstance(likelihood, Classification):
+        probs = output.detach().softmax(dim=-1)
+        mask = likelihood.position_mask(output, targets)
+        weight = probs if mask is None else probs * mask.unsqueeze(-1).to(probs.dtype)
+
+        def softmax_product(u: Tensor) -> Tensor:
+            u = u.reshape(probs.shape).to(probs.dtype)
+            return weight * (u - (probs * u).sum(-1, keepdim=True))
+
+        return softmax_product
+    blocks = factor_blocks(likelihood, kind, output, targets)  # (B, T, O_t, K): V per position
+
+    def factor_product(u: Tensor) -> Tensor:
+        u = u.reshape(blocks.shape[:3])
+        return torch.einsum("btok,btk->bto", blocks, torch.einsum("btok,bto->btk", blocks, u))
+
+    return factor_product
+
+
 def block_product(
     model: nn.Module,
     treated: Treated,
@@ -133,7 +161,7 @@ def block_product(
     dtype = params[treated.names[0]].dtype
     with torch.no_grad():
         output = checked_forward(model, inputs, targets, likelihood)
-    blocks = factor_blocks(likelihood, kind, output, targets)  # (B, T, O_t, K): V per position
+    output_product = _output_product(likelihood, kind, output, targets)
 
     def forward(p: dict[str, Tensor]) -> Tensor:
         return cast(Tensor, functional_call(model, p, (inputs,)))
@@ -145,8 +173,7 @@ def block_product(
         _, pullback = vjp(forward, params)  # type: ignore[misc]
 
         def apply(vector: dict[str, Tensor]) -> dict[str, Tensor]:
-            u = tangent(vector).reshape(blocks.shape[:3])
-            hu = torch.einsum("btok,btk->bto", blocks, torch.einsum("btok,bto->btk", blocks, u))
+            hu = output_product(tangent(vector))
             return cast(dict[str, Tensor], pullback(hu.reshape(output.shape))[0])
 
         per_vector = (output.numel() + treated.numel) * output.element_size()
