@@ -213,10 +213,10 @@ class StepSizeWarmup:
         self.seen += 1
         if len(self.monitor.history) > len(self.history):
             _, reports = self.monitor.history[-1]
-            hot = [float(group["temperature"]) > 0 for group in self.optimizer.param_groups]
+            sampling = [float(group["temperature"]) > 0 for group in self.optimizer.param_groups]
             logs = [
                 self._adapt(index, [r for r in reports if r.group == index]) if at_t else None
-                for index, at_t in enumerate(hot)
+                for index, at_t in enumerate(sampling)
             ]
             self._apply(logs)
             self.history.append((self.seen, list(self.lrs)))
