@@ -689,3 +689,105 @@ def test_curvature_products_refuse_targets_of_neither_shape():
         ),
     ):
         fisher_vector_product(model, ids, targets, v)
+
+
+# ------------------------------------------------------------------ tuning with positions
+GRID = [0.05, 0.5, 5.0, 50.0]
+
+
+def predictive_grid(la, batches, link_approx, num_samples):
+    """-Σ log p̄(y_t) over the kept positions of ``la.predictive`` at each δ (batch b: seed b)."""
+    scores = []
+    for delta in GRID:
+        la.prior_precision = delta
+        total = torch.zeros(())
+        for index, (ids, targets) in enumerate(batches):
+            prediction = la.predictive(
+                ids,
+                link_approx=link_approx,
+                num_samples=num_samples,
+                generator=torch.Generator().manual_seed(index),
+            )
+            keep = targets != IGNORE
+            total -= prediction.log_probs[keep].gather(-1, targets[keep].unsqueeze(-1)).sum()
+        scores.append(total)
+    return torch.stack(scores)
+
+
+@pytest.mark.parametrize("subset", [None, "last_layer"], ids=["all", "last_layer"])
+@pytest.mark.parametrize("link_approx", ["probit", "bridge", "bridge_norm", "mc"])
+def test_gridsearch_scores_positions_as_the_predictive_does(link_approx, subset):
+    """Per position, as ``predictive``: the bridge on K x K blocks, MC with its draws."""
+    from samplers_as_optim.gaussian.laplace._prior_search import grid_scores
+
+    ids, targets = tokens()
+    la = Laplace(
+        position_wise(),
+        num_data=6,
+        likelihood="classification",
+        structure="kron",
+        subset=subset,
+        ignore_index=IGNORE,
+    )
+    la.fit(loader(ids, targets, 3))
+    batches = [(ids[:4], targets[:4]), (ids[4:], targets[4:])]
+    scores = grid_scores(la, batches, GRID, link_approx, 16, False)
+    assert_close(scores, predictive_grid(la, batches, link_approx, 16))
+    la.optimize_prior_precision(
+        "gridsearch", val_loader=batches, grid=GRID, link_approx=link_approx, num_samples=16
+    )
+    assert la.prior_precision == GRID[int(scores.argmin())]
+
+
+def test_marglik_training_ignores_the_padding():
+    """``ignore_index`` passes through: the run equals the one on the kept tokens alone.
+
+    Full-batch SGD: the sequence loss is (N_tok / N_seq) times the token loss, so a rate
+    N_seq / N_tok times the token run's takes the same steps; the evidence is the same
+    (``test_evidence_tuning_is_the_flattened_one``).
+    """
+    from samplers_as_optim.gaussian.laplace.marglik import marglik_training
+
+    ids, targets = tokens()
+    keep = targets != IGNORE
+    sequences, kept = ids.shape[0], int(keep.sum())
+    runs = []
+    for data, num_data, rate, extra in (
+        ((ids, targets), sequences, 0.2 * sequences / kept, {"ignore_index": IGNORE}),
+        ((ids[keep], targets[keep]), kept, 0.2, {}),
+    ):
+        model = position_wise()
+        result = marglik_training(
+            model,
+            [data],
+            num_data=num_data,
+            likelihood="classification",
+            optimizer=torch.optim.SGD(model.parameters(), lr=rate),
+            num_epochs=3,
+            structure="kron",
+            hyper_steps=5,
+            progress=False,
+            **extra,
+        )
+        runs.append(result)
+    padded, flat = runs
+    assert padded.laplace.likelihood.ignore_index == IGNORE
+    assert_close(torch.tensor(padded.evidence), torch.tensor(flat.evidence))
+    for name, value in flat.state_dict.items():
+        assert_close(padded.state_dict[name], value)
+    for name, value in flat.laplace.prior_precision.items():
+        assert_close(padded.laplace.prior_precision[name], value)
+    model = position_wise()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(ValueError, match=re.escape("Invalid ignore_index: -100 (expected None")):
+        marglik_training(
+            model,
+            [(ids, targets.double())],
+            num_data=6,
+            likelihood="regression",
+            num_epochs=1,
+            ignore_index=IGNORE,
+            progress=False,
+        )
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name], rtol=0.0, atol=0.0)

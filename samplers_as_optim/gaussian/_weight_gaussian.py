@@ -35,9 +35,11 @@ from .flat import Treated
 from .kfac import KronPrecision
 from .likelihoods import Likelihood
 from .linearised.function_space import (
+    FactoredGaussian,
     FlatPrecision,
     FunctionSpaceGaussian,
     function_space_gaussian,
+    output_gaussian,
 )
 from .linearised.glm_predictive import GLMPredictive
 
@@ -489,7 +491,12 @@ class _Gaussian(_WeightGaussian, GLMPredictive):
 
     # ------------------------------------------------------------------ GLM predictive
     def function_space(
-        self, x: Tensor, *, chunk_size: int | None = None, per_position: bool = False
+        self,
+        x: Tensor,
+        *,
+        chunk_size: int | None = None,
+        per_position: bool = False,
+        diagonal: bool = False,
     ) -> FunctionSpaceGaussian:
         r"""The linearised network's Gaussian over each input's outputs, exactly.
 
@@ -510,9 +517,14 @@ class _Gaussian(_WeightGaussian, GLMPredictive):
         Cost, with O outputs per input and P treated scalars: O vectorised reverse
         passes per input; memory :math:`3\cdot C\cdot O\cdot P` numbers for a chunk
         of C inputs (C chosen to stay under 256 MiB unless ``chunk_size`` is given);
-        time :math:`O(B\cdot O^2 P)` for the products, plus :math:`O(B\cdot O P^2)`
-        for ``"dense"`` (:math:`O(B\cdot O Pk)` for ``"lowrank"``). Refused when one
-        input's Jacobian cannot fit in memory.
+        time :math:`O(B\cdot O^2 P)` for the products (:math:`O(B\cdot OP)` with
+        ``diagonal``), plus :math:`O(B\cdot O P^2)` for ``"dense"``
+        (:math:`O(B\cdot O Pk)` for ``"lowrank"``). Refused when one input's Jacobian
+        cannot fit in memory. A last layer (the treated weights one ``nn.Linear``'s,
+        its output the model's) with ``"diag"``, ``"kron"`` or ``"lowrank"`` forms no
+        Jacobian: :math:`J = I_C\otimes\tilde\phi(x)^\top`, one forward, costs per
+        input in :mod:`~samplers_as_optim.gaussian.linearised._last_layer` (the joint
+        covariance of outputs with positions still takes the Jacobian).
 
         Args:
             x: a batch of inputs on the parameters' device (the batch first).
@@ -522,22 +534,26 @@ class _Gaussian(_WeightGaussian, GLMPredictive):
                 ``(batch, sequence, vocabulary)``), only each position's K x K block of the
                 covariance (default: False, the joint one); what :meth:`predictive` uses.
                 No effect on ``(B, K)`` outputs.
+            diagonal: only the marginal variances :math:`\mathrm{diag}\,\Sigma_f`,
+                shaped like ``mean`` (default: False), what the probit link and
+                regression read; cheaper in time and memory.
 
         Returns:
             :class:`~samplers_as_optim.gaussian.linearised.function_space.FunctionSpaceGaussian`
             ``(mean, covariance)``: ``mean`` ``(B, *out)`` the network at
             :math:`\theta_*`, ``covariance`` ``(B, O, O)`` with O the outputs per input
-            (flattened, row-major), or with ``per_position`` ``(B, *positions, K, K)``;
-            detached.
+            (flattened, row-major), or with ``per_position`` ``(B, *positions, K, K)``,
+            or with ``diagonal`` ``(B, *out)``; detached.
 
         Raises:
             RuntimeError: not fitted yet.
             ValueError: a bad ``chunk_size``, outputs without the batch first, or one
                 input's Jacobian too large for the device's free memory.
-            TypeError: ``per_position`` is not a bool.
+            TypeError: ``per_position`` or ``diagonal`` is not a bool.
         """
         chunk_size = check_chunk_size(chunk_size)
         per_position = check_bool("per_position", per_position)
+        diagonal = check_bool("diagonal", diagonal)
         mean, precision = self._fitted()
         with evaluating(self.model):
             return function_space_gaussian(
@@ -550,4 +566,23 @@ class _Gaussian(_WeightGaussian, GLMPredictive):
                 x,
                 chunk_size,
                 per_position,
+                diagonal,
+            )
+
+    def _output_gaussian(
+        self, x: Tensor, chunk_size: int | None
+    ) -> FunctionSpaceGaussian | FactoredGaussian:
+        """:meth:`function_space` per position, or a last layer's factored Gaussian."""
+        chunk_size = check_chunk_size(chunk_size)
+        mean, precision = self._fitted()
+        with evaluating(self.model):
+            return output_gaussian(
+                self.model,
+                self.treated,
+                mean,
+                precision,
+                self._cholesky,
+                self.temperature,
+                x,
+                chunk_size,
             )

@@ -206,6 +206,15 @@ class LowRankPrecision(FlatPrecision):
         wide = rows.to(self.diagonal.dtype) * self._root_a
         return self._apply_root(wide).to(rows.dtype)
 
+    def woodbury(self) -> tuple[Tensor, Tensor]:
+        r"""``(r, Z)`` with :math:`\Lambda^{-1} = \mathrm{diag}(r) - Z^\top Z` (Woodbury).
+
+        :math:`r = 1/a`, :math:`Z = (I+\Sigma)^{-1/2}V^\top B^\top A^{-1/2}` ``(k, P)``
+        (the module docstring's :math:`\Lambda^{-1}`), in the factorisation's dtype.
+        """
+        rows = (self._basis.T @ self._rows) * (1.0 + self._sigma).rsqrt().unsqueeze(-1)
+        return self.diagonal.reciprocal(), rows * self._root_a
+
     def quadratic(self, delta: Tensor) -> Tensor:
         r""":math:`\sum_j a_j\delta_j^2 + \sum_i t_i(u_i^\top\delta)^2` per row."""
         wide = delta.to(self.diagonal.dtype)

@@ -52,6 +52,22 @@ The score of δ is the validation negative log-likelihood of the GLM predictive
   :func:`~samplers_as_optim.gaussian.linearised.glm_predictive.draw` draws them, so they are those
   of ``Laplace.predictive(x, link_approx="mc", generator=torch.Generator().manual_seed(b))``.
 
+**Outputs with positions** (``(B, *positions, K)``, classification and regression):
+an observation is a position, as for ``predictive``: the bridge reads each position's
+K x K block of :math:`\Sigma_f(\delta)` (:math:`R_t\,\mathrm{diag}(w)R_t^\top` from
+the rows of R of position t, never the joint :math:`TK\times TK` matrix), and ``"mc"``
+draws each block through its own root (ξ of shape ``(S, B, *positions, K)``) and sums
+:math:`-\log\frac1S\sum_s p(y_{it}\mid f_{its})` over the positions (an ignored one
+adds 0). A callable likelihood reads the whole output as one observation.
+
+**A last layer** (the treated weights one ``nn.Linear``'s whose output is the model's,
+``"diag"``, ``"kron"`` or ``"lowrank"``): each δ's precision is built as ``Laplace``
+builds it and put through
+:func:`~samplers_as_optim.gaussian.linearised.function_space.last_layer_covariance`,
+the route ``predictive`` takes (no Jacobian: the layer's inputs are read once per
+batch, then O(C d) to O(C d k + C²) per input and δ), so the Monte Carlo scores use
+``predictive``'s own draws there too.
+
 These equal, up to round-off, the scores of setting ``prior_precision`` to each δ and
 calling :meth:`~samplers_as_optim.Laplace.predictive` (which refits the precision and
 recomputes the Jacobians for every δ), which is what the tests check.
@@ -68,19 +84,24 @@ References:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
-from typing import cast
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
 from ... import predictive
 from .._data_checks import check_batch
-from .._wide_linalg import eigh
 from ..flat import Treated
 from ..kfac import KronCurvature
 from ..likelihoods import Likelihood, Regression
+from ..linearised.function_space import (
+    HeadInput,
+    OutputCovariance,
+    last_layer_covariance,
+    last_layer_inputs,
+)
+from ..linearised.glm_predictive import bridge_from_moments, covariance_root
 from ..linearised.output_jacobians import input_chunks, output_jacobians
 from ._evidence import FitTerms, curvature_scale
 from ._lowrank import LowRankCurvature
@@ -104,6 +125,7 @@ class CurvatureBasis:
         curvature = terms.curvature
         self.treated = treated
         self._scale = scale
+        self._curvature = curvature
         self._kron: KronCurvature | None = None
         self._vectors: Tensor | None = None
         self._lowrank: LowRankCurvature | None = None
@@ -128,6 +150,26 @@ class CurvatureBasis:
             self._vectors = vectors.to(curvature.dtype)
             self.eigenvalues = (scale * values.clamp(min=0.0)).to(curvature.dtype)
 
+    def precision(self, value: Tensor) -> Any:
+        r""":math:`\Lambda(\delta)` as ``Laplace`` builds it for the prior δ (0-d ``value``).
+
+        A dict of diagonals, a ``KronPrecision`` or a ``LowRankPrecision``; None for a
+        dense curvature (its last layer takes the Jacobian route).
+        """
+        curvature, scale = self._curvature, self._scale
+        if self._lowrank is not None:
+            return self._lowrank.precision(value.expand(self.treated.numel), scale, value.dtype)
+        if self._kron is not None:
+            priors = {
+                name: torch.full_like(part, float(value))
+                for name, part in self._kron.diagonal.items()
+            }
+            return self._kron.precision([float(value)] * len(self._kron.blocks), priors, scale)
+        if isinstance(curvature, dict):
+            flat = value + scale * self.treated.flatten(curvature)
+            return self.treated.unflatten(flat)
+        return None
+
     def rotate(self, jacobians: dict[str, Tensor]) -> Tensor:
         """R = J U: ``(C, O, P)`` from the Jacobians name -> ``(C, O, *shape)``."""
         if self._kron is not None:
@@ -147,21 +189,26 @@ class CurvatureBasis:
     def _factors(self, rotated: Tensor, grid: Tensor) -> Iterator[Tensor]:
         r"""Low-rank: per δ, :math:`JW_\delta` (:meth:`~._lowrank.LowRankPrecision.factor`)."""
         assert self._lowrank is not None
-        size, lowrank = self.treated.numel, self._lowrank
         for value in grid:
-            precision = lowrank.precision(value.expand(size), self._scale, rotated.dtype)
-            yield precision.factor(rotated)
+            yield self.precision(value).factor(rotated)
 
-    def covariances(self, rotated: Tensor, grid: Tensor) -> Iterator[Tensor]:
-        r"""Per δ of ``grid`` in turn, :math:`J\Lambda(\delta)^{-1}J^\top` ``(C, O, O)``.
+    def covariances(self, rotated: Tensor, grid: Tensor, width: int) -> Iterator[Tensor]:
+        r"""Per δ of ``grid``, the ``width``-square blocks of :math:`J\Lambda(\delta)^{-1}J^\top`.
 
-        :math:`R\,\mathrm{diag}(\delta + ce)^{-1}R^\top` in the eigenbasis; low-rank
-        :math:`(JW_\delta)(JW_\delta)^\top`.
+        ``(C, O / width, width, width)``: :math:`R\,\mathrm{diag}(\delta + ce)^{-1}R^\top`
+        in the eigenbasis, low-rank :math:`(JW_\delta)(JW_\delta)^\top`, block by block
+        (``width`` = O: the whole O x O matrix).
         """
+        blocks = rotated.reshape(rotated.shape[0], -1, width, rotated.shape[-1])
         if self._lowrank is None:
             weights = (grid.unsqueeze(1) + self.eigenvalues.unsqueeze(0)).reciprocal()
-            return ((rotated * weight) @ rotated.mT for weight in weights)
-        return (factor @ factor.mT for factor in self._factors(rotated, grid))
+            return ((blocks * weight) @ blocks.mT for weight in weights)
+        return self._block_products(rotated, grid, blocks.shape[:-1])
+
+    def _block_products(self, rotated: Tensor, grid: Tensor, lead: Any) -> Iterator[Tensor]:
+        for factor in self._factors(rotated, grid):
+            shaped = factor.reshape(*lead, -1)
+            yield shaped @ shaped.mT
 
     def variances(self, rotated: Tensor, grid: Tensor) -> Tensor:
         r""":math:`\mathrm{diag}(J\Lambda(\delta)^{-1}J^\top)` per δ: ``(G, C·O)``.
@@ -185,19 +232,32 @@ def _regression_nll(mean: Tensor, variance: Tensor, targets: Tensor) -> Tensor:
     return 0.5 * (torch.log(2 * math.pi * variance) + residual.square() / variance).sum((1, 2))
 
 
+def _draws_nll(likelihood: Likelihood, draws: Tensor, targets: Tensor) -> Tensor:
+    r""":math:`-\sum\log\frac1S\sum_s p(y\mid f_s)` per observation (example or position).
+
+    ``draws`` ``(S, B, *out)``; the observations are those of ``likelihood.token_nll``
+    (each position of classification and regression outputs with positions).
+    """
+    count = draws.shape[0]
+    repeated = targets.expand(count, *targets.shape).reshape(-1, *targets.shape[1:])
+    nll = likelihood.token_nll(draws.reshape(-1, *draws.shape[2:]), repeated)
+    nll = nll.reshape(count, -1)
+    return -(torch.logsumexp(-nll, dim=0) - math.log(count)).sum()
+
+
 def _monte_carlo_nll(
     likelihood: Likelihood, mean: Tensor, covariance: Tensor, noise: Tensor, targets: Tensor
 ) -> Tensor:
-    r""":math:`-\sum_i\log\frac1S\sum_s p(y_i\mid\bar f_i + \mathrm{root}_i\,\xi_{is})`."""
-    values, vectors = eigh(covariance)  # in float32 for half precision
-    root = vectors * values.clamp(min=0.0).sqrt().unsqueeze(-2)
-    steps = torch.einsum("bij,sbj->sbi", root, noise)
+    r"""Draws :math:`\bar f + R\xi` per block (R as ``draw`` takes it), scored."""
+    root = covariance_root(covariance)
     count = noise.shape[0]
-    draws = mean + steps.reshape(count, *mean.shape)
-    # every draw of every input as one batch of S·C examples
-    repeated = targets.expand(count, *targets.shape).reshape(-1, *targets.shape[1:])
-    nll = likelihood.nll(draws.reshape(-1, *mean.shape[1:]), repeated).reshape(count, -1)
-    return -(torch.logsumexp(-nll, dim=0) - math.log(count)).sum()
+    steps = (root @ noise.reshape(count, *covariance.shape[:-1]).unsqueeze(-1)).squeeze(-1)
+    return _draws_nll(likelihood, mean + steps.reshape(count, *mean.shape), targets)
+
+
+def _per_position(likelihood: Likelihood, center: Tensor) -> bool:
+    """Observations per position (classification, regression) on ``(B, *positions, K)``."""
+    return center.dim() > 2 and likelihood.name != "callable"
 
 
 def batch_scores(
@@ -217,11 +277,13 @@ def batch_scores(
 
     The model runs as it is (call it in eval mode). For ``link_approx="mc"`` the batch's
     ``(S, B, O)`` standard normal draws come from ``generator`` (S = ``num_samples``),
-    one set for every δ; the other approximations draw nothing.
+    one set for every δ; the other approximations draw nothing. A last layer
+    (:mod:`~samplers_as_optim.gaussian.linearised.function_space`'s
+    :func:`~samplers_as_optim.gaussian.linearised.function_space.last_layer_inputs`)
+    takes its factored covariance, as ``predictive`` does, instead of the Jacobian.
     """
-    full = link_approx == "mc" or (likelihood.name == "classification" and link_approx != "probit")
     with torch.no_grad():
-        center = cast(Tensor, functional_call(model, mean_params, (inputs,)))
+        center, head = last_layer_inputs(model, basis.treated, mean_params, inputs)
         if center.dim() < 1 or center.shape[0] != inputs.shape[0]:
             raise ValueError(
                 f"Invalid val_loader: inputs of shape {tuple(inputs.shape)} give outputs of "
@@ -229,69 +291,129 @@ def batch_scores(
                 "in both)"
             )
         check_batch(inputs, targets, center, likelihood)  # before any Jacobian
-        batch, outputs = center.shape[0], center[0].numel()
         noise = None
         if link_approx == "mc":
             noise = torch.randn(
                 num_samples,
-                batch,
-                outputs,
+                *center.shape,
                 generator=generator,
                 dtype=center.dtype,
                 device=center.device,
             )
-        total = center.new_zeros(grid.shape[0])
-        chunks = input_chunks(
-            batch, outputs, basis.treated.numel, center.dtype, center.device, None
+        score = _Score(likelihood, temperature, link_approx)
+        # the head's covariance is per position: not for a callable's joint observation
+        if head is not None and (center.dim() <= 2 or _per_position(likelihood, center)):
+            scores = _head_scores(basis, head, grid, score, center, targets, noise)
+            if scores is not None:
+                return scores
+        return _jacobian_scores(
+            model, mean_params, basis, grid, score, inputs, center, targets, noise
         )
-        for part in chunks:
-            rotated = basis.rotate(output_jacobians(model, mean_params, inputs[part]))
-            if not bool(rotated.isfinite().all()):
-                raise ValueError(
-                    "Invalid model: its Jacobian at the validation inputs holds NaN or inf "
-                    "(expected a network differentiable at every validation input)"
-                )
-            mean, target = center[part], targets[part]
-            if full:
-                total += _full_covariance_nll(
-                    likelihood,
-                    mean,
-                    basis.covariances(rotated, grid),
-                    temperature,
-                    target,
-                    link_approx,
-                    None if noise is None else noise[:, part],
-                )
-                continue
-            variances = temperature * basis.variances(rotated, grid).reshape(-1, *mean.shape)
-            if isinstance(likelihood, Regression):
-                total += _regression_nll(mean, variances + likelihood.noise_std**2, target)
-            else:
-                for index, variance in enumerate(variances):
-                    logits = predictive.probit(mean, variance)
-                    total[index] += likelihood.nll(logits.log_softmax(-1), target).sum()
-    return total
 
 
-def _full_covariance_nll(
-    likelihood: Likelihood,
-    mean: Tensor,
-    covariances: Iterable[Tensor],
-    temperature: float,
+_NOT_FINITE = (
+    "Invalid model: its Jacobian at the validation inputs holds NaN or inf (expected a "
+    "network differentiable at every validation input)"
+)
+
+
+class _Score:
+    """The negative log-likelihood of one δ's predictive from what its link reads."""
+
+    def __init__(self, likelihood: Likelihood, temperature: float, link_approx: str) -> None:
+        self.likelihood, self.temperature, self.link = likelihood, temperature, link_approx
+        self.closed = link_approx != "mc" and (
+            isinstance(likelihood, Regression) or link_approx == "probit"
+        )
+
+    def of_variances(self, mean: Tensor, variances: Tensor, targets: Tensor) -> Tensor:
+        """Regression's exact Gaussian, or the probit link, per δ: ``(G,)``."""
+        likelihood = self.likelihood
+        if isinstance(likelihood, Regression):
+            return _regression_nll(mean, variances + likelihood.noise_std**2, targets)
+        return torch.stack(
+            [
+                likelihood.nll(predictive.probit(mean, variance).log_softmax(-1), targets).sum()
+                for variance in variances
+            ]
+        )
+
+    def of_logits(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Cross-entropy of a bridge's logits (soft targets allowed)."""
+        return self.likelihood.nll(logits.log_softmax(-1), targets).sum()
+
+
+def _head_scores(
+    basis: CurvatureBasis,
+    head: HeadInput,
+    grid: Tensor,
+    score: _Score,
+    center: Tensor,
     targets: Tensor,
-    link_approx: str,
+    noise: Tensor | None,
+) -> Tensor | None:
+    """Every δ through the last layer's factored covariance; None where it has none."""
+    if not bool(head.features.isfinite().all()):
+        raise ValueError(_NOT_FINITE)
+    scores = []
+    for value in grid:
+        precision = basis.precision(value)
+        rows: OutputCovariance | None = None
+        if precision is not None:
+            rows = last_layer_covariance(head, basis.treated, precision, score.temperature)
+        if rows is None:
+            return None
+        if noise is not None:
+            scores.append(_draws_nll(score.likelihood, center + rows.steps(noise), targets))
+        elif score.closed:
+            scores.append(score.of_variances(center, rows.diagonal().unsqueeze(0), targets)[0])
+        else:
+            normalize = score.link == "bridge_norm"
+            logits = bridge_from_moments(center, rows.diagonal(), rows.row_sums(), normalize)
+            scores.append(score.of_logits(logits, targets))
+    return torch.stack(scores)
+
+
+def _jacobian_scores(
+    model: nn.Module,
+    mean_params: dict[str, Tensor],
+    basis: CurvatureBasis,
+    grid: Tensor,
+    score: _Score,
+    inputs: Tensor,
+    center: Tensor,
+    targets: Tensor,
     noise: Tensor | None,
 ) -> Tensor:
-    r"""Per δ, :math:`\Sigma_f = T J\Lambda(\delta)^{-1}J^\top`, through the bridge or MC."""
-    scores = []
-    for part in covariances:
-        covariance = temperature * part
-        if link_approx == "mc":
-            assert noise is not None
-            scores.append(_monte_carlo_nll(likelihood, mean, covariance, noise, targets))
-        else:
+    """Every δ from each chunk's rotated Jacobian R = J U (module docstring)."""
+    batch, outputs = center.shape[0], center[0].numel()
+    width = center.shape[-1] if _per_position(score.likelihood, center) else outputs
+    total = center.new_zeros(grid.shape[0])
+    chunks = input_chunks(batch, outputs, basis.treated.numel, center.dtype, center.device, None)
+    for part in chunks:
+        rotated = basis.rotate(output_jacobians(model, mean_params, inputs[part]))
+        if not bool(rotated.isfinite().all()):
+            raise ValueError(_NOT_FINITE)
+        mean, target = center[part], targets[part]
+        if score.closed:
+            variances = score.temperature * basis.variances(rotated, grid)
+            total += score.of_variances(mean, variances.reshape(-1, *mean.shape), target)
+            continue
+        for index, blocks in enumerate(basis.covariances(rotated, grid, width)):
+            covariance = score.temperature * blocks
+            if noise is not None:
+                total[index] += _monte_carlo_nll(
+                    score.likelihood, mean, covariance, noise[:, part], target
+                )
+                continue
+            # (C, *positions, K, K) blocks, or the (C, O, O) covariance of flat outputs
+            joint = width == outputs
             logits = predictive.laplace_bridge(
-                mean, covariance, normalize=link_approx == "bridge_norm"
+                mean.reshape(mean.shape[0], outputs) if joint else mean,
+                covariance.reshape(mean.shape[0], outputs, outputs)
+                if joint
+                else covariance.reshape(*mean.shape, width),
+                normalize=score.link == "bridge_norm",
             )
-            scores.append(likelihood.nll(logits.log_softmax(-1), targets).sum())
-    return torch.stack(scores)
+            total[index] += score.of_logits(logits.reshape(mean.shape), target)
+    return total

@@ -144,6 +144,7 @@ class _LaplaceOf:
     likelihood: str | Callable[[Tensor, Tensor], Tensor]
     curvature: str
     structure: str
+    ignore_index: int | None
 
     def __call__(self, prior: Any, noise: float | None) -> Laplace:
         return Laplace(
@@ -154,6 +155,7 @@ class _LaplaceOf:
             curvature=self.curvature,
             structure=self.structure,
             prior_precision=prior,
+            ignore_index=self.ignore_index,
         )
 
 
@@ -293,6 +295,7 @@ def marglik_training(
     hyper_steps: int = 100,
     hyper_lr: float = 0.1,
     progress: bool | None = None,
+    ignore_index: int | None = None,
 ) -> MarglikResult:
     r"""Train ``model`` and tune its prior precision (and noise) by the Laplace evidence.
 
@@ -328,6 +331,7 @@ def marglik_training(
         hyper_lr: their learning rate (default: 0.1; a finite number > 0).
         progress: a bar over the epochs (default: None, where standard error is a
             terminal and tqdm is installed).
+        ignore_index: as ``Laplace``'s (default: None; padding adds nothing).
 
     Returns:
         A :class:`MarglikResult`: the fitted Laplace, the best state, the evidence of each
@@ -346,7 +350,7 @@ def marglik_training(
     plan = _check_plan(
         num_epochs, frequency, burnin, hyper_steps, hyper_lr, prior_structure, progress
     )
-    laplace = _LaplaceOf(model, num_data, likelihood, curvature, structure)
+    laplace = _LaplaceOf(model, num_data, likelihood, curvature, structure, ignore_index)
     first = laplace(prior_precision, noise_std)
     hyper = HyperParameters(first, prior_structure, check_tune_noise(first, tune_noise), None)
     optimizer = _check_optimizer(optimizer, model)

@@ -26,7 +26,8 @@ predictive :math:`p(y\mid x) = \int p(y\mid f)\,\mathcal N(f;\bar f,\Sigma_f)\,d
   approximation's; ``aleatoric`` (the mean entropy of :math:`\mathrm{softmax}(f_s)`)
   and ``epistemic`` (the mutual information, :math:`H[\frac1S\sum_s p_s] -`
   ``aleatoric``) come from the S function-space draws, which cost
-  :math:`O(S\cdot B\cdot K)` after one K x K eigendecomposition per input. For
+  :math:`O(S\cdot B\cdot K^2)` after one K x K eigendecomposition per input (a last
+  layer: through its factor, below). For
   ``"mc"`` every field is :func:`~samplers_as_optim.predictive.classification` of the
   draws, so ``total = aleatoric + epistemic``; for the closed forms ``total`` is the
   closed form's entropy and the identity holds only as far as the closed form matches
@@ -41,8 +42,23 @@ draws, in that order): the fields gain the positions (``probs`` ``(B, *positions
 K)``, the entropies ``(B, *positions)``).
 
 The draws use the covariance's eigendecomposition (negative round-off eigenvalues set
-to 0), so a singular :math:`\Sigma_f` (fewer treated weights than outputs, or the
-softmax's shift direction) is drawn exactly.
+to 0; :func:`covariance_root` fixes each eigenvector's sign, so that a round-off change
+of :math:`\Sigma_f` does not change the draws), so a singular :math:`\Sigma_f` (fewer
+treated weights than outputs, or the softmax's shift direction) is drawn exactly.
+
+**A last layer over many classes** (:mod:`._last_layer`: the treated weights are one
+``nn.Linear``'s, its output the model's; ``"diag"``, ``"kron"`` or ``"lowrank"``) keeps
+:math:`\Sigma_f` factored, per input and per position, and no link forms it: probit
+and regression read its diagonal, the bridges its diagonal and row sums
+:math:`\Sigma_f\mathbf 1` (:func:`bridge_from_moments`, the same operations as
+:func:`~samplers_as_optim.predictive.laplace_bridge`), and the draws are
+:math:`\bar f + R\xi` through the structure's own square root R (:math:`Q_G
+\mathrm{diag}(\sqrt w)` for KFAC, O(S C²) per input; the low-rank one, O(C k² + k³ +
+S C k); the diagonal, O(S C)): the same law as the eigendecomposition's draws, not the
+same numbers for a given generator. Per input, memory grows with C (O(C) for KFAC and
+diag, O(Ck) for low rank, plus :math:`Q_G` once), time with C except KFAC's diagonal,
+row sums and draws, which read :math:`Q_G` (C² per input, as one matrix product for the
+batch).
 
 ``Laplace.predictive`` and ``ExtendedKalmanFilter.predictive`` are the method of
 ``GLMPredictive`` here, mixed into the Gaussian they share (``_weight_gaussian``), which
@@ -61,6 +77,7 @@ References:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 import torch
@@ -71,12 +88,14 @@ from ...core.validation import check_choice, check_positive_int
 from ...predictive import ClassificationPrediction, RegressionPrediction
 from .._wide_linalg import eigh
 from ..likelihoods import Likelihood
-from .function_space import FunctionSpaceGaussian
+from .function_space import FactoredGaussian, FunctionSpaceGaussian
 
 __all__ = [
     "LINK_APPROXIMATIONS",
     "GLMPredictive",
+    "bridge_from_moments",
     "classification_predictive",
+    "covariance_root",
     "draw",
     "regression_predictive",
 ]
@@ -93,21 +112,35 @@ class _Linearised(Protocol):
     @property
     def noise_std(self) -> Any: ...
 
-    def function_space(
-        self, x: Tensor, *, chunk_size: int | None = None, per_position: bool = False
-    ) -> FunctionSpaceGaussian: ...
+    def _output_gaussian(
+        self, x: Tensor, chunk_size: int | None
+    ) -> FunctionSpaceGaussian | FactoredGaussian: ...
+
+
+def covariance_root(covariance: Tensor) -> Tensor:
+    r"""A square root :math:`R = U\mathrm{diag}(\sqrt\lambda)` of each ``(..., K, K)`` Σ.
+
+    :math:`\Sigma = U\mathrm{diag}(\lambda)U^\top` (``eigh``, in float32 for half
+    precision), λ clamped at 0; each eigenvector's sign is fixed so that its inner
+    product with :math:`w = (\sqrt2, \sqrt3, \dots, \sqrt{K+1})` is >= 0. ``eigh``'s
+    own sign can flip under a round-off change of Σ, which would change the draws; this
+    choice is a function of Σ (where its eigenvalues are distinct and
+    :math:`u^\top w \ne 0`), so two computations of the same Σ draw the same.
+    """
+    values, vectors = eigh(covariance)
+    size = covariance.shape[-1]
+    weights = torch.arange(2, size + 2, dtype=vectors.dtype, device=vectors.device).sqrt()
+    projections = weights @ vectors
+    signs = torch.ones_like(projections).masked_fill(projections < 0, -1.0)
+    return vectors * (signs * values.clamp(min=0.0).sqrt()).unsqueeze(-2)
 
 
 def draw(
     gaussian: FunctionSpaceGaussian, num_samples: int, generator: torch.Generator | None
 ) -> Tensor:
-    r"""S draws :math:`\bar f + U\,\mathrm{diag}(\sqrt{\lambda})\,\xi_s`: ``(S, B, *out)``.
-
-    :math:`\Sigma_f = U\mathrm{diag}(\lambda)U^\top` per input (``eigh``), λ clamped at 0.
-    """
+    r"""S draws :math:`\bar f + R\,\xi_s`: ``(S, B, *out)``, R = :func:`covariance_root`."""
     mean, covariance = gaussian
-    values, vectors = eigh(covariance)  # in float32 for half precision
-    root = vectors * values.clamp(min=0.0).sqrt().unsqueeze(-2)
+    root = covariance_root(covariance)
     noise = torch.randn(
         num_samples,
         *covariance.shape[:-1],
@@ -147,12 +180,76 @@ def classification_predictive(
     )
 
 
+def bridge_from_moments(mean: Tensor, diagonal: Tensor, sums: Tensor, normalize: bool) -> Tensor:
+    r""":func:`~samplers_as_optim.predictive.laplace_bridge` from the moments it reads.
+
+    :math:`\mathrm{diag}\,\Sigma` and :math:`s = \Sigma\mathbf 1` (t = :math:`\mathbf
+    1^\top s`), the same operations in the same order, without the K x K matrix.
+    """
+    classes = mean.shape[-1]
+    total = sums.sum(-1, keepdim=True)
+    conditioned = total > 0
+    safe = torch.where(conditioned, total, 1.0)
+    shifted = torch.where(conditioned, mean - sums * mean.sum(-1, keepdim=True) / safe, mean)
+    variance = torch.where(conditioned, diagonal - sums.square() / safe, diagonal)
+    variance = variance.clamp(min=0.0)
+    if normalize:
+        scale = variance.mean(-1, keepdim=True) / math.sqrt(classes / 2)
+        scale = torch.where(scale > 0, scale, 1.0)
+        shifted = shifted * scale.rsqrt()
+        variance = variance / scale
+    log_bracket = torch.logaddexp(
+        torch.tensor(math.log1p(-2 / classes) if classes > 2 else -math.inf).to(mean),
+        shifted + torch.logsumexp(-shifted, dim=-1, keepdim=True) - 2 * math.log(classes),
+    )
+    tiny = torch.finfo(variance.dtype).tiny
+    return log_bracket - variance.clamp(min=tiny).log()
+
+
+def factored_classification(
+    gaussian: FactoredGaussian,
+    link_approx: str,
+    num_samples: int,
+    generator: torch.Generator | None,
+) -> predictive.ClassificationPrediction:
+    r"""The classification predictive of a last layer's factored Gaussian (module docstring).
+
+    The draws are :math:`\bar f + R\xi_s` through the factor's own square root R
+    (:meth:`~._last_layer.OutputCovariance.steps`), ξ ``(S, B, *positions, C)`` standard
+    normal, as many as :func:`draw` takes; the closed forms read the diagonal
+    (``"probit"``) and the row sums (the bridges) of :math:`\Sigma_f`.
+    """
+    mean, covariance = gaussian
+    noise = torch.randn(
+        num_samples, *mean.shape, generator=generator, dtype=mean.dtype, device=mean.device
+    )
+    sampled = predictive.classification(mean + covariance.steps(noise))
+    if link_approx == "mc":
+        return sampled
+    if link_approx == "probit":
+        logits = predictive.probit(mean, covariance.diagonal())
+    else:
+        logits = bridge_from_moments(
+            mean, covariance.diagonal(), covariance.row_sums(), link_approx == "bridge_norm"
+        )
+    log_probs = logits.log_softmax(-1)
+    return predictive.ClassificationPrediction(
+        log_probs, log_probs.exp(), _entropy(log_probs), sampled.aleatoric, sampled.epistemic
+    )
+
+
 def regression_predictive(
     gaussian: FunctionSpaceGaussian, noise_variance: Tensor
 ) -> predictive.RegressionPrediction:
     r"""The exact Gaussian predictive: ``epistemic`` = diag Σ_f, ``aleatoric`` = σ²."""
     mean, covariance = gaussian
-    epistemic = covariance.diagonal(dim1=-2, dim2=-1).reshape(mean.shape)
+    return _regression(mean, covariance.diagonal(dim1=-2, dim2=-1), noise_variance)
+
+
+def _regression(
+    mean: Tensor, variances: Tensor, noise_variance: Tensor
+) -> predictive.RegressionPrediction:
+    epistemic = variances.reshape(mean.shape)
     aleatoric = noise_variance.to(mean).expand_as(mean)
     return predictive.RegressionPrediction(mean, epistemic + aleatoric, aleatoric, epistemic)
 
@@ -175,18 +272,22 @@ def _closed_form(
         )
     link_approx = check_choice("link_approx", link_approx, LINK_APPROXIMATIONS)
     num_samples = check_positive_int("num_samples", num_samples)
-    gaussian = linearised.function_space(x, chunk_size=chunk_size, per_position=True)
+    gaussian = linearised._output_gaussian(x, chunk_size)
     if name == "regression":
         noise = torch.as_tensor(
             linearised.noise_std, dtype=gaussian.mean.dtype, device=gaussian.mean.device
         )
+        if isinstance(gaussian, FactoredGaussian):
+            return _regression(gaussian.mean, gaussian.covariance.diagonal(), noise.square())
         return regression_predictive(gaussian, noise.square())
-    mean, covariance = gaussian
-    if mean.dim() < 2:
+    if gaussian.mean.dim() < 2:
         raise ValueError(
-            f"Invalid model output: shape {tuple(mean.shape)} (expected (batch, classes) or "
-            "(batch, *positions, classes) logits for likelihood='classification')"
+            f"Invalid model output: shape {tuple(gaussian.mean.shape)} (expected (batch, "
+            "classes) or (batch, *positions, classes) logits for likelihood='classification')"
         )
+    if isinstance(gaussian, FactoredGaussian):
+        return factored_classification(gaussian, link_approx, num_samples, generator)
+    mean, covariance = gaussian
     if mean.dim() == 2:
         return classification_predictive(gaussian, link_approx, num_samples, generator)
     # each position's K x K block, as a batch of B * T inputs (the same draws, in order)
@@ -250,7 +351,9 @@ class GLMPredictive:
           :meth:`function_space` or ``predict(x)``'s draws through it).
 
         Cost: that of :meth:`function_space`, plus one O x O eigendecomposition per
-        input for the draws (K x K per position for outputs with positions).
+        input for the draws (K x K per position for outputs with positions); a last
+        layer with ``"diag"``, ``"kron"`` or ``"lowrank"`` forms neither the Jacobian
+        nor any C x C matrix (module docstring).
 
         Args:
             x: a batch of inputs on the parameters' device.
