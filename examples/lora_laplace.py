@@ -164,13 +164,9 @@ def fit(
         "prior min": float(tuned.min()),
         "prior max": float(tuned.max()),
     }
-    if structure == "lowrank":
-        # its diagonal is the prior plus D (the rest of the spectrum): tr(GGN) = sum s + sum D
-        precision = la.precision
-        low = float(precision.eigenvalues.sum())
-        rest = float((precision.diagonal - tuned.to(precision.diagonal)).sum())
-        cost["k"] = precision.rank
-        cost["captured"] = low / (low + rest)
+    if structure == "lowrank":  # k, and the fraction of the GGN's trace its pairs hold
+        cost["k"] = la.precision.rank
+        cost["captured"] = la.precision.captured
     return la, cost
 
 

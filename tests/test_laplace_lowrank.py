@@ -181,6 +181,9 @@ def test_a_fraction_of_the_trace_picks_the_fewest_eigenpairs():
     assert abs(float(shares[wanted - 1]) - 0.9) > 1e-6  # not on the boundary
     assert low.precision.rank == wanted
     close(low.precision.eigenvalues, values[:wanted], rtol=1e-8)
+    # the fraction it holds, public on the precision: at least 0.9, and one pair less is not
+    assert low.precision.captured == pytest.approx(float(shares[wanted - 1]), rel=1e-8)
+    assert low.precision.captured >= 0.9 > float(shares[wanted - 2])
 
 
 # ---------------------------------------------------------------- (b), (g): k = P is dense

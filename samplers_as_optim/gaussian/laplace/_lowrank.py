@@ -105,7 +105,11 @@ class LowRankCurvature:
         """
         wide = self.diagonal.dtype
         diagonal = prior.detach().to(wide) + float(scale) * self.diagonal
-        return LowRankPrecision(diagonal, self.eigenvectors, float(scale) * self.eigenvalues, dtype)
+        precision = LowRankPrecision(
+            diagonal, self.eigenvectors, float(scale) * self.eigenvalues, dtype
+        )
+        precision.captured = self.captured
+        return precision
 
     def rank(self) -> int:
         r"""The number of eigenvalues of :math:`D + U\mathrm{diag}(s)U^\top` above round-off.
@@ -170,6 +174,8 @@ class LowRankPrecision(FlatPrecision):
         eigenvectors: U ``(k, P)`` orthonormal rows.
         eigenvalues: t ``(k,)``, the scaled top eigenvalues of the curvature.
         rank: k.
+        captured: the fraction of the curvature's trace the k pairs hold,
+            :math:`\sum_i s_i/\mathrm{tr}(C)` (what ``rank=`` a fraction chooses k by).
     """
 
     def __init__(
@@ -180,6 +186,7 @@ class LowRankPrecision(FlatPrecision):
         self.eigenvectors = eigenvectors.to(wide)
         self.eigenvalues = eigenvalues.to(wide)
         self.rank = int(eigenvalues.shape[0])
+        self.captured = float("nan")  # (set by the fit's curvature)
         self.dtype = dtype
         self._root_a = self.diagonal.rsqrt()
         self._rows = _root_factor(self.eigenvectors, self.diagonal, self.eigenvalues, 1.0)
