@@ -306,12 +306,22 @@ def laplace_bridge(mean: Tensor, covariance: Tensor, *, normalize: bool = False)
         raise ValueError(
             f"Invalid mean: {classes} class(es) (expected K >= 2 logits for the Laplace bridge)"
         )
-    sums = covariance.sum(-1)
+    diagonal = covariance.diagonal(dim1=-2, dim2=-1)
+    return bridge_from_moments(mean, diagonal, covariance.sum(-1), normalize)
+
+
+def bridge_from_moments(mean: Tensor, diagonal: Tensor, sums: Tensor, normalize: bool) -> Tensor:
+    r""":func:`laplace_bridge` from the moments it reads, unchecked, without the K x K matrix.
+
+    :math:`\mathrm{diag}\,\Sigma` and the row sums :math:`s = \Sigma\mathbf 1` are all
+    the bridge reads of Σ: a factored covariance (a last layer over many classes) passes
+    them directly.
+    """
+    classes = mean.shape[-1]
     total = sums.sum(-1, keepdim=True)
     conditioned = total > 0
     safe = torch.where(conditioned, total, 1.0)
     shifted = torch.where(conditioned, mean - sums * mean.sum(-1, keepdim=True) / safe, mean)
-    diagonal = covariance.diagonal(dim1=-2, dim2=-1)
     variance = torch.where(conditioned, diagonal - sums.square() / safe, diagonal)
     variance = variance.clamp(min=0.0)
     if normalize:

@@ -50,7 +50,7 @@ treated weights than outputs, or the softmax's shift direction) is drawn exactly
 ``nn.Linear``'s, its output the model's; ``"diag"``, ``"kron"`` or ``"lowrank"``) keeps
 :math:`\Sigma_f` factored, per input and per position, and no link forms it: probit
 and regression read its diagonal, the bridges its diagonal and row sums
-:math:`\Sigma_f\mathbf 1` (:func:`bridge_from_moments`, the same operations as
+:math:`\Sigma_f\mathbf 1` (``predictive.bridge_from_moments``, the same operations as
 :func:`~samplers_as_optim.predictive.laplace_bridge`), and the draws are
 :math:`\bar f + R\xi` through the structure's own square root R (:math:`Q_G
 \mathrm{diag}(\sqrt w)` for KFAC, O(S C²) per input; the low-rank one, O(C k² + k³ +
@@ -77,7 +77,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from typing import Any, Protocol
 
 import torch
@@ -85,7 +84,7 @@ from torch import Tensor
 
 from ... import predictive
 from ...core.validation import check_choice, check_positive_int
-from ...predictive import ClassificationPrediction, RegressionPrediction
+from ...predictive import ClassificationPrediction, RegressionPrediction, bridge_from_moments
 from .._wide_linalg import eigh
 from ..likelihoods import Likelihood
 from .function_space import FactoredGaussian, FunctionSpaceGaussian
@@ -178,32 +177,6 @@ def classification_predictive(
     return predictive.ClassificationPrediction(
         log_probs, log_probs.exp(), total, aleatoric, sampled.epistemic
     )
-
-
-def bridge_from_moments(mean: Tensor, diagonal: Tensor, sums: Tensor, normalize: bool) -> Tensor:
-    r""":func:`~samplers_as_optim.predictive.laplace_bridge` from the moments it reads.
-
-    :math:`\mathrm{diag}\,\Sigma` and :math:`s = \Sigma\mathbf 1` (t = :math:`\mathbf
-    1^\top s`), the same operations in the same order, without the K x K matrix.
-    """
-    classes = mean.shape[-1]
-    total = sums.sum(-1, keepdim=True)
-    conditioned = total > 0
-    safe = torch.where(conditioned, total, 1.0)
-    shifted = torch.where(conditioned, mean - sums * mean.sum(-1, keepdim=True) / safe, mean)
-    variance = torch.where(conditioned, diagonal - sums.square() / safe, diagonal)
-    variance = variance.clamp(min=0.0)
-    if normalize:
-        scale = variance.mean(-1, keepdim=True) / math.sqrt(classes / 2)
-        scale = torch.where(scale > 0, scale, 1.0)
-        shifted = shifted * scale.rsqrt()
-        variance = variance / scale
-    log_bracket = torch.logaddexp(
-        torch.tensor(math.log1p(-2 / classes) if classes > 2 else -math.inf).to(mean),
-        shifted + torch.logsumexp(-shifted, dim=-1, keepdim=True) - 2 * math.log(classes),
-    )
-    tiny = torch.finfo(variance.dtype).tiny
-    return log_bracket - variance.clamp(min=tiny).log()
 
 
 def factored_classification(
