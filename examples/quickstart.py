@@ -7,7 +7,7 @@ burn-in are posterior samples, averaged into a Bayesian model average (BMA). The
 temperature dial runs from the posterior (T = 1) towards SGD (T -> 0).
 
 Run: ``python examples/quickstart.py`` (about 15 s on one CPU core). Output with torch 2.13 on
-a CPU (the seeds are fixed; another torch or device may round differently):
+a CPU (the seeds are fixed; another torch, device or CPU may round differently):
 
     method                                        accuracy  NLL     ECE
     --------------------------------------------  --------  ------  ------

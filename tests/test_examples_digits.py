@@ -172,6 +172,31 @@ def test_quickstart_runs_and_its_cold_sampler_matches_sgd(example, capsys) -> No
     assert "SGHMC T=1 (BMA of 40)" in printed
     if torch.__version__.startswith("2.13."):  # the docstring's output is this torch's
         table = printed[printed.index("method") :].strip()
-        documented = [line.strip() for line in example("quickstart").__doc__.splitlines()]
-        for line in table.splitlines():
+        assert_documented(table, example("quickstart").__doc__)
+
+
+#: the CPU the quickstart's docstring was printed on (``golden_cases.rounding_probe``)
+QUICKSTART_PROBE = "41f5c8c297a30009"
+
+
+def assert_documented(table: str, doc: str) -> None:
+    """The printed table is the docstring's: line for line on the CPU it was printed on.
+
+    On a CPU that rounds otherwise (another rounding probe) an ulp early in a chain
+    moves its later iterates, and the BMA's figures by a few thousandths (seen: the
+    warm-up's row 0.9704/0.1438/0.0328 against 0.9685/0.1438/0.0298): there each row's
+    method must be documented and its figures within 0.01 of the documented ones.
+    """
+    from golden_cases import rounding_probe
+
+    documented = [line.strip() for line in doc.splitlines()]
+    exact = rounding_probe() == QUICKSTART_PROBE
+    rows = {line.split("  ")[0]: line.split()[-3:] for line in documented if "(" in line}
+    for line in table.splitlines():
+        if exact or not line.strip().startswith(("SGD", "SGHMC")):
             assert line.strip() in documented, f"quickstart's docstring is stale: {line}"
+            continue
+        name, figures = line.strip().split("  ")[0], line.split()[-3:]
+        assert name in rows, f"quickstart's docstring is stale: {line}"
+        close = all(abs(float(a) - float(b)) <= 0.01 for a, b in zip(figures, rows[name]))
+        assert close, f"quickstart's docstring is stale: {line} (documented {rows[name]})"

@@ -32,7 +32,9 @@ the recorded commit's own numbers differ by an ulp or so on another machine (on
 clean clone (``python tests/data/make_golden.py --machine``, into
 ``tests/data/golden_machines/<probe>.json``, continuing the same checkpoints), chosen by
 ``golden_cases.rounding_probe``; ``41f5c8c297a30009`` was recorded so from 17f511a (the
-last commit CI passed on the first machine, which reproduces 4f73865's recording there).
+last commit CI passed on the first machine, which reproduces 4f73865's recording there);
+``bf89776652ca8bad`` (an AMD EPYC, every case an ulp or so apart) from 17f511a likewise,
+with PSGLD's revised cases re-recorded from aa22379 (below).
 
 Regenerating the recordings (``python tests/data/make_golden.py``) is legitimate only for
 a deliberate, documented change of behaviour (say which in the commit message and the
