@@ -11,7 +11,7 @@ from torch import Tensor
 from torchopt.base import GradientTransformation
 
 from .sgmcmc.optimizer import SamplerOptimizer
-from .sgmcmc.transformation import ScalarOrSchedule
+from .sgmcmc.transform import ScalarOrSchedule
 
 class SGLD(SamplerOptimizer):
     def __init__(self, params: Any, lr: float | Tensor = 0.001, momentum: float = 0.0, *, num_data: int, temperature: float = 1.0, weight_decay: float = 0.0, dampening: float = 0.0, nesterov: bool = False, maximize: bool = False, foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None, seed: int | None = None, overlap_noise: bool = True, nonfinite: str = 'raise') -> None: ...

@@ -87,8 +87,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .sgmcmc.langevin_noise import LangevinNoiseState, langevin_noise
-from .sgmcmc.transformation import ScalarOrSchedule, chain_dims
+from .sgmcmc.transform import ScalarOrSchedule, chain_dims
+from .sgmcmc.transform.langevin_noise import LangevinNoiseState, langevin_noise
 
 if TYPE_CHECKING:  # their signatures, compiled at import from their definitions, stated
     from ._signatures import (

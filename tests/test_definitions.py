@@ -24,7 +24,7 @@ import torchopt
 
 from samplers_as_optim import transforms
 from samplers_as_optim.sgmcmc import SAMPLERS
-from samplers_as_optim.sgmcmc.arguments import sgd_signature
+from samplers_as_optim.sgmcmc.definition.arguments import sgd_signature
 from samplers_as_optim.sgmcmc.definition import (
     REQUIRED,
     Hyperparameter,
@@ -34,7 +34,7 @@ from samplers_as_optim.sgmcmc.definition import (
     UpdateOutput,
 )
 from samplers_as_optim.sgmcmc.optimizer import SamplerOptimizer
-from samplers_as_optim.sgmcmc.transformation import transformation_of
+from samplers_as_optim.sgmcmc.transform import transformation_of
 
 NAMES = [cls.__name__ for cls in SAMPLERS]
 

@@ -176,7 +176,7 @@ def test_given_the_fused_noise_the_unfused_transform_takes_the_fused_chain(
         params,
         grads,
     )
-    monkeypatch.setattr("samplers_as_optim.sgmcmc.transformation.NoiseStream", FusedStream)
+    monkeypatch.setattr("samplers_as_optim.sgmcmc.transform.NoiseStream", FusedStream)
     two, plain_state = chain(
         factory(lambda count: lrs[count], num_data=N, seed=7, fused=False, **kwargs),
         params,
@@ -240,7 +240,7 @@ def test_fused_none_takes_the_fused_path_only_where_it_can_run(monkeypatch):
     calls = []
     original = _transform_fused.fused_update
     monkeypatch.setattr(
-        "samplers_as_optim.sgmcmc.transformation.fused_update",
+        "samplers_as_optim.sgmcmc.transform.fused_update",
         lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs),
     )
     params = start()

@@ -148,7 +148,7 @@ def test_the_walk_sees_the_imports():
     assert "core.noise_op" in GRAPH["core.streams"]
     assert "hmc.dynamics" in GRAPH["hmc._functional"]  # ``from . import dynamics``
     assert "hmc._functional" in GRAPH["hmc.sampler"]  # a function-local import
-    assert "sgmcmc.transformation" in GRAPH["transforms"]
+    assert "sgmcmc.transform" in GRAPH["transforms"]
     assert "samples.stacked" in GRAPH["gaussian._weight_gaussian"]
     assert sum(len(targets) for targets in GRAPH.values()) > 60
 

@@ -40,7 +40,7 @@ from torch.func import vmap
 import samplers_as_optim.core.keyed_normal as random_module  # where BLOCK is read
 import samplers_as_optim.sgmcmc.step.chunked as chunked_update_module
 from samplers_as_optim import SGHMC, SGNHT, transforms
-from samplers_as_optim.sgmcmc.momentum_units import rescale_momentum
+from samplers_as_optim.sgmcmc.definition.momentum_units import rescale_momentum
 
 Z = 4.5
 K = 20_000

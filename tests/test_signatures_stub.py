@@ -36,7 +36,7 @@ from torch import Tensor
 from torchopt.base import GradientTransformation
 
 from .sgmcmc.optimizer import SamplerOptimizer
-from .sgmcmc.transformation import ScalarOrSchedule
+from .sgmcmc.transform import ScalarOrSchedule
 '''
 
 

@@ -8,7 +8,7 @@ the target, in the same commit. The measures:
 - functions over 80 lines (target: none in ``sgmcmc/``, at most 8 in the package; 27
   when the ratchet was set, 2 now: ``psgld_direction`` and ``adamw_sghmc_direction``,
   public wrappers whose length is their documented 25- and 17-argument signatures);
-- modules in one folder (target: at most 15);
+- modules in one folder (target: at most 15; met);
 - the modules and lines SGHMC's step imports, directly or not, inside the package
   (target: at most 16 modules and 4,000 lines; torch's SGD reads about 1,600);
 - private names imported across folders (target: none; met, and held at none).
@@ -22,7 +22,9 @@ functions (which an ordinary import now reaches, where a string hid it) adds mod
 and lines of module docstrings. The folders per concept that followed (a folder per
 sampler with its Triton kernel, the pipeline ``sgmcmc/step``, the fused backend's parts
 ``sgmcmc/fused``, the temperature ``sgmcmc/temperature``) brought ``sgmcmc`` to 20
-(a subfolder counts once in its parent) and added 20 lines of package docstrings to the
+(a subfolder counts once in its parent; 15 once what declares a sampler went into
+``sgmcmc/definition`` and the torchopt front end into ``sgmcmc/transform``, the
+target) and added 20 lines of package docstrings to the
 closure (9,392); ``tensor_lists.scalar_operand``, the CPU's multiply by a 0-d tensor made
 once (16 us against 40 for 6 tensors, the same product), added 11 (9,403); the
 kernels' shared conventions said once (``fused/io``) took it to 9,325, and
@@ -50,7 +52,7 @@ LONG_MODULES: dict[str, int] = {}
 LONG_FUNCTIONS = 2
 LONG_FUNCTIONS_IN_SGMCMC = 2
 #: the most modules in one folder (target: 15)
-MODULES_PER_FOLDER = {"sgmcmc": 20, "gaussian": 15, "": 15, "hmc": 10, "samples": 10, "core": 9}
+MODULES_PER_FOLDER = {"sgmcmc": 15, "gaussian": 15, "": 15, "hmc": 10, "samples": 10, "core": 9}
 #: SGHMC's import closure inside the package (target: 16 modules, 4,000 lines)
 SGHMC_CLOSURE_MODULES = 44
 SGHMC_CLOSURE_LINES = 9327

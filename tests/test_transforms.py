@@ -30,7 +30,7 @@ from torch.func import grad, vmap
 from torchopt import pytree
 
 from samplers_as_optim import SGNHT, transforms
-from samplers_as_optim.sgmcmc import transformation as _transform
+from samplers_as_optim.sgmcmc import transform as _transform
 from samplers_as_optim.sgmcmc.sgld import sgld_noise_scale
 
 nan = math.nan

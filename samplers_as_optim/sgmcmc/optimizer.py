@@ -55,7 +55,6 @@ from ..core.validation import (
     check_seed,
     check_temperature,
 )
-from .arguments import PARAMS_DOC
 from .definition import (
     REQUIRED,
     SamplerDefinition,
@@ -63,6 +62,7 @@ from .definition import (
     example_doc,
     generated_function,
 )
+from .definition.arguments import PARAMS_DOC
 from .fused import check_fused, fused_message, fused_refusal
 from .step.checkpoint import (
     MOMENTUM_RATE,

@@ -112,7 +112,8 @@ import torch
 from torch import Tensor
 
 from ...core.validation import check_bool, check_nonnegative, refuse
-from ..arguments import (
+from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
+from ..definition.arguments import (
     DIFFERENTIABLE,
     FOREACH,
     FUSED,
@@ -126,8 +127,7 @@ from ..arguments import (
     WEIGHT_DECAY,
     sampling_meaningless,
 )
-from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
-from ..noise_scales import adamw_sghmc_noise_scale, torch_adamw_step
+from ..definition.noise_scales import adamw_sghmc_noise_scale, torch_adamw_step
 from ..optimizer import SamplerOptimizer
 from ..sampling_preconditioner import (
     FROZEN_AT,
@@ -137,7 +137,7 @@ from ..sampling_preconditioner import (
     STEP,
     check_eps,
 )
-from ..transformation import pick, transformation_of
+from ..transform import pick, transformation_of
 from .temperature import ADAMW_SGHMC_RULE
 from .update import Settings, directions
 

@@ -49,11 +49,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..definition.noise_scales import adamw_sghmc_noise_scale, torch_adamw_step
 from ..fused import io as fio
 from ..fused.io import tl
 from ..fused.launch import FusedInput, KernelArg, Part, constexpr, parts
 from ..fused.pooled import Moment, kernel_preconditioner, launch_alone, pooled, second_moment
-from ..noise_scales import adamw_sghmc_noise_scale, torch_adamw_step
 from ..sampling_preconditioner import advanced, prior_floor, released
 
 __all__ = ["launch", "unsupported"]

@@ -64,13 +64,13 @@ import torch
 from torch import Tensor
 
 from ...core.validation import check_momentum
-from ..arguments import DAMPENING, NESTEROV, sampling_meaningless, sgd_signature
 from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
-from ..noise_scales import baoa_noise_scale
+from ..definition.arguments import DAMPENING, NESTEROV, sampling_meaningless, sgd_signature
+from ..definition.noise_scales import baoa_noise_scale
 from ..optimizer import SamplerOptimizer
 from ..temperature.rule import TemperatureRule, UnitMass
 from ..tensor_lists import bucketed_grads, effective_grad, scalar_operand
-from ..transformation import pick, transformation_of
+from ..transform import pick, transformation_of
 
 __all__ = ["BAOA", "DEFINITION", "BAOAState", "baoa", "baoa_direction", "baoa_noise_scale"]
 

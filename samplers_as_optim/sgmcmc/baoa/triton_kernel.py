@@ -25,10 +25,10 @@ from typing import Any, cast
 
 from torch import Tensor
 
+from ..definition.noise_scales import baoa_noise_scale
 from ..fused import io as fio
 from ..fused.io import tl
 from ..fused.launch import FusedInput, KernelArg, constexpr, parts
-from ..noise_scales import baoa_noise_scale
 
 __all__ = ["launch", "unsupported"]
 

@@ -16,7 +16,7 @@ A sampler module declares, once, everything that makes the sampler what it is:
   tensor on CUDA (``sgmcmc/fused``).
 
 From a :class:`SamplerDefinition`, ``sgmcmc/optimizer.py`` builds the
-``torch.optim.Optimizer`` class and ``sgmcmc/transformation.py`` the torchopt
+``torch.optim.Optimizer`` class and ``sgmcmc/transform`` the torchopt
 transformation: both front ends validate with the same validators, start the same state
 and call the same update. Each public callable gets a real signature generated from the
 declaration (:func:`generated_function`), so ``help(SGHMC)``, ``inspect.signature`` and
@@ -34,9 +34,9 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from ..core.chain import NOISE_KEY
+from ...core.chain import NOISE_KEY
+from ..temperature.rule import TemperatureRule
 from .momentum_units import MOMENTUM_RATE
-from .temperature.rule import TemperatureRule
 
 __all__ = [
     "REQUIRED",

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.validation import check_bool, check_finite
-from .definition import REQUIRED, Hyperparameter
+from ...core.validation import check_bool, check_finite
+from . import REQUIRED, Hyperparameter
 
 __all__ = [
     "DAMPENING",

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .tensor_lists import HostScalars, buckets, host_scalar, host_value, known_buffer
+from ..tensor_lists import HostScalars, buckets, host_scalar, host_value, known_buffer
 
 __all__ = ["MOMENTUM_RATE", "rescale_momentum", "rescale_momentum_state"]
 

@@ -117,7 +117,8 @@ import torch
 from torch import Tensor
 
 from ...core.validation import check_bool, check_nonnegative, refuse
-from ..arguments import (
+from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
+from ..definition.arguments import (
     DIFFERENTIABLE,
     FOREACH,
     FUSED,
@@ -131,7 +132,6 @@ from ..arguments import (
     WEIGHT_DECAY,
     sampling_meaningless,
 )
-from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
 from ..optimizer import SamplerOptimizer
 from ..sampling_preconditioner import (
     FROZEN_AT,
@@ -142,7 +142,7 @@ from ..sampling_preconditioner import (
     check_eps,
 )
 from ..temperature.rule import LANGEVIN
-from ..transformation import pick, transformation_of
+from ..transform import pick, transformation_of
 from .dtypes import check_dtypes, psgld_noise_scale
 from .update import Settings, directions, rmsprop_step_
 

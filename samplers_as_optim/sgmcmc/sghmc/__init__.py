@@ -84,14 +84,14 @@ import torch
 from torch import Tensor
 
 from ...core.validation import check_momentum
-from ..arguments import sampling_meaningless, sgd_signature
 from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
-from ..noise_scales import sghmc_noise_scale
+from ..definition.arguments import sampling_meaningless, sgd_signature
+from ..definition.noise_scales import sghmc_noise_scale
 from ..optimizer import SamplerOptimizer
 from ..sgld import sgld_direction
 from ..temperature.rule import TemperatureRule, UnitMass, midpoint_factor
 from ..tensor_lists import bucketed_grads, effective_grad, known_buffer, scalar_operand
-from ..transformation import pick, transformation_of
+from ..transform import pick, transformation_of
 
 __all__ = ["DEFINITION", "SGHMC", "SGHMCState", "sghmc", "sghmc_direction", "sghmc_noise_scale"]
 

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..definition.noise_scales import sghmc_noise_scale
 from ..fused import io as fio
 from ..fused.io import tl
 from ..fused.launch import FusedInput, KernelArg, constexpr, parts, positions, torch_fused_sgd
-from ..noise_scales import sghmc_noise_scale
 from ..sgld import triton_kernel as _sgld_fused
 
 __all__ = ["launch", "unsupported"]

@@ -47,12 +47,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..arguments import NESTEROV, sampling_meaningless, sgd_signature
 from ..definition import Hyperparameter, SamplerDefinition, UpdateInput, UpdateOutput
+from ..definition.arguments import NESTEROV, sampling_meaningless, sgd_signature
 from ..optimizer import SamplerOptimizer
 from ..temperature.rule import LANGEVIN
 from ..tensor_lists import bucketed_grads, effective_grad
-from ..transformation import pick, transformation_of
+from ..transform import pick, transformation_of
 
 __all__ = ["DEFINITION", "SGLD", "SGLDState", "sgld", "sgld_direction", "sgld_noise_scale"]
 

@@ -107,13 +107,19 @@ import torch
 from torch import Tensor
 
 from ...core.validation import check_choice, check_momentum
-from ..arguments import DAMPENING, NESTEROV, TEMPERATURE, sampling_meaningless, sgd_signature
 from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
-from ..noise_scales import sghmc_noise_scale
+from ..definition.arguments import (
+    DAMPENING,
+    NESTEROV,
+    TEMPERATURE,
+    sampling_meaningless,
+    sgd_signature,
+)
+from ..definition.noise_scales import sghmc_noise_scale
 from ..optimizer import SamplerOptimizer
 from ..temperature.rule import TemperatureRule, thermostat_kinetic
 from ..tensor_lists import bucketed_grads, effective_grad
-from ..transformation import pick, transformation_of
+from ..transform import pick, transformation_of
 
 __all__ = [
     "DEFINITION",

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ...core.chain import NOISE_KEY, check_saved_noise_key
-from ..momentum_units import MOMENTUM_RATE
+from ..definition.momentum_units import MOMENTUM_RATE
 from ..tensor_lists import host_scalar
 from .half_precision import MASTER, check_saved_master, is_half, restore_master_state_
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..momentum_units import rescale_momentum_state
+from ..definition.momentum_units import rescale_momentum_state
 from .half_precision import HALF_DTYPES, compute_tensors
 from .plan import StepRates
 

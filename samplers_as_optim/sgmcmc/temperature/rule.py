@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..momentum_units import MOMENTUM_RATE
+from ..definition.momentum_units import MOMENTUM_RATE
 from .coordinates import CoordinateSubset
 
 __all__ = [

@@ -36,18 +36,18 @@ from torch import Tensor
 from torchopt import pytree
 from torchopt.base import GradientTransformation
 
-from ..core.streams import NoiseStream, parameter_key, seed_from_global_rng
-from ..core.validation import check_seed
-from . import fused as fused_module
-from ._transform_state import PUBLIC_MODULE as PUBLIC_MODULE  # re-exported: langevin_noise
-from ._transform_state import buffer_names, initial_buffers, state_class
-from .arguments import RETURNS_DOC
-from .definition import SamplerDefinition, UpdateInput, arguments_doc, generated_function
-from .fused import check_fused, fused_message
-from .fused.transform import fused_update, fused_update_refusal
-from .momentum_units import MOMENTUM_RATE, rescale_momentum
-from .optimizer import SamplerOptimizer
-from .tensor_lists import buckets, default_foreach, may_be_non_finite, scalar_operand
+from ...core.streams import NoiseStream, parameter_key, seed_from_global_rng
+from ...core.validation import check_seed
+from .. import fused as fused_module
+from ..definition import SamplerDefinition, UpdateInput, arguments_doc, generated_function
+from ..definition.arguments import RETURNS_DOC
+from ..definition.momentum_units import MOMENTUM_RATE, rescale_momentum
+from ..fused import check_fused, fused_message
+from ..fused.transform import fused_update, fused_update_refusal
+from ..optimizer import SamplerOptimizer
+from ..tensor_lists import buckets, default_foreach, may_be_non_finite, scalar_operand
+from .state import PUBLIC_MODULE as PUBLIC_MODULE  # re-exported: langevin_noise
+from .state import buffer_names, initial_buffers, state_class
 
 __all__ = [
     "KernelInput",
@@ -500,7 +500,7 @@ def transformation_of(
     (each a tuple with one entry per leaf, or empty where the hyperparameters keep no such
     buffer), ``momentum_lr`` for a sampler whose momentum is kept in SGD units (the rate
     each buffer was written at, a float or None), then ``seed`` and ``count``
-    (``_transform_state``). The factory has the declared signature (the hyperparameters
+    (``transform/state``). The factory has the declared signature (the hyperparameters
     with ``transform=True``) and validates with ``optimizer_class.check_hyperparameters``,
     so that both front ends refuse the same values with the same messages.
     """
@@ -559,7 +559,7 @@ def _definition_kernel(
 ) -> KernelOutput:
     """The :data:`Kernel` of a sampler's transformation: its definition's update, or fused.
 
-    ``names`` are the state's buffer fields (``_transform_state.buffer_names``). The
+    ``names`` are the state's buffer fields (``state.buffer_names``). The
     momentum in SGD units is first re-expressed at this step's ``lr`` (``momentum_units``);
     the buffer fields the hyperparameters keep no buffer in are empty.
     """

@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 from torchopt.base import GradientTransformation
 
-from .arguments import FOREACH, NUM_DATA, SEED, TEMPERATURE
-from .sghmc import SGHMC, sghmc_direction
-from .transformation import (
+from ..definition.arguments import FOREACH, NUM_DATA, SEED, TEMPERATURE
+from ..sghmc import SGHMC, sghmc_direction
+from . import (
     PUBLIC_MODULE,
     KernelInput,
     KernelOutput,

@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .definition import SamplerDefinition
-from .momentum_units import MOMENTUM_RATE
+from ..definition import SamplerDefinition
+from ..definition.momentum_units import MOMENTUM_RATE
 
 __all__ = ["PUBLIC_MODULE", "buffer_names", "initial_buffers", "state_class"]
 
