@@ -24,7 +24,6 @@ import torchopt
 
 from samplers_as_optim import transforms
 from samplers_as_optim.sgmcmc import SAMPLERS
-from samplers_as_optim.sgmcmc.definition.arguments import sgd_signature
 from samplers_as_optim.sgmcmc.definition import (
     REQUIRED,
     Hyperparameter,
@@ -33,6 +32,7 @@ from samplers_as_optim.sgmcmc.definition import (
     UpdateInput,
     UpdateOutput,
 )
+from samplers_as_optim.sgmcmc.definition.arguments import sgd_signature
 from samplers_as_optim.sgmcmc.optimizer import SamplerOptimizer
 from samplers_as_optim.sgmcmc.transform import transformation_of
 

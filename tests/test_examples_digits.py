@@ -198,5 +198,7 @@ def assert_documented(table: str, doc: str) -> None:
             continue
         name, figures = line.strip().split("  ")[0], line.split()[-3:]
         assert name in rows, f"quickstart's docstring is stale: {line}"
-        close = all(abs(float(a) - float(b)) <= 0.01 for a, b in zip(figures, rows[name]))
+        close = all(
+            abs(float(a) - float(b)) <= 0.01 for a, b in zip(figures, rows[name], strict=True)
+        )
         assert close, f"quickstart's docstring is stale: {line} (documented {rows[name]})"
