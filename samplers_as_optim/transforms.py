@@ -105,13 +105,16 @@ if TYPE_CHECKING:  # their signatures, compiled at import from their definitions
         sgld,
         sgnht,
     )
-else:
-    from .sgmcmc.adamw_sghmc import AdamWSGHMCState, adamw_sghmc
-    from .sgmcmc.baoa import BAOAState, baoa
-    from .sgmcmc.psgld import PSGLDState, psgld
-    from .sgmcmc.sghmc import SGHMCState, sghmc
-    from .sgmcmc.sgld import SGLDState, sgld
-    from .sgmcmc.sgnht import SGNHTState, sgnht
+else:  # each built here from its sampler's definition (the Optimizer's module needs none)
+    from .sgmcmc import BAOA, PSGLD, SGHMC, SGLD, SGNHT, AdamWSGHMC
+    from .sgmcmc.transform import transformation_of
+
+    sgld, SGLDState = transformation_of(SGLD.definition, SGLD)
+    sghmc, SGHMCState = transformation_of(SGHMC.definition, SGHMC)
+    sgnht, SGNHTState = transformation_of(SGNHT.definition, SGNHT)
+    baoa, BAOAState = transformation_of(BAOA.definition, BAOA)
+    psgld, PSGLDState = transformation_of(PSGLD.definition, PSGLD)
+    adamw_sghmc, AdamWSGHMCState = transformation_of(AdamWSGHMC.definition, AdamWSGHMC)
 
 __all__ = [
     "AdamWSGHMCState",

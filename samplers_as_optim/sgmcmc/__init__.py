@@ -1,8 +1,9 @@
 """The SG-MCMC family: one module per sampler, each one declarative definition.
 
 A sampler module holds its derivation, its pure kernel and its
-:class:`~.definition.SamplerDefinition`, from which its ``torch.optim`` class and its
-torchopt transformation are built (``docs/design.md``, "A sampler is one definition").
+:class:`~.definition.SamplerDefinition`, from which its ``torch.optim`` class is built
+there and its torchopt transformation in :mod:`samplers_as_optim.transforms`
+(``docs/design.md``, "A sampler is one definition").
 :data:`SAMPLERS` registers it: the generic tests (``tests/test_definitions.py``) check
 every registered sampler's front ends against its definition.
 """

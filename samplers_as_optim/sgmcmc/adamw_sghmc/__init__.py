@@ -112,7 +112,14 @@ import torch
 from torch import Tensor
 
 from ...core.validation import check_bool, check_nonnegative, refuse
-from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
+from ..definition import (
+    Hyperparameter,
+    SamplerDefinition,
+    StateField,
+    UpdateInput,
+    UpdateOutput,
+    pick,
+)
 from ..definition.arguments import (
     DIFFERENTIABLE,
     FOREACH,
@@ -137,15 +144,12 @@ from ..sampling_preconditioner import (
     STEP,
     check_eps,
 )
-from ..transform import pick, transformation_of
 from .temperature import ADAMW_SGHMC_RULE
 from .update import Settings, directions
 
 __all__ = [
     "DEFINITION",
     "AdamWSGHMC",
-    "AdamWSGHMCState",
-    "adamw_sghmc",
     "adamw_sghmc_direction",
     "adamw_sghmc_noise_scale",
 ]
@@ -573,6 +577,3 @@ class AdamWSGHMC(SamplerOptimizer, definition=DEFINITION):
                 UserWarning,
                 stacklevel=3,
             )
-
-
-adamw_sghmc, AdamWSGHMCState = transformation_of(DEFINITION, AdamWSGHMC)

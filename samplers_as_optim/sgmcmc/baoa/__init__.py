@@ -64,15 +64,21 @@ import torch
 from torch import Tensor
 
 from ...core.validation import check_momentum
-from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
+from ..definition import (
+    Hyperparameter,
+    SamplerDefinition,
+    StateField,
+    UpdateInput,
+    UpdateOutput,
+    pick,
+)
 from ..definition.arguments import DAMPENING, NESTEROV, sampling_meaningless, sgd_signature
 from ..definition.noise_scales import baoa_noise_scale
 from ..optimizer import SamplerOptimizer
 from ..temperature.rule import TemperatureRule, UnitMass
 from ..tensor_lists import bucketed_grads, effective_grad, scalar_operand
-from ..transform import pick, transformation_of
 
-__all__ = ["BAOA", "DEFINITION", "BAOAState", "baoa", "baoa_direction", "baoa_noise_scale"]
+__all__ = ["BAOA", "DEFINITION", "baoa_direction", "baoa_noise_scale"]
 
 
 def baoa_direction(
@@ -308,6 +314,3 @@ DEFINITION = SamplerDefinition(
 
 class BAOA(SamplerOptimizer, definition=DEFINITION):
     """The BAOA Langevin integrator as an optimizer (full docstring: ``DEFINITION``)."""
-
-
-baoa, BAOAState = transformation_of(DEFINITION, BAOA)

@@ -50,6 +50,7 @@ __all__ = [
     "arguments_doc",
     "example_doc",
     "generated_function",
+    "pick",
 ]
 
 
@@ -383,3 +384,8 @@ def generated_function(
     function.__qualname__ = qualname or name
     function.__doc__ = doc
     return function
+
+
+def pick(group: Mapping[str, Any], *keys: str) -> dict[str, Any]:
+    """The entries ``keys`` of ``group``, to pass a kernel its hyperparameters by name."""
+    return {key: group[key] for key in keys}

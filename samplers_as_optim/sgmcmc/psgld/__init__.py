@@ -117,7 +117,14 @@ import torch
 from torch import Tensor
 
 from ...core.validation import check_bool, check_nonnegative, refuse
-from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
+from ..definition import (
+    Hyperparameter,
+    SamplerDefinition,
+    StateField,
+    UpdateInput,
+    UpdateOutput,
+    pick,
+)
 from ..definition.arguments import (
     DIFFERENTIABLE,
     FOREACH,
@@ -142,11 +149,10 @@ from ..sampling_preconditioner import (
     check_eps,
 )
 from ..temperature.rule import LANGEVIN
-from ..transform import pick, transformation_of
 from .dtypes import check_dtypes, psgld_noise_scale
 from .update import Settings, directions, rmsprop_step_
 
-__all__ = ["DEFINITION", "PSGLD", "PSGLDState", "psgld", "psgld_direction", "psgld_noise_scale"]
+__all__ = ["DEFINITION", "PSGLD", "psgld_direction", "psgld_noise_scale"]
 
 
 def _check_alpha(value: Any, where: str) -> float:
@@ -592,6 +598,3 @@ DEFINITION = SamplerDefinition(
 
 class PSGLD(SamplerOptimizer, definition=DEFINITION):
     """Preconditioned SGLD, a drop-in for ``torch.optim.RMSprop`` (docs: ``DEFINITION``)."""
-
-
-psgld, PSGLDState = transformation_of(DEFINITION, PSGLD)

@@ -84,16 +84,22 @@ import torch
 from torch import Tensor
 
 from ...core.validation import check_momentum
-from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
+from ..definition import (
+    Hyperparameter,
+    SamplerDefinition,
+    StateField,
+    UpdateInput,
+    UpdateOutput,
+    pick,
+)
 from ..definition.arguments import sampling_meaningless, sgd_signature
 from ..definition.noise_scales import sghmc_noise_scale
 from ..optimizer import SamplerOptimizer
 from ..sgld import sgld_direction
 from ..temperature.rule import TemperatureRule, UnitMass, midpoint_factor
 from ..tensor_lists import bucketed_grads, effective_grad, known_buffer, scalar_operand
-from ..transform import pick, transformation_of
 
-__all__ = ["DEFINITION", "SGHMC", "SGHMCState", "sghmc", "sghmc_direction", "sghmc_noise_scale"]
+__all__ = ["DEFINITION", "SGHMC", "sghmc_direction", "sghmc_noise_scale"]
 
 
 def sghmc_direction(
@@ -424,6 +430,3 @@ DEFINITION = SamplerDefinition(
 
 class SGHMC(SamplerOptimizer, definition=DEFINITION):
     """SGHMC, a drop-in for ``torch.optim.SGD`` (full docstring: ``DEFINITION``)."""
-
-
-sghmc, SGHMCState = transformation_of(DEFINITION, SGHMC)

@@ -47,14 +47,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..definition import Hyperparameter, SamplerDefinition, UpdateInput, UpdateOutput
+from ..definition import Hyperparameter, SamplerDefinition, UpdateInput, UpdateOutput, pick
 from ..definition.arguments import NESTEROV, sampling_meaningless, sgd_signature
 from ..optimizer import SamplerOptimizer
 from ..temperature.rule import LANGEVIN
 from ..tensor_lists import bucketed_grads, effective_grad
-from ..transform import pick, transformation_of
 
-__all__ = ["DEFINITION", "SGLD", "SGLDState", "sgld", "sgld_direction", "sgld_noise_scale"]
+__all__ = ["DEFINITION", "SGLD", "sgld_direction", "sgld_noise_scale"]
 
 
 def sgld_noise_scale(lr: float, temperature: float, num_data: int) -> float:
@@ -265,6 +264,3 @@ DEFINITION = SamplerDefinition(
 
 class SGLD(SamplerOptimizer, definition=DEFINITION):
     """SGLD, a drop-in for ``torch.optim.SGD`` (full docstring: ``DEFINITION``)."""
-
-
-sgld, SGLDState = transformation_of(DEFINITION, SGLD)

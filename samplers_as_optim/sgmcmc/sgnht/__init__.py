@@ -107,7 +107,14 @@ import torch
 from torch import Tensor
 
 from ...core.validation import check_choice, check_momentum
-from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
+from ..definition import (
+    Hyperparameter,
+    SamplerDefinition,
+    StateField,
+    UpdateInput,
+    UpdateOutput,
+    pick,
+)
 from ..definition.arguments import (
     DAMPENING,
     NESTEROV,
@@ -119,14 +126,11 @@ from ..definition.noise_scales import sghmc_noise_scale
 from ..optimizer import SamplerOptimizer
 from ..temperature.rule import TemperatureRule, thermostat_kinetic
 from ..tensor_lists import bucketed_grads, effective_grad
-from ..transform import pick, transformation_of
 
 __all__ = [
     "DEFINITION",
     "KINETIC_ENERGY",
     "SGNHT",
-    "SGNHTState",
-    "sgnht",
     "sgnht_direction",
     "sgnht_initial_state",
 ]
@@ -537,6 +541,3 @@ DEFINITION = SamplerDefinition(
 
 class SGNHT(SamplerOptimizer, definition=DEFINITION):
     """SGNHT, a drop-in for ``torch.optim.SGD`` (full docstring: ``DEFINITION``)."""
-
-
-sgnht, SGNHTState = transformation_of(DEFINITION, SGNHT)

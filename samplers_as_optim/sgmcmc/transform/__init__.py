@@ -39,7 +39,7 @@ from torchopt.base import GradientTransformation
 from ...core.streams import NoiseStream, parameter_key, seed_from_global_rng
 from ...core.validation import check_seed
 from .. import fused as fused_module
-from ..definition import SamplerDefinition, UpdateInput, arguments_doc, generated_function
+from ..definition import SamplerDefinition, UpdateInput, arguments_doc, generated_function, pick
 from ..definition.arguments import RETURNS_DOC
 from ..definition.momentum_units import MOMENTUM_RATE, rescale_momentum
 from ..fused import check_fused, fused_message
@@ -55,7 +55,7 @@ __all__ = [
     "ScalarOrSchedule",
     "chain_dims",
     "leaf_noise_keys",
-    "pick",
+    "pick",  # (defined with the definitions; the sampler modules import it there)
     "sampler_transformation",
     "transformation_of",
 ]
@@ -230,11 +230,6 @@ def _scale_by_neg_lr(
         for i, out in zip(index, products, strict=True):
             scaled[i] = out
     return scaled
-
-
-def pick(group: Mapping[str, Any], *keys: str) -> dict[str, Any]:
-    """The entries ``keys`` of ``group``, to pass a kernel its hyperparameters by name."""
-    return {key: group[key] for key in keys}
 
 
 def sampler_transformation(
