@@ -112,14 +112,7 @@ import torch
 from torch import Tensor
 
 from ...core.validation import check_bool, check_nonnegative, refuse
-from ..definition import (
-    Hyperparameter,
-    SamplerDefinition,
-    StateField,
-    UpdateInput,
-    UpdateOutput,
-    pick,
-)
+from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
 from ..definition.arguments import (
     DIFFERENTIABLE,
     FOREACH,
@@ -132,6 +125,7 @@ from ..definition.arguments import (
     SEED,
     TEMPERATURE,
     WEIGHT_DECAY,
+    pick,
     sampling_meaningless,
 )
 from ..definition.noise_scales import adamw_sghmc_noise_scale, torch_adamw_step

@@ -64,15 +64,8 @@ import torch
 from torch import Tensor
 
 from ...core.validation import check_momentum
-from ..definition import (
-    Hyperparameter,
-    SamplerDefinition,
-    StateField,
-    UpdateInput,
-    UpdateOutput,
-    pick,
-)
-from ..definition.arguments import DAMPENING, NESTEROV, sampling_meaningless, sgd_signature
+from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
+from ..definition.arguments import DAMPENING, NESTEROV, pick, sampling_meaningless, sgd_signature
 from ..definition.noise_scales import baoa_noise_scale
 from ..optimizer import SamplerOptimizer
 from ..temperature.rule import TemperatureRule, UnitMass

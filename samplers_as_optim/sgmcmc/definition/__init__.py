@@ -50,7 +50,6 @@ __all__ = [
     "arguments_doc",
     "example_doc",
     "generated_function",
-    "pick",
 ]
 
 
@@ -384,8 +383,3 @@ def generated_function(
     function.__qualname__ = qualname or name
     function.__doc__ = doc
     return function
-
-
-def pick(group: Mapping[str, Any], *keys: str) -> dict[str, Any]:
-    """The entries ``keys`` of ``group``, to pass a kernel its hyperparameters by name."""
-    return {key: group[key] for key in keys}

@@ -10,6 +10,7 @@ them (``SamplerOptimizer.check_hyperparameters``), so they declare no ``check``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ...core.validation import check_bool, check_finite
@@ -31,6 +32,7 @@ __all__ = [
     "SEED",
     "TEMPERATURE",
     "WEIGHT_DECAY",
+    "pick",
     "sampling_meaningless",
     "sgd_signature",
 ]
@@ -261,3 +263,8 @@ def sampling_meaningless(
         raise ValueError(
             f"{name}={value!r}{where} requires temperature=0 (it has no sampling meaning)"
         )
+
+
+def pick(group: Mapping[str, Any], *keys: str) -> dict[str, Any]:
+    """The entries ``keys`` of ``group``, to pass a kernel its hyperparameters by name."""
+    return {key: group[key] for key in keys}

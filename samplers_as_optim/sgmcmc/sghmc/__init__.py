@@ -84,15 +84,8 @@ import torch
 from torch import Tensor
 
 from ...core.validation import check_momentum
-from ..definition import (
-    Hyperparameter,
-    SamplerDefinition,
-    StateField,
-    UpdateInput,
-    UpdateOutput,
-    pick,
-)
-from ..definition.arguments import sampling_meaningless, sgd_signature
+from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
+from ..definition.arguments import pick, sampling_meaningless, sgd_signature
 from ..definition.noise_scales import sghmc_noise_scale
 from ..optimizer import SamplerOptimizer
 from ..sgld import sgld_direction

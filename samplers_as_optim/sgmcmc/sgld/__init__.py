@@ -47,8 +47,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..definition import Hyperparameter, SamplerDefinition, UpdateInput, UpdateOutput, pick
-from ..definition.arguments import NESTEROV, sampling_meaningless, sgd_signature
+from ..definition import Hyperparameter, SamplerDefinition, UpdateInput, UpdateOutput
+from ..definition.arguments import NESTEROV, pick, sampling_meaningless, sgd_signature
 from ..optimizer import SamplerOptimizer
 from ..temperature.rule import LANGEVIN
 from ..tensor_lists import bucketed_grads, effective_grad

@@ -107,18 +107,12 @@ import torch
 from torch import Tensor
 
 from ...core.validation import check_choice, check_momentum
-from ..definition import (
-    Hyperparameter,
-    SamplerDefinition,
-    StateField,
-    UpdateInput,
-    UpdateOutput,
-    pick,
-)
+from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
 from ..definition.arguments import (
     DAMPENING,
     NESTEROV,
     TEMPERATURE,
+    pick,
     sampling_meaningless,
     sgd_signature,
 )

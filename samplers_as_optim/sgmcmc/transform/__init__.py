@@ -39,8 +39,8 @@ from torchopt.base import GradientTransformation
 from ...core.streams import NoiseStream, parameter_key, seed_from_global_rng
 from ...core.validation import check_seed
 from .. import fused as fused_module
-from ..definition import SamplerDefinition, UpdateInput, arguments_doc, generated_function, pick
-from ..definition.arguments import RETURNS_DOC
+from ..definition import SamplerDefinition, UpdateInput, arguments_doc, generated_function
+from ..definition.arguments import RETURNS_DOC, pick
 from ..definition.momentum_units import MOMENTUM_RATE, rescale_momentum
 from ..fused import check_fused, fused_message
 from ..fused.transform import fused_update, fused_update_refusal
@@ -55,7 +55,7 @@ __all__ = [
     "ScalarOrSchedule",
     "chain_dims",
     "leaf_noise_keys",
-    "pick",  # (defined with the definitions; the sampler modules import it there)
+    "pick",  # (defined with the shared arguments; the samplers import it there)
     "sampler_transformation",
     "transformation_of",
 ]
