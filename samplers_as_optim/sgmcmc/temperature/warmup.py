@@ -45,6 +45,13 @@ of the warm-up the lr is frozen at the geometric mean of the lrs of the windows 
 second half (Polyak-Ruppert averaging), the hooks are removed, and what follows is the
 stated chain at that fixed lr.
 
+Divergence. An lr past the stability limit of the chain's stiffest direction does not
+heat the chain by a few percent: it throws it away within a few steps, before a window
+ends. Such a chain is started again from where the warm-up began, at a tenth of its lr,
+and no group's lr is raised afterwards to within a factor 2 of the lr it diverged at
+(``temperature/restart``: what is watched, what is put back; at most ``max_restarts``
+times).
+
 Schedulers. During the warm-up the warm-up alone sets lr: a change by anyone else (a
 scheduler's ``step()``) is refused at the next ``step()``, which then changes nothing.
 Build a scheduler after the warm-up, when each group's ``lr`` is the adapted one.
@@ -63,6 +70,7 @@ from typing import Any
 
 from ...core.validation import (
     check_finite,
+    check_nonnegative_integer,
     check_open_unit_interval,
     check_positive_int,
     check_state_fields,
@@ -71,6 +79,7 @@ from ...core.validation import (
 from ..optimizer import SamplerOptimizer
 from .estimates import ChainTemperatureReport
 from .monitor import TemperatureMonitor
+from .restart import DivergenceWatch, Snapshot, sampling_gradient_norm
 
 __all__ = ["StepSizeWarmup", "adapting_warmup"]
 
@@ -118,12 +127,17 @@ class StepSizeWarmup:
             (a number >= 1).
         max_spread: no group's lr exceeds this multiple of the smallest group's (a number
             >= 1; the groups of one network are coupled: see the module docstring).
+        max_restarts: how many times a diverging chain is started again from the
+            warm-up's start at a tenth of its lr (module docstring; an integer >= 0).
+            Each restart's state is kept for it: a copy of the parameters and the
+            optimizer's state for the warm-up's length (0: none is kept, no restart).
         level, coordinates, stride: the monitor's (``TemperatureMonitor``).
 
     Attributes:
         done: whether the warm-up has ended (the lrs frozen).
         seen: the optimizer steps taken under the warm-up.
         history: ``(step, [lr per group])`` after each window.
+        restarts: ``(step, [lr per group])`` at each restart (the lrs it restarted with).
 
     Raises:
         TypeError, ValueError: a bad argument, or a group at T > 0 with lr 0.
@@ -152,6 +166,7 @@ class StepSizeWarmup:
         target: float = 0.02,
         max_increase: float = 10.0,
         max_spread: float = 4.0,
+        max_restarts: int = 4,
         level: float = 0.999,
         coordinates: int | None = 4096,
         stride: int = 1,
@@ -163,6 +178,7 @@ class StepSizeWarmup:
         self.target = check_open_unit_interval("target", target)
         self.max_increase = _factor("max_increase", max_increase)
         self.max_spread = _factor("max_spread", max_spread)
+        self.max_restarts = check_nonnegative_integer("max_restarts", max_restarts)
         if not isinstance(optimizer, SamplerOptimizer):
             raise TypeError(
                 f"Invalid optimizer: {type(optimizer).__name__} (expected an SG-MCMC sampler, "
@@ -172,10 +188,27 @@ class StepSizeWarmup:
         for index, (group, lr) in enumerate(zip(optimizer.param_groups, self.start, strict=True)):
             if float(group["temperature"]) > 0 and not lr > 0:
                 refuse("lr", lr, "> 0 in every group at T > 0", f" (param group {index})")
-        self.monitor = TemperatureMonitor(  # (attaches its hooks: after every check)
-            optimizer, every=every, level=level, warn=False, stride=stride, coordinates=coordinates
-        )
+        # the warm-up's check before the monitor's read: a restart comes before the read
+        before = optimizer.register_step_pre_hook(self._before_step)
+        try:
+            self.monitor = TemperatureMonitor(  # (attaches its hooks: after every check)
+                optimizer,
+                every=every,
+                level=level,
+                warn=False,
+                stride=stride,
+                coordinates=coordinates,
+            )
+        except Exception:
+            before.remove()
+            raise
         self.optimizer = optimizer
+        self._fresh_monitor = self.monitor.state_dict()
+        self._snapshot = Snapshot.take(optimizer) if self.max_restarts else None
+        self._watch = DivergenceWatch()
+        self.restarts: list[tuple[int, list[float]]] = []
+        self._windows = 0  # the monitor's windows read since the (re)start
+        self._cap = [lr * self.max_increase for lr in self.start]
         self._z = statistics.NormalDist().inv_cdf((1 + level) / 2)
         self.lrs = list(self.start)
         self.done = False
@@ -184,10 +217,7 @@ class StepSizeWarmup:
         self._adapted = [0] * len(self.start)  # windows adapted, per group
         self._arrived = [False] * len(self.start)  # read at T once (thermalised)
         self._late = [(0.0, 0)] * len(self.start)  # second half: (sum of log lr, windows)
-        self._handles = (
-            optimizer.register_step_pre_hook(self._before_step),
-            optimizer.register_step_post_hook(self._after_step),
-        )
+        self._handles = (before, optimizer.register_step_post_hook(self._after_step))
         _ADAPTING[optimizer] = self
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -208,10 +238,38 @@ class StepSizeWarmup:
                     "only it sets lr (build a scheduler after it ends, from the adapted lr)",
                     f" (param group {index})",
                 )
+        if self._snapshot is not None:
+            value = sampling_gradient_norm(self.optimizer)
+            if value is not None and self._watch.observe(value):
+                self._restart()
+
+    def _restart(self) -> None:
+        """Start the chain again from the warm-up's start at a tenth of its lrs (at T > 0)."""
+        assert self._snapshot is not None
+        self._snapshot.restore(self.optimizer)
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad.zero_()  # (the step runs from the restored state, without them)
+        for index, group in enumerate(self.optimizer.param_groups):
+            if float(group["temperature"]) > 0:
+                self._cap[index] = min(self._cap[index], self.lrs[index] / 2)
+                self.lrs[index] /= 10
+            group["lr"] = self.lrs[index]
+        self.restarts.append((self.seen, list(self.lrs)))
+        self.monitor.load_state_dict(self._fresh_monitor)
+        self._windows = 0
+        self._watch = DivergenceWatch()
+        self._adapted = [0] * len(self.lrs)
+        self._arrived = [False] * len(self.lrs)
+        self._late = [(0.0, 0)] * len(self.lrs)
+        if len(self.restarts) >= self.max_restarts:
+            self._snapshot = None
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.seen += 1
-        if len(self.monitor.history) > len(self.history):
+        if len(self.monitor.history) > self._windows:
+            self._windows = len(self.monitor.history)
             _, reports = self.monitor.history[-1]
             sampling = [float(group["temperature"]) > 0 for group in self.optimizer.param_groups]
             logs = [
@@ -235,7 +293,7 @@ class StepSizeWarmup:
                 self._adapted[index] += 1
                 gain = GAIN * self._adapted[index] ** -DECAY
                 log_lr -= gain * min(max(z, -1.0), 1.0)
-                log_lr = min(log_lr, math.log(self.start[index] * self.max_increase))
+                log_lr = min(log_lr, math.log(self._cap[index]))
         return log_lr
 
     def _apply(self, logs: list[float | None]) -> None:
@@ -294,6 +352,7 @@ class StepSizeWarmup:
         for handle in self._handles:
             handle.remove()
         self.monitor.remove()
+        self._snapshot = None
         if _ADAPTING.get(self.optimizer) is self:
             del _ADAPTING[self.optimizer]
 
@@ -309,10 +368,18 @@ class StepSizeWarmup:
             "history": [(step, list(lrs)) for step, lrs in self.history],
             "done": self.done,
             "monitor": self.monitor.state_dict(),
+            "restarts": [(step, list(lrs)) for step, lrs in self.restarts],
+            "windows": self._windows,
+            "watch": self._watch.state(),
+            "cap": list(self._cap),
+            "snapshot": None if self._snapshot is None else self._snapshot.state(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict` (built for the same optimizer and arguments).
+
+        A state saved before restarts existed resumes with the restart's state taken
+        when this warm-up was built.
 
         Raises:
             TypeError: ``state_dict`` is not a mapping.
@@ -335,5 +402,19 @@ class StepSizeWarmup:
         self.history = [(int(s), [float(v) for v in lrs]) for s, lrs in state_dict["history"]]
         self.monitor.load_state_dict(state_dict["monitor"])
         self.done = bool(state_dict["done"])
+        self._load_restarts(state_dict)
         if self.done:
             self.remove()
+
+    def _load_restarts(self, state_dict: dict[str, Any]) -> None:
+        """The restart's part of :meth:`load_state_dict` (absent from older states)."""
+        if "restarts" not in state_dict:
+            self._windows = len(self.history)
+            self._cap = [lr * self.max_increase for lr in self.start]
+            return
+        self.restarts = [(int(s), [float(v) for v in lrs]) for s, lrs in state_dict["restarts"]]
+        self._windows = int(state_dict["windows"])
+        self._watch = DivergenceWatch.from_state(state_dict["watch"])
+        self._cap = [float(cap) for cap in state_dict["cap"]]
+        saved = state_dict["snapshot"]
+        self._snapshot = None if saved is None else Snapshot.from_state(saved)
