@@ -359,6 +359,14 @@ def test_evaluation_draws_do_not_change_training():
     assert torch.equal(runs[0], runs[1])
 
 
+def _recording(take, taken: list):
+    def recorded(*args):
+        taken.append(take(*args))
+        return taken[-1]
+
+    return recorded
+
+
 def test_overlapped_noise_is_the_same_noise():
     """Drawn ahead on the worker thread (a large parameter) or on the spot: one run."""
     torch.manual_seed(0)
@@ -370,6 +378,9 @@ def test_overlapped_noise_is_the_same_noise():
         opt = IVON(
             model.named_parameters(), lr=0.05, ess=16, mc_samples=2, seed=2, overlap_noise=overlap
         )
+        taken: list = []
+        if overlap:  # (the prefetcher's buffers are used, not drawn again)
+            opt._prefetcher.take = _recording(opt._prefetcher.take, taken)
         for _ in range(3):
             for _ in range(2):
                 with opt.sampled_params(train=True):
@@ -379,6 +390,8 @@ def test_overlapped_noise_is_the_same_noise():
                     pass
             opt.step()
         runs.append(model.weight.detach().clone())
+        if overlap:  # each training draw but the first was drawn ahead, for the weight
+            assert sum(t is not None for t in taken) == 5
     assert torch.equal(runs[0], runs[1])
 
 

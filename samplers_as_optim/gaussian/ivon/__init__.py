@@ -119,6 +119,7 @@ from ...core.chain import at_group
 from ...core.streams import seed_from_global_rng
 from ...core.validation import check_bool, check_positive_int, check_seed
 from ...samples.stacked import call_stacked
+from ...sgmcmc.step.prefetch import NoisePrefetcher
 from ._checks import (
     CHANGED_PARAMETERS,
     COUNTERS,
@@ -129,7 +130,6 @@ from ._checks import (
 )
 from ._draws import IVONDraws, draw_samples, posterior
 from ._kernel import STATISTIC, update_
-from ._noise import Prefetcher
 from ._state_checks import check_saved_groups, check_saved_state
 
 __all__ = ["IVON"]
@@ -263,7 +263,7 @@ class IVON(IVONDraws):
         self._runtime.update(
             draw=None, agreed=False, seed_given=seed_given, checked={}, buffers={}, drawn={}
         )
-        self._prefetcher = Prefetcher() if self._overlap_noise else None
+        self._prefetcher = NoisePrefetcher() if self._overlap_noise else None
 
     def __getstate__(self) -> dict[str, Any]:
         """``torch.optim``'s state (the whole run) plus the optimizer-wide options."""

@@ -24,9 +24,10 @@ from ...core.chain import ChainOptimizer, at_group
 from ...core.distributed import agree_across_ranks
 from ...core.validation import check_bool
 from ...names import parameter_name
+from ...sgmcmc.step.prefetch import NoisePrefetcher, NoiseRequest
 from ._checks import CHANGED_PARAMETERS, COUNTERS, HYPERPARAMETERS
 from ._kernel import STATISTIC, accumulate_, perturb_
-from ._noise import DrawRequest, Prefetcher, draw_key, fill_normals, next_training_draws
+from ._noise import draw_key, fill_normals, next_training_draws, submit_ahead
 
 __all__ = ["IVONDraws", "draw_samples", "posterior"]
 
@@ -60,7 +61,7 @@ class IVONDraws(ChainOptimizer):
     """
 
     #: runtime, not the chain's state (rebuilt by ``_reset_runtime``)
-    _prefetcher: Prefetcher | None
+    _prefetcher: NoisePrefetcher | None
     #: draws per ``step(closure)``: the prefetcher draws a step's next one ahead
     mc_samples: int
 
@@ -188,7 +189,7 @@ class IVONDraws(ChainOptimizer):
         if prefetcher is not None:
             prefetcher.wait()
         parts: list[_GroupDraw] = []
-        ahead: list[DrawRequest] = []
+        ahead: list[NoiseRequest] = []
         try:
             for index, group, params, keys in plans:
                 hess = [self._state_of(p, group)["hess"] for p in params]
@@ -198,7 +199,7 @@ class IVONDraws(ChainOptimizer):
                     continue
                 seed, step, count = group["seed"], group["step"], group[COUNTERS[not train]]
                 requests = [
-                    DrawRequest(p, seed, step, draw_key(k, train=train, index=count), self._shard)
+                    NoiseRequest(p, seed, step, draw_key(k, train=train, index=count), self._shard)
                     for p, k in zip(params, keys, strict=True)
                 ]
                 fill_normals(self._stream(seed), prefetcher, requests, scratch)
@@ -225,7 +226,7 @@ class IVONDraws(ChainOptimizer):
                     torch._foreach_copy_(part.params, part.means)
             raise
         if prefetcher is not None:
-            prefetcher.submit(ahead)
+            submit_ahead(prefetcher, ahead)
         return _Draw(train, parts, by_step)
 
     @torch.no_grad()

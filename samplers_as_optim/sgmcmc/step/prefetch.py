@@ -131,11 +131,19 @@ class NoisePrefetcher:
         """Whether any noise has been drawn ahead (:meth:`take` can only miss otherwise)."""
         return bool(self._tags)
 
-    def take(self, request: NoiseRequest) -> Tensor | None:
-        """The prefetched noise for ``request`` (call :meth:`wait` first), or None."""
-        if self._tags.get(id(request.param)) != _tag(request):
+    def take(self, request: NoiseRequest, spare: Tensor | None = None) -> Tensor | None:
+        """The prefetched noise for ``request`` (call :meth:`wait` first), or None.
+
+        Given a ``spare`` (IVON), the caller keeps the buffer and ``spare`` replaces it.
+        """
+        ident = id(request.param)
+        if self._tags.get(ident) != _tag(request):
             return None
         device = request.param.device
         if device.type == "cuda":  # the draw was queued on the side stream
             torch.cuda.current_stream(device).wait_event(self._events[device])
-        return self._buffers[id(request.param)]
+        buffer = self._buffers[ident]
+        if spare is not None:
+            self._buffers[ident] = spare
+            del self._tags[ident]
+        return buffer
