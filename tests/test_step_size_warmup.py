@@ -135,31 +135,38 @@ def test_no_group_s_lr_exceeds_max_spread_times_the_smallest() -> None:
         assert flat <= 4.0 * stiff * (1 + 1e-12)
 
 
-def _checkpointed(split: int | None) -> tuple[list[float], torch.Tensor]:
+def checkpointed(
+    split: int | None, lr: float = 3.0
+) -> tuple[list[float], torch.Tensor, StepSizeWarmup]:
+    """SGHMC on the Gaussian under a 300-step warm-up for 400 steps, from ``lr``.
+
+    With ``split``, checkpointed after that many steps (through ``torch.save``) and
+    resumed in a fresh optimizer and warm-up. Returns the final lr and the lrs after each
+    window, the parameter, and the warm-up that finished.
+    """
     theta = torch.nn.Parameter(torch.zeros(D))
-    opt = SGHMC([theta], lr=3.0, momentum=0.9, num_data=N, seed=4)
+    opt = SGHMC([theta], lr=lr, momentum=0.9, num_data=N, seed=4)
     warmup = StepSizeWarmup(opt, steps=300, every=10)
-    if split is None:
-        _steps(opt, theta, 400)
-        return [opt.param_groups[0]["lr"], *[lrs[0] for _, lrs in warmup.history]], theta
-    _steps(opt, theta, split)
-    saved = {"opt": opt.state_dict(), "warmup": warmup.state_dict(), "theta": theta.detach()}
-    buffer = io.BytesIO()
-    torch.save(saved, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=True)
-    theta2 = torch.nn.Parameter(loaded["theta"].clone())
-    opt2 = SGHMC([theta2], lr=3.0, momentum=0.9, num_data=N, seed=4)
-    warmup2 = StepSizeWarmup(opt2, steps=300, every=10)
-    opt2.load_state_dict(loaded["opt"])
-    warmup2.load_state_dict(loaded["warmup"])
-    _steps(opt2, theta2, 400 - split)
-    return [opt2.param_groups[0]["lr"], *[lrs[0] for _, lrs in warmup2.history]], theta2
+    if split is not None:
+        _steps(opt, theta, split)
+        saved = {"opt": opt.state_dict(), "warmup": warmup.state_dict(), "theta": theta.detach()}
+        buffer = io.BytesIO()
+        torch.save(saved, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=True)
+        warmup.remove()
+        theta = torch.nn.Parameter(loaded["theta"].clone())
+        opt = SGHMC([theta], lr=lr, momentum=0.9, num_data=N, seed=4)
+        warmup = StepSizeWarmup(opt, steps=300, every=10)
+        opt.load_state_dict(loaded["opt"])
+        warmup.load_state_dict(loaded["warmup"])
+    _steps(opt, theta, 400 - (split or 0))
+    return [opt.param_groups[0]["lr"], *[lrs[0] for _, lrs in warmup.history]], theta, warmup
 
 
 def test_a_checkpoint_mid_window_resumes_the_adaptation_exactly() -> None:
-    lrs, theta = _checkpointed(None)
-    resumed_lrs, resumed = _checkpointed(137)  # mid-window, mid warm-up
+    lrs, theta, _ = checkpointed(None)
+    resumed_lrs, resumed, _ = checkpointed(137)  # mid-window, mid warm-up
     assert resumed_lrs == lrs
     assert torch.equal(resumed, theta)
 

@@ -8,11 +8,11 @@ Robbins-Monro step (at most a factor e^0.5) cannot catch it.
 
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
 import torch
+from test_step_size_warmup import checkpointed
 
 from samplers_as_optim import SGHMC, SGLD, StepSizeWarmup, diagnostics
 from samplers_as_optim.sgmcmc.temperature.restart import DivergenceWatch
@@ -114,36 +114,12 @@ def test_after_the_last_restart_the_warm_up_stops_intervening() -> None:
     assert len(warmup.restarts) == 1
 
 
-def _checkpointed(split: int | None) -> tuple[list[float], torch.Tensor, list]:
-    theta = torch.nn.Parameter(torch.zeros(D))
-    opt = SGHMC([theta], lr=400.0, momentum=0.9, num_data=N, seed=4)
-    warmup = StepSizeWarmup(opt, steps=300, every=10)
-    if split is None:
-        _steps(opt, theta, 400)
-        lrs = [opt.param_groups[0]["lr"], *[lrs[0] for _, lrs in warmup.history]]
-        return lrs, theta, warmup.restarts
-    _steps(opt, theta, split)
-    saved = {"opt": opt.state_dict(), "warmup": warmup.state_dict(), "theta": theta.detach()}
-    buffer = io.BytesIO()
-    torch.save(saved, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=True)
-    theta2 = torch.nn.Parameter(loaded["theta"].clone())
-    opt2 = SGHMC([theta2], lr=400.0, momentum=0.9, num_data=N, seed=4)
-    warmup2 = StepSizeWarmup(opt2, steps=300, every=10)
-    opt2.load_state_dict(loaded["opt"])
-    warmup2.load_state_dict(loaded["warmup"])
-    _steps(opt2, theta2, 400 - split)
-    lrs = [opt2.param_groups[0]["lr"], *[lrs[0] for _, lrs in warmup2.history]]
-    return lrs, theta2, warmup2.restarts
-
-
 @pytest.mark.parametrize("split", [2, 9, 137])  # before the restart (at step 4) and after
 def test_a_checkpoint_resumes_the_restarts_exactly(split: int) -> None:
-    lrs, theta, restarts = _checkpointed(None)
-    assert len(restarts) == 1 and restarts[0][0] < 9
-    resumed_lrs, resumed, resumed_restarts = _checkpointed(split)
-    assert resumed_restarts == restarts
+    lrs, theta, warmup = checkpointed(None, lr=400.0)
+    assert len(warmup.restarts) == 1 and warmup.restarts[0][0] < 9
+    resumed_lrs, resumed, resumed_warmup = checkpointed(split, lr=400.0)
+    assert resumed_warmup.restarts == warmup.restarts
     assert resumed_lrs == lrs
     assert torch.equal(resumed, theta)
 

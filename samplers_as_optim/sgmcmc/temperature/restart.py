@@ -24,8 +24,10 @@ state, the monitor's) is put back, every group's lr at T > 0 is divided by 10, t
 adaptation starts again (its windows and gains), and the gradients of that step are
 zeroed so that the step runs from the restored state without them (a step of noise
 alone). The chain's step counter runs on (the noise is not replayed), and so does the
-warm-up's count: it ends when it would have. After ``max_restarts`` restarts the
-warm-up intervenes no more (a gradient that is not finite at any lr is the model's).
+warm-up's count: it ends when it would have. What the optimizer does not hold is not
+put back: a module's buffers (BatchNorm's running statistics) follow the restarted
+chain. After ``max_restarts`` restarts the warm-up intervenes no more (a gradient that is
+not finite at any lr is the model's).
 """
 
 from __future__ import annotations
