@@ -164,7 +164,10 @@ def prior_param_groups(
     prior's decay as ``"prior_weight_decay"`` (the prior itself goes in the loss,
     :func:`prior_loss`), which :class:`~samplers_as_optim.AdamWSGHMC` reads to floor its
     sampling preconditioner, so that a chain started at the MAP stays sane; other
-    optimizers ignore the key.
+    optimizers ignore the key. A module whose prior is in its own loss declares there the
+    curvature of that loss its parameters are known to have whatever the data
+    (``loss_curvature``, per datum: :class:`~samplers_as_optim.regression.GaussianLikelihood`'s
+    log σ, whose Fisher information is 2 per observation), which floors them alike.
 
     Args:
         model: the model.
@@ -198,9 +201,10 @@ def prior_param_groups(
     check_bool("decoupled", decoupled)
     variances = prior_variances(model, std=std, bias_std=bias_std, other_std=other_std, scale=scale)
     parameters = dict(model.named_parameters())
+    known = _loss_curvatures(model) if decoupled else {}
     groups: dict[float, list[tuple[str, nn.Parameter]]] = {}
     for name, variance in variances.items():
-        decay = 0.0 if variance is None else 1.0 / (num_data * variance)
+        decay = known.get(name, 0.0) if variance is None else 1.0 / (num_data * variance)
         groups.setdefault(decay, []).append((name, parameters[name]))
     if decoupled:
         return [
@@ -303,3 +307,14 @@ def prior_loss(
         reference = next(iter(parameters.values()))
         return torch.zeros((), dtype=reference.dtype, device=reference.device)
     return total
+
+
+def _loss_curvatures(model: nn.Module) -> dict[str, float]:
+    """Per parameter name, the ``loss_curvature`` its module declares (``prior_in_loss``)."""
+    known: dict[str, float] = {}
+    for prefix, module in model.named_modules():
+        if getattr(module, "prior_in_loss", False) is not True:
+            continue
+        for local, value in dict(getattr(module, "loss_curvature", {})).items():
+            known[f"{prefix}.{local}" if prefix else local] = float(value)
+    return known

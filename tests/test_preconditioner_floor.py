@@ -17,7 +17,13 @@ import warnings
 import pytest
 import torch
 
-from samplers_as_optim import PSGLD, AdamWSGHMC, prior_param_groups
+from samplers_as_optim import (
+    PSGLD,
+    AdamWSGHMC,
+    GaussianLikelihood,
+    prior_loss,
+    prior_param_groups,
+)
 from samplers_as_optim.sgmcmc.sampling_preconditioner import prior_floor
 
 D, N = 200, 100
@@ -135,3 +141,48 @@ def test_a_decoupled_decay_at_temperature_above_zero_is_warned_about() -> None:
         AdamWSGHMC([param], num_data=10, weight_decay=0.25, temperature=0.0)  # AdamW
         AdamWSGHMC([param], num_data=10, weight_decay=0.0)  # the prior in the loss
         AdamWSGHMC(prior_param_groups(model, num_data=10, decoupled=True), num_data=10)
+
+
+def _twin_from_the_mode(groups_of, steps: int = 5) -> float:
+    """How far the twin moves log σ in ``steps`` steps from a regression's mode."""
+    torch.manual_seed(0)
+    x = torch.randn(200, 3)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5]]) + 0.3 * torch.randn(200, 1)
+    model = torch.nn.ModuleDict(
+        {"net": torch.nn.Linear(3, 1), "likelihood": GaussianLikelihood(num_data=200)}
+    )
+    fit = torch.optim.Adam(prior_param_groups(model, num_data=200), lr=0.05)
+    for _ in range(1500):  # to the MAP, where the gradient in log σ vanishes
+        fit.zero_grad()
+        model["likelihood"](model["net"](x), y).backward()
+        fit.step()
+    start = float(model["likelihood"].log_noise_std.detach())
+    twin = AdamWSGHMC(groups_of(model), lr=1e-3, num_data=200, seed=0)
+    for _ in range(steps):
+        twin.zero_grad()
+        loss = model["likelihood"](model["net"](x), y) + prior_loss(model, num_data=200)
+        loss.backward()
+        twin.step()
+    return abs(float(model["likelihood"].log_noise_std.detach()) - start)
+
+
+def test_the_twin_from_the_mode_keeps_sigma_where_the_likelihood_holds_it() -> None:
+    """GaussianLikelihood's log σ: its Fisher information, 2 per observation, floors it.
+
+    At the MAP the gradient in log σ vanishes: without a floor the twin's first step
+    threw log σ by several times its posterior sd, sqrt(1/(2N)) = 0.05 here (its prior
+    is in the likelihood's loss, so no prior floors it).
+    """
+    groups = prior_param_groups(
+        torch.nn.ModuleDict({"l": GaussianLikelihood(num_data=9)}), num_data=9, decoupled=True
+    )
+    assert [g["prior_weight_decay"] for g in groups] == [2.0]  # the Fisher, per datum
+    unfloored = _twin_from_the_mode(
+        lambda m: [
+            {**g, "prior_weight_decay": 0.0} if "likelihood" in g["params"][0][0] else g
+            for g in prior_param_groups(m, num_data=200, decoupled=True)
+        ]
+    )
+    floored = _twin_from_the_mode(lambda m: prior_param_groups(m, num_data=200, decoupled=True))
+    assert unfloored > 0.2  # four posterior sds and more
+    assert floored < 0.05  # within one

@@ -424,7 +424,9 @@ DEFINITION = SamplerDefinition(
             doc=r"""prior_weight_decay: :math:`\lambda_0`, the curvature of the prior the
             loss holds, as the weight decay that would add its gradient
             (``prior_loss``'s :math:`1/(N v)`; ``prior_param_groups(...,
-            decoupled=True)`` sets it per group). At temperature > 0 it floors the
+            decoupled=True)`` sets it per group, and for a module whose prior is in its
+            own loss the curvature that loss declares: ``GaussianLikelihood``'s log sigma,
+            2 per observation). At temperature > 0 it floors the
             sampling preconditioner, :math:`\bar V/c \ge T\lambda_0/N` (the stationary
             second moment of the gradient is at least the prior's share), so that a chain
             started at a mode does not build :math:`a` from vanishing gradients and blow
