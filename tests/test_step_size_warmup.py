@@ -78,13 +78,22 @@ def test_sghmc_from_a_hot_start_is_not_hot_after_the_warm_up() -> None:
     StepSizeWarmup(opt, steps=1500, every=10)
     _steps(opt, theta, 1500)
     assert opt.param_groups[0]["lr"] < 5.0
+    assert_quiet_at_the_law(opt, theta, quiet=2000, sampled=6000)
+
+
+def assert_quiet_at_the_law(
+    opt: torch.optim.Optimizer, theta: torch.Tensor, *, quiet: int, sampled: int
+) -> None:
+    """No hot window in ``quiet`` steps (windows of 250), then the law over ``sampled``.
+
+    The law: s_t = mean_i lambda_i theta_i^2 has mean 1 under the target (T = 1) and 1 +
+    the chain's excess at its lr; its standard error from 20 batch means.
+    """
     monitor = diagnostics.TemperatureMonitor(opt, every=250, warn=False)
-    _steps(opt, theta, 2000)
+    _steps(opt, theta, quiet)
     assert not any(r.hot for _, reports in monitor.history for r in reports)
-    # the law: s_t = mean_i lambda_i theta_i^2 has mean 1 under the target (T = 1) and
-    # 1 + the chain's excess at its lr; its standard error from 20 batch means
     series = []
-    for _ in range(6000):
+    for _ in range(sampled):
         _steps(opt, theta, 1)
         series.append(float((LAM * theta.detach().square()).mean()))
     values = torch.tensor(series, dtype=torch.float64)

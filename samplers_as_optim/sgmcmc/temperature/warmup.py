@@ -222,18 +222,14 @@ class StepSizeWarmup:
         self.optimizer = optimizer
         self._fresh_monitor = self.monitor.state_dict()
         self._snapshot = Snapshot.take(optimizer) if self.max_restarts else None
-        self._watch = DivergenceWatch()
         self.restarts: list[tuple[int, list[float]]] = []
-        self._windows = 0  # the monitor's windows read since the (re)start
         self._cap = [lr * self.max_increase for lr in self.start]
         self._z = statistics.NormalDist().inv_cdf((1 + level) / 2)
         self.lrs = list(self.start)
         self.done = False
         self.history: list[tuple[int, list[float]]] = []
         self.seen = 0  # optimizer steps taken under the warm-up
-        self._adapted = [0] * len(self.start)  # windows adapted, per group
-        self._arrived = [False] * len(self.start)  # read at T once (thermalised)
-        self._late = [(0.0, 0)] * len(self.start)  # second half: (sum of log lr, windows)
+        self._begin_adaptation()
         self._handles = (before, optimizer.register_step_post_hook(self._after_step))
         _ADAPTING[optimizer] = self
 
@@ -260,6 +256,15 @@ class StepSizeWarmup:
             if value is not None and self._watch.observe(value):
                 self._restart()
 
+    def _begin_adaptation(self) -> None:
+        """The adaptation's counters at its start, and at a restart."""
+        count = len(self.lrs)
+        self._windows = 0  # the monitor's windows read since the (re)start
+        self._watch = DivergenceWatch()
+        self._adapted = [0] * count  # windows adapted, per group
+        self._arrived = [False] * count  # read at T once (thermalised)
+        self._late = [(0.0, 0)] * count  # second half: (sum of log lr, windows)
+
     def _restart(self) -> None:
         """Start the chain again from the warm-up's start at a tenth of its lrs (at T > 0)."""
         assert self._snapshot is not None
@@ -275,11 +280,7 @@ class StepSizeWarmup:
             group["lr"] = self.lrs[index]
         self.restarts.append((self.seen, list(self.lrs)))
         self.monitor.load_state_dict(self._fresh_monitor)
-        self._windows = 0
-        self._watch = DivergenceWatch()
-        self._adapted = [0] * len(self.lrs)
-        self._arrived = [False] * len(self.lrs)
-        self._late = [(0.0, 0)] * len(self.lrs)
+        self._begin_adaptation()
         if len(self.restarts) >= self.max_restarts:
             self._snapshot = None
 
