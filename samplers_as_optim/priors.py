@@ -19,7 +19,12 @@ parameter of ``model`` (each module's own parameters, ``recurse=False``):
   ``prior_in_loss = True``, as :class:`~samplers_as_optim.regression.GaussianLikelihood`):
   no weight decay (:math:`\lambda = 0`), and no entry in the Laplace dict;
 * every other parameter (normalisation layers, embeddings, a user's module):
-  :math:`v = \text{other\_std}^2`, no fan-in scaling.
+  :math:`v = \text{other\_std}^2`, no fan-in scaling;
+* but where ``precision`` is given, :math:`v = 1/\text{precision}` for the parameters it
+  names (a number: for every parameter whose prior is not in a loss), e.g. the prior a
+  :class:`~samplers_as_optim.Laplace`'s evidence tuned (``la.prior_precision`` with
+  ``prior_structure="scalar"`` or ``"layerwise"``), so that a chain samples the
+  posterior under the prior the evidence chose (empirical Bayes, MacKay 1992).
 
 Only parameters with ``requires_grad=True`` are included. Parameters with one variance
 share a param group, in the order of ``model.named_parameters()``; every group holds
@@ -33,12 +38,14 @@ References:
     Neal (1996), Bayesian Learning for Neural Networks, §2.2.
     He, Zhang, Ren & Sun (2015), Delving deep into rectifiers, §2.2.
     Fortuin et al. (2022), Bayesian neural network priors revisited, §2.
+    MacKay (1992), A practical Bayesian framework for backpropagation networks.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor, nn
@@ -55,6 +62,9 @@ SCALES = ("fan_in", "none")
 PRIOR_GROUP_KEY = "l2_prior"
 
 _LAYERS = (nn.Linear, nn.modules.conv._ConvNd)
+
+#: a prior precision 1/v: one number for every parameter, or one per parameter name
+Precision: TypeAlias = "float | Mapping[str, float | Tensor]"
 
 
 def _fan_in(module: nn.Module) -> int:
@@ -79,6 +89,7 @@ def prior_variances(
     bias_std: float = 1.0,
     other_std: float = 1.0,
     scale: str = "fan_in",
+    precision: Precision | None = None,
 ) -> dict[str, float | None]:
     """The prior variance of every trainable parameter, by name (None: its prior is in a loss).
 
@@ -92,15 +103,26 @@ def prior_variances(
         bias_std: the biases' σ (default: 1.0; > 0).
         other_std: σ of every other parameter (default: 1.0; > 0).
         scale: ``"fan_in"`` (default) or ``"none"``.
+        precision: None (default: the rule above), or the prior precision 1/v that
+            overrides it: a number (> 0) for every parameter whose prior is not in a loss,
+            or a mapping from parameter names (as ``model.named_parameters()`` gives
+            them) to a number or a tensor of one value (a
+            :class:`~samplers_as_optim.Laplace`'s ``prior_precision`` with
+            ``prior_structure="layerwise"``); the parameters it does not name keep the
+            rule.
 
     Returns:
         name -> variance v (a float), or None for a parameter whose module declares its
         prior in its own loss.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: a bad ``std``, ``bias_std``, ``other_std`` or ``scale``, or a model
-            with no trainable parameter.
+        TypeError: ``model`` is not an ``nn.Module``, or ``precision`` not None, a number
+            or a mapping of names to numbers or tensors.
+        ValueError: a bad ``std``, ``bias_std``, ``other_std`` or ``scale``, a model
+            with no trainable parameter, or a ``precision`` that names no trainable
+            parameter of the model, or one whose prior is in a loss, or holds a value that
+            is not finite and > 0, or a tensor of more than one value (a per-element
+            precision is no weight decay).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"Invalid model: {type(model).__name__} (expected an nn.Module)")
@@ -132,9 +154,51 @@ def prior_variances(
             f"Invalid model: {type(model).__name__} without trainable parameters "
             "(expected a model with parameters that require grad)"
         )
+    variances.update(_overridden(variances, precision))
     # named_modules() visits in named_parameters() order for the first occurrence
     order = [name for name, _ in model.named_parameters() if name in variances]
     return {name: variances[name] for name in order}
+
+
+def _overridden(variances: dict[str, float | None], precision: Any) -> dict[str, float]:
+    """The variances 1/precision that ``precision`` sets (see :func:`prior_variances`)."""
+    if precision is None:
+        return {}
+    with_prior = [name for name, variance in variances.items() if variance is not None]
+    if not isinstance(precision, Mapping):
+        if isinstance(precision, Tensor) and precision.numel() == 1:
+            precision = float(precision)
+        if isinstance(precision, bool) or not isinstance(precision, (int, float)):
+            raise TypeError(
+                f"Invalid precision: {precision!r} (expected None, a finite number > 0, or "
+                "a mapping of parameter names to numbers or one-valued tensors)"
+            )
+        return dict.fromkeys(with_prior, 1.0 / check_positive("precision", precision))
+    variances_set = {}
+    for name, value in precision.items():
+        where = f"precision[{name!r}]"
+        if name not in variances:
+            raise ValueError(
+                f"Invalid precision: key {name!r} (expected the names of the model's "
+                f"trainable parameters, as model.named_parameters() gives them: "
+                f"{', '.join(map(repr, variances))})"
+            )
+        if variances[name] is None:
+            raise ValueError(
+                f"Invalid precision: key {name!r} (expected a parameter with a prior: its "
+                "module declares its prior in its own loss)"
+            )
+        if isinstance(value, Tensor):
+            if value.numel() == 0 or not bool((value == value.flatten()[0]).all()):
+                raise ValueError(
+                    f"Invalid {where}: a tensor of shape {tuple(value.shape)} whose elements "
+                    "differ (expected one precision per parameter tensor, as Laplace's "
+                    "prior_structure='scalar' or 'layerwise' gives it: a weight decay is "
+                    "one number per parameter)"
+                )
+            value = float(value.flatten()[0])
+        variances_set[name] = 1.0 / check_positive(where, value)
+    return variances_set
 
 
 def prior_param_groups(
@@ -146,6 +210,7 @@ def prior_param_groups(
     other_std: float = 1.0,
     scale: str = "fan_in",
     decoupled: bool = False,
+    precision: Precision | None = None,
 ) -> list[dict[str, Any]]:
     r"""Param groups whose ``weight_decay`` is each parameter's prior: :math:`1/(N v)`.
 
@@ -177,6 +242,8 @@ def prior_param_groups(
         other_std: as in :func:`prior_variances`.
         scale: as in :func:`prior_variances`.
         decoupled: the groups of an optimizer with a decoupled decay (above).
+        precision: as in :func:`prior_variances` (e.g. a Laplace's evidence-tuned
+            ``la.prior_precision``: the chain samples under the prior the evidence chose).
 
     Returns:
         A list of param groups ``{"params": [(name, parameter), ...], "weight_decay":
@@ -199,7 +266,9 @@ def prior_param_groups(
     """
     num_data = check_num_data(num_data)
     check_bool("decoupled", decoupled)
-    variances = prior_variances(model, std=std, bias_std=bias_std, other_std=other_std, scale=scale)
+    variances = prior_variances(
+        model, std=std, bias_std=bias_std, other_std=other_std, scale=scale, precision=precision
+    )
     parameters = dict(model.named_parameters())
     known = _loss_curvatures(model) if decoupled else {}
     groups: dict[float, list[tuple[str, nn.Parameter]]] = {}
@@ -224,6 +293,7 @@ def prior_precision(
     bias_std: float = 1.0,
     other_std: float = 1.0,
     scale: str = "fan_in",
+    precision: Precision | None = None,
 ) -> dict[str, Tensor]:
     r"""The same prior as Laplace's per-parameter precision: name -> a tensor of :math:`1/v`.
 
@@ -238,6 +308,7 @@ def prior_precision(
         bias_std: as in :func:`prior_variances`.
         other_std: as in :func:`prior_variances`.
         scale: as in :func:`prior_variances`.
+        precision: as in :func:`prior_variances`.
 
     Returns:
         name -> a tensor of the parameter's shape, dtype and device, filled with 1/v.
@@ -249,7 +320,9 @@ def prior_precision(
         >>> precision["weight"][0, 0].item(), precision["bias"][0].item()
         (4.0, 1.0)
     """
-    variances = prior_variances(model, std=std, bias_std=bias_std, other_std=other_std, scale=scale)
+    variances = prior_variances(
+        model, std=std, bias_std=bias_std, other_std=other_std, scale=scale, precision=precision
+    )
     parameters = dict(model.named_parameters())
     return {
         name: torch.full_like(parameters[name], 1.0 / variance).detach()
@@ -266,6 +339,7 @@ def prior_loss(
     bias_std: float = 1.0,
     other_std: float = 1.0,
     scale: str = "fan_in",
+    precision: Precision | None = None,
 ) -> Tensor:
     r"""The same prior as a term of the mean loss: :math:`\sum_j \theta_j^2 / (2 N v_j)`.
 
@@ -281,6 +355,7 @@ def prior_loss(
         bias_std: as in :func:`prior_variances`.
         other_std: as in :func:`prior_variances`.
         scale: as in :func:`prior_variances`.
+        precision: as in :func:`prior_variances`.
 
     Returns:
         A scalar tensor, differentiable in the parameters.
@@ -295,7 +370,9 @@ def prior_loss(
         tensor(1., grad_fn=<AddBackward0>)
     """
     num_data = check_num_data(num_data)
-    variances = prior_variances(model, std=std, bias_std=bias_std, other_std=other_std, scale=scale)
+    variances = prior_variances(
+        model, std=std, bias_std=bias_std, other_std=other_std, scale=scale, precision=precision
+    )
     parameters = dict(model.named_parameters())
     total: Tensor | None = None
     for name, variance in variances.items():

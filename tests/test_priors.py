@@ -111,6 +111,42 @@ def test_prior_precision_is_one_over_the_variance_and_laplace_takes_it():
     assert torch.allclose(la.prior_precision["0.weight"], precision["0.weight"])
 
 
+def test_a_laplaces_evidence_tuned_precision_is_the_prior_of_the_groups_and_the_loss():
+    """``precision=la.prior_precision`` (layerwise): decay = precision / N, in every form."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))
+    x, y = torch.randn(40, 3), torch.randn(40, 1)
+    la = Laplace(net, num_data=40, likelihood="regression", noise_std=1.0, prior_precision=1.0)
+    la.fit([(x, y)])
+    la.optimize_prior_precision(
+        method="marglik", prior_structure="layerwise", num_steps=5, progress=False
+    )
+    tuned = {name: float(value.flatten()[0]) for name, value in la.prior_precision.items()}
+    assert len(set(tuned.values())) == 4  # one per tensor, all moved from 1
+    groups = prior_param_groups(net, num_data=N, precision=la.prior_precision)
+    assert decays(groups) == pytest.approx({name: value / N for name, value in tuned.items()})
+    decoupled = prior_param_groups(net, num_data=N, precision=la.prior_precision, decoupled=True)
+    prior_decays = {n: g["prior_weight_decay"] for g in decoupled for n, _ in g["params"]}
+    assert prior_decays == pytest.approx(decays(groups))
+    back = prior_precision(net, precision=la.prior_precision)
+    for name, value in la.prior_precision.items():
+        assert torch.allclose(back[name], value)
+    loss = prior_loss(net, num_data=N, precision=la.prior_precision)
+    loss.backward()
+    for name, parameter in net.named_parameters():
+        expected = tuned[name] / N * parameter.detach()
+        assert torch.allclose(parameter.grad, expected, rtol=1e-6, atol=0), name
+
+
+def test_precision_a_number_for_every_prior_and_a_mapping_for_the_named_ones():
+    both = nn.ModuleDict({"net": nn.Linear(4, 2), "likelihood": GaussianLikelihood(num_data=N)})
+    variances = prior_variances(both, precision=8.0)
+    assert variances == {"net.weight": 1 / 8, "net.bias": 1 / 8, "likelihood.log_noise_std": None}
+    variances = prior_variances(both, precision={"net.weight": torch.full((2, 4), 2.0)})
+    assert variances == {"net.weight": 0.5, "net.bias": 1.0, "likelihood.log_noise_std": None}
+    assert prior_variances(both, precision=torch.tensor(4.0))["net.bias"] == 0.25
+
+
 def test_prior_loss_gradient_is_the_weight_decay():
     net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
     both = nn.ModuleDict({"net": net, "likelihood": GaussianLikelihood(num_data=N)})
@@ -165,6 +201,44 @@ def test_prior_loss_of_a_model_whose_only_prior_is_in_a_loss_is_zero():
             lambda: prior_variances(nn.Linear(2, 1), scale="fan_out"),
             ValueError,
             "Invalid scale: 'fan_out' (expected one of 'fan_in', 'none')",
+        ),
+        (
+            lambda: prior_variances(nn.Linear(2, 1), precision={"0.weight": 1.0}),
+            ValueError,
+            "Invalid precision: key '0.weight' (expected the names of the model's trainable "
+            "parameters, as model.named_parameters() gives them: 'weight', 'bias')",
+        ),
+        (
+            lambda: prior_variances(
+                GaussianLikelihood(num_data=N), precision={"log_noise_std": 1.0}
+            ),
+            ValueError,
+            "Invalid precision: key 'log_noise_std' (expected a parameter with a prior: its "
+            "module declares its prior in its own loss)",
+        ),
+        (
+            lambda: prior_param_groups(
+                nn.Linear(2, 1), num_data=N, precision={"weight": torch.tensor([[1.0, 2.0]])}
+            ),
+            ValueError,
+            "Invalid precision['weight']: a tensor of shape (1, 2) whose elements differ "
+            "(expected one precision per parameter tensor",
+        ),
+        (
+            lambda: prior_loss(nn.Linear(2, 1), num_data=N, precision={"bias": -1.0}),
+            ValueError,
+            "Invalid precision['bias']: -1.0 (expected a finite number > 0)",
+        ),
+        (
+            lambda: prior_precision(nn.Linear(2, 1), precision=math.nan),
+            ValueError,
+            "Invalid precision: nan (expected a finite number > 0)",
+        ),
+        (
+            lambda: prior_variances(nn.Linear(2, 1), precision="strong"),
+            TypeError,
+            "Invalid precision: 'strong' (expected None, a finite number > 0, or a mapping "
+            "of parameter names to numbers or one-valued tensors)",
         ),
         (
             lambda: prior_param_groups(nn.ReLU(), num_data=N),

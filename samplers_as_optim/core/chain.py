@@ -209,22 +209,26 @@ class ChainOptimizer(Optimizer):
         """
         unique = True
         index = 0
+        owners: dict[int, str] = {}
         for group_index, group in enumerate(self.param_groups):
             names = group.get("param_names")
             for position, param in enumerate(group["params"]):
+                where = f"{at_group(group_index)}, parameter {position}"
                 state = self.state.get(param)
                 stored = None if state is None else state.get(NOISE_KEY)
                 if stored is not None:
-                    key = stored_noise_key(
-                        stored, where=f"{at_group(group_index)}, parameter {position}"
-                    )
+                    key = stored_noise_key(stored, where=where)
+                    label = "its stored noise key"
                 else:
                     identity = names[position] if names else parameter_name(param)
                     if identity is None:
                         identity = index
                         unique = False
                     key = parameter_key(identity)
-                self._keys.setdefault(id(param), key)
+                    label = repr(identity)
+                key = self._keys.setdefault(id(param), key)
+                owner = f"parameter {position} ({label}){at_group(group_index)}"
+                _refuse_shared_key(owners, key, owner)
                 index += 1
         self._runtime["all_named"] = unique
 
@@ -259,6 +263,23 @@ class ChainOptimizer(Optimizer):
                     self.state[param].pop(NOISE_KEY, None)
                 elif isinstance(value, Tensor):
                     self.state[param][NOISE_KEY] = value.detach().to(device="cpu", copy=True)
+
+
+def _refuse_shared_key(owners: dict[int, str], key: int, owner: str) -> None:
+    """Raise if another parameter already holds ``key``: the two would draw the same noise.
+
+    Two parameters of one name (groups built from two modules' ``named_parameters()``,
+    each with its own ``"weight"``) would be keyed alike, and their noise would be
+    identical, a silently correlated chain.
+    """
+    other = owners.setdefault(key, owner)
+    if other != owner:
+        raise ValueError(
+            f"Invalid params: {other} and {owner} have the same noise key (expected "
+            "distinct names: a sampler keys each parameter's noise by its name, and two "
+            "parameters of one name would draw the same noise; name them apart, e.g. "
+            "model.named_parameters(prefix='...') or one nn.ModuleDict of the modules)"
+        )
 
 
 def valid_noise_key(value: Any) -> bool:
