@@ -252,7 +252,10 @@ def prior_param_groups(
         parameters; λ = 0 for the parameters whose prior is in a loss.
 
     Raises:
-        ValueError, TypeError: as :func:`prior_variances`, and a bad ``num_data``.
+        ValueError, TypeError: as :func:`prior_variances`, and a bad ``num_data``, or one
+            other than the ``num_data`` of a module whose prior is in its loss (a
+            :class:`~samplers_as_optim.regression.GaussianLikelihood` built for another
+            N: its parameters' posterior would be tempered by the ratio).
 
     Example:
         >>> import torch
@@ -269,6 +272,7 @@ def prior_param_groups(
     variances = prior_variances(
         model, std=std, bias_std=bias_std, other_std=other_std, scale=scale, precision=precision
     )
+    _check_loss_priors_agree(model, num_data)
     parameters = dict(model.named_parameters())
     known = _loss_curvatures(model) if decoupled else {}
     groups: dict[float, list[tuple[str, nn.Parameter]]] = {}
@@ -360,6 +364,9 @@ def prior_loss(
     Returns:
         A scalar tensor, differentiable in the parameters.
 
+    Raises:
+        ValueError, TypeError: as :func:`prior_param_groups`.
+
     Example:
         >>> import torch
         >>> from samplers_as_optim import prior_loss
@@ -373,6 +380,7 @@ def prior_loss(
     variances = prior_variances(
         model, std=std, bias_std=bias_std, other_std=other_std, scale=scale, precision=precision
     )
+    _check_loss_priors_agree(model, num_data)
     parameters = dict(model.named_parameters())
     total: Tensor | None = None
     for name, variance in variances.items():
@@ -384,6 +392,24 @@ def prior_loss(
         reference = next(iter(parameters.values()))
         return torch.zeros((), dtype=reference.dtype, device=reference.device)
     return total
+
+
+def _check_loss_priors_agree(model: nn.Module, num_data: int) -> None:
+    """Raise if a module whose prior is in its loss divides it by another N than ``num_data``.
+
+    :class:`~samplers_as_optim.regression.GaussianLikelihood` adds its prior over N, its
+    own ``num_data``; where that differs from the N the weights' prior and the sampler
+    use, σ's posterior is silently tempered by their ratio.
+    """
+    for prefix, module in model.named_modules():
+        own = getattr(module, "num_data", None)
+        if getattr(module, "prior_in_loss", False) is True and own is not None and own != num_data:
+            raise ValueError(
+                f"Invalid num_data: {num_data} (expected {own}, the num_data of "
+                f"{prefix or 'the model'} ({type(module).__name__}), whose prior is in its "
+                "loss over its own num_data: both are the training-set size N, else its "
+                "parameters' posterior is tempered by their ratio)"
+            )
 
 
 def _loss_curvatures(model: nn.Module) -> dict[str, float]:

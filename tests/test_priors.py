@@ -241,6 +241,20 @@ def test_prior_loss_of_a_model_whose_only_prior_is_in_a_loss_is_zero():
             "of parameter names to numbers or one-valued tensors)",
         ),
         (
+            lambda: prior_param_groups(
+                nn.ModuleDict({"net": nn.Linear(2, 1), "noise": GaussianLikelihood(num_data=100)}),
+                num_data=64,
+            ),
+            ValueError,
+            "Invalid num_data: 64 (expected 100, the num_data of noise (GaussianLikelihood), "
+            "whose prior is in its loss over its own num_data",
+        ),
+        (
+            lambda: prior_loss(GaussianLikelihood(num_data=100), num_data=64),
+            ValueError,
+            "Invalid num_data: 64 (expected 100, the num_data of the model (GaussianLikelihood)",
+        ),
+        (
             lambda: prior_param_groups(nn.ReLU(), num_data=N),
             ValueError,
             "Invalid model: ReLU without trainable parameters (expected a model with "
