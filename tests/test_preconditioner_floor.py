@@ -186,3 +186,54 @@ def test_the_twin_from_the_mode_keeps_sigma_where_the_likelihood_holds_it() -> N
     floored = _twin_from_the_mode(lambda m: prior_param_groups(m, num_data=200, decoupled=True))
     assert unfloored > 0.2  # four posterior sds and more
     assert floored < 0.05  # within one
+
+
+@pytest.mark.parametrize("sampler", ["SGLD", "SGHMC", "SGNHT", "BAOA", "PSGLD"])
+def test_a_sampler_with_a_coupled_decay_warns_that_it_ignores_a_decoupled_prior(sampler) -> None:
+    """The twin's groups given to SGHMC: weight_decay 0, the prior only in an unread key.
+
+    Without ``prior_loss`` in the loss that chain samples no prior at all; each group
+    with a prior says so, at the caller's line; the coupled groups, temperature 0, a
+    group with its own weight_decay and the twin itself say nothing.
+    """
+    import samplers_as_optim
+
+    cls = getattr(samplers_as_optim, sampler)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    decoupled = prior_param_groups(model, num_data=100, decoupled=True)
+    with pytest.warns(UserWarning) as caught:
+        cls(decoupled, lr=1e-3, num_data=100)
+    assert len(caught) == len(decoupled) == 3
+    for index, (warning, group) in enumerate(zip(caught, decoupled, strict=True)):
+        assert str(warning.message).startswith(
+            f"{sampler} ignores prior_weight_decay {group['prior_weight_decay']!r} in param "
+            f"group {index}: it is the prior of an optimizer whose weight_decay is decoupled"
+        )
+        assert warning.filename == __file__
+    quiet = [
+        lambda: cls(prior_param_groups(model, num_data=100), lr=1e-3, num_data=100),
+        lambda: AdamWSGHMC(
+            prior_param_groups(model, num_data=100, decoupled=True), lr=1e-3, num_data=100
+        ),
+        lambda: cls(
+            [
+                {**g, "weight_decay": 0.5}
+                for g in prior_param_groups(model, num_data=100, decoupled=True)
+            ],
+            lr=1e-3,
+            num_data=100,
+        ),
+    ]
+    if sampler != "SGNHT":  # (SGNHT needs a temperature > 0)
+        quiet.append(
+            lambda: cls(
+                prior_param_groups(model, num_data=100, decoupled=True),
+                lr=1e-3,
+                num_data=100,
+                temperature=0.0,
+            )
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for build in quiet:
+            build()

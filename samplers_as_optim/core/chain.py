@@ -34,6 +34,7 @@ on that rank only.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -43,7 +44,7 @@ from torch.optim import Optimizer
 
 from ..names import parameter_name
 from .streams import NoiseStream, key_from_int64, key_to_int64, parameter_key
-from .validation import check_nonnegative_integer, check_seed
+from .validation import check_nonnegative_integer, check_seed, user_stacklevel
 
 __all__ = [
     "CHAIN_KEYS",
@@ -156,6 +157,30 @@ class ChainOptimizer(Optimizer):
             self._check_chain_state(candidate, where=where)
         super().add_param_group(param_group)
         self.param_groups[-1].update(chain)  # (into the group once it is accepted)
+        self._warn_if_prior_ignored(self.param_groups[-1], len(self.param_groups) - 1)
+
+    def _warn_if_prior_ignored(self, group: dict[str, Any], index: int) -> None:
+        """Warn where a group carries a decoupled optimizer's prior that this one ignores.
+
+        ``prior_param_groups(..., decoupled=True)`` gives ``weight_decay=0`` and the
+        prior's decay as ``"prior_weight_decay"``, which only an optimizer with a
+        decoupled decay reads (:class:`~samplers_as_optim.AdamWSGHMC`); any other
+        sampler then samples without the prior unless the loss holds it.
+        """
+        decay = group.get("prior_weight_decay", 0)
+        if "prior_weight_decay" in self.defaults or not decay:
+            return
+        if float(group.get("temperature", 1.0)) > 0 and not group.get("weight_decay"):
+            warnings.warn(
+                f"{type(self).__name__} ignores prior_weight_decay {decay!r}"
+                f"{at_group(index)}: it is the prior of an optimizer whose weight_decay is "
+                "decoupled (prior_param_groups(..., decoupled=True), for AdamWSGHMC), and "
+                "with weight_decay 0 this sampler's prior is only what the loss holds. Give "
+                "it prior_param_groups(model, num_data=N) (the prior as its weight_decay), "
+                "or add prior_loss(model, num_data=N) to the loss.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
 
     # ------------------------------------------------------------------ the chain's state
     @property

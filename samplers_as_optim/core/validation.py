@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -35,6 +36,7 @@ __all__ = [
     "check_positive_int",
     "check_seed",
     "check_temperature",
+    "user_stacklevel",
 ]
 
 _SEED_LIMIT = 2**64
@@ -221,3 +223,18 @@ def check_open_unit_interval(name: str, value: Any, *, where: str = "") -> float
     if not 0.0 < number < 1.0:
         refuse(name, value, expected, where)
     return number
+
+
+def user_stacklevel(inside: tuple[str, ...] = ("samplers_as_optim", "torch/optim")) -> int:
+    """``warnings.warn``'s ``stacklevel`` for the innermost caller outside ``inside``.
+
+    Called from the function that warns: a warning raised in a constructor or a step
+    points at the user's line, however deep in the package and in ``torch.optim`` it was
+    found.
+    """
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and any(
+        part in frame.f_code.co_filename.replace("\\", "/") for part in inside
+    ):
+        level, frame = level + 1, frame.f_back
+    return level

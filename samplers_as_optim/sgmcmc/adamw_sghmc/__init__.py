@@ -111,7 +111,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...core.validation import check_bool, check_nonnegative, refuse
+from ...core.validation import check_bool, check_nonnegative, refuse, user_stacklevel
 from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
 from ..definition.arguments import (
     DIFFERENTIABLE,
@@ -571,5 +571,5 @@ class AdamWSGHMC(SamplerOptimizer, definition=DEFINITION):
                 "decoupled=True) and add prior_loss(model, num_data=N) to the loss (or put "
                 "your own prior in the loss with weight_decay=0).",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
