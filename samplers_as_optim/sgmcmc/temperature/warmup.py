@@ -365,6 +365,21 @@ class StepSizeWarmup:
         self.done = True
         self.remove()
 
+    def step(self) -> None:
+        """Nothing: the scheduler protocol's step (the warm-up acts on the optimizer's).
+
+        A training framework that owns the lr scheduler (the Hugging Face ``Trainer``,
+        accelerate) calls its ``step()`` after each optimizer step and saves its
+        ``state_dict()`` with a checkpoint; given the warm-up as that scheduler
+        (``Trainer(..., optimizers=(sampler, warmup))``) it keeps the lr the warm-up
+        sets, adapted and then frozen, and its checkpoints resume the warm-up exactly.
+        Any other scheduler would move lr under the warm-up, which it refuses.
+        """
+
+    def get_last_lr(self) -> list[float]:
+        """Each param group's current lr (the scheduler protocol's, for a framework's logs)."""
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
+
     def remove(self) -> None:
         """Detach from the optimizer now (the lrs stay as they are)."""
         for handle in self._handles:
