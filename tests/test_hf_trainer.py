@@ -104,6 +104,7 @@ def test_the_warm_up_as_the_trainers_scheduler_resumes_from_a_checkpoint_exactly
     resumed, resumed_sampler, resumed_warmup = train(
         tmp_path / "resumed", scheduler=True, resume=str(checkpoint)
     )
+    assert resumed_sampler.param_groups[0]["step"] == 60
     assert resumed_warmup.seen == warmup.seen and resumed_warmup.history == warmup.history
     assert resumed_warmup.get_last_lr() == warmup.get_last_lr()
     for name, value in state(whole).items():
