@@ -17,7 +17,11 @@ parameter of ``model`` (each module's own parameters, ``recurse=False``):
 * the ``bias`` of those layers: :math:`v = \text{bias\_std}^2`;
 * the parameters of a module that declares its prior in its own loss (a class attribute
   ``prior_in_loss = True``, as :class:`~samplers_as_optim.regression.GaussianLikelihood`):
-  no weight decay (:math:`\lambda = 0`), and no entry in the Laplace dict;
+  no weight decay (:math:`\lambda = 0`), and no entry in the Laplace dict; the module
+  declares there the curvature of that loss its parameters have whatever the data
+  (``loss_curvature``, per datum: ``GaussianLikelihood``'s log σ, whose Fisher
+  information is 2 per observation), which floors the twin's preconditioner as the
+  prior's decay floors the weights' (``decoupled=True``);
 * every other parameter (normalisation layers, embeddings, a user's module):
   :math:`v = \text{other\_std}^2`, no fan-in scaling;
 * but where ``precision`` is given, :math:`v = 1/\text{precision}` for the parameters it
@@ -215,24 +219,20 @@ def prior_param_groups(
     r"""Param groups whose ``weight_decay`` is each parameter's prior: :math:`1/(N v)`.
 
     ``SGHMC(prior_param_groups(model, num_data=N), lr=lr, num_data=N)`` samples the
-    posterior under the prior of the module docstring (N(0, std²/fan_in) on every weight,
-    N(0, bias_std²) on every bias); any ``torch.optim`` optimizer takes the same groups
-    (its MAP) with L2 weight decay (SGD, Adam, RMSprop). A group's own ``weight_decay``
-    overrides the optimizer's argument. Where ``weight_decay`` is decoupled from the
-    gradient (``torch.optim.AdamW``, :class:`~samplers_as_optim.AdamWSGHMC`, IVON) it is
-    not this prior: give those the model's parameters with ``weight_decay=0`` and add
-    :func:`prior_loss` to the loss instead. :class:`~samplers_as_optim.AdamWSGHMC`
-    refuses these groups (those with a ``weight_decay`` other than 0), by their marker
-    ``"l2_prior": True`` (``PRIOR_GROUP_KEY``); ``torch.optim.AdamW`` cannot tell.
+    posterior under the module docstring's prior; any ``torch.optim`` optimizer with an
+    L2 weight decay (SGD, Adam, RMSprop) takes the same groups (its MAP). A group's own
+    ``weight_decay`` overrides the optimizer's argument. Where ``weight_decay`` is
+    decoupled from the gradient (``torch.optim.AdamW``, :class:`~samplers_as_optim.AdamWSGHMC`)
+    it is not this prior: give those ``weight_decay=0`` and :func:`prior_loss` in the loss.
+    :class:`~samplers_as_optim.AdamWSGHMC` refuses these groups (a ``weight_decay`` other
+    than 0) by their marker ``"l2_prior": True`` (``PRIOR_GROUP_KEY``); AdamW cannot tell.
 
     ``decoupled=True`` gives those optimizers their groups: ``weight_decay`` 0 and the
     prior's decay as ``"prior_weight_decay"`` (the prior itself goes in the loss,
-    :func:`prior_loss`), which :class:`~samplers_as_optim.AdamWSGHMC` reads to floor its
-    sampling preconditioner, so that a chain started at the MAP stays sane; other
-    optimizers ignore the key. A module whose prior is in its own loss declares there the
-    curvature of that loss its parameters are known to have whatever the data
-    (``loss_curvature``, per datum: :class:`~samplers_as_optim.regression.GaussianLikelihood`'s
-    log σ, whose Fisher information is 2 per observation), which floors them alike.
+    :func:`prior_loss`; a module's ``loss_curvature`` for the parameters whose prior is
+    in a loss, module docstring), which :class:`~samplers_as_optim.AdamWSGHMC` reads to
+    floor its sampling preconditioner, so that a chain started at the MAP stays sane;
+    ``torch.optim`` ignores the key, the other samplers warn that they do.
 
     Args:
         model: the model.
@@ -242,8 +242,7 @@ def prior_param_groups(
         other_std: as in :func:`prior_variances`.
         scale: as in :func:`prior_variances`.
         decoupled: the groups of an optimizer with a decoupled decay (above).
-        precision: as in :func:`prior_variances` (e.g. a Laplace's evidence-tuned
-            ``la.prior_precision``: the chain samples under the prior the evidence chose).
+        precision: as in :func:`prior_variances` (e.g. a Laplace's ``la.prior_precision``).
 
     Returns:
         A list of param groups ``{"params": [(name, parameter), ...], "weight_decay":
@@ -252,10 +251,8 @@ def prior_param_groups(
         parameters; λ = 0 for the parameters whose prior is in a loss.
 
     Raises:
-        ValueError, TypeError: as :func:`prior_variances`, and a bad ``num_data``, or one
-            other than the ``num_data`` of a module whose prior is in its loss (a
-            :class:`~samplers_as_optim.regression.GaussianLikelihood` built for another
-            N: its parameters' posterior would be tempered by the ratio).
+        ValueError, TypeError: as :func:`prior_variances`; a bad ``num_data``, or another
+            than that of a module whose prior is in its loss (which would temper it).
 
     Example:
         >>> import torch
