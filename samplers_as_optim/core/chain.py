@@ -160,13 +160,7 @@ class ChainOptimizer(Optimizer):
         self._warn_if_prior_ignored(self.param_groups[-1], len(self.param_groups) - 1)
 
     def _warn_if_prior_ignored(self, group: dict[str, Any], index: int) -> None:
-        """Warn where a group carries a decoupled optimizer's prior that this one ignores.
-
-        ``prior_param_groups(..., decoupled=True)`` gives ``weight_decay=0`` and the
-        prior's decay as ``"prior_weight_decay"``, which only an optimizer with a
-        decoupled decay reads (:class:`~samplers_as_optim.AdamWSGHMC`); any other
-        sampler then samples without the prior unless the loss holds it.
-        """
+        """Warn where a group's prior is in ``"prior_weight_decay"``, which only the twin reads."""
         decay = group.get("prior_weight_decay", 0)
         if "prior_weight_decay" in self.defaults or not decay:
             return
@@ -291,12 +285,7 @@ class ChainOptimizer(Optimizer):
 
 
 def _refuse_shared_key(owners: dict[int, str], key: int, owner: str) -> None:
-    """Raise if another parameter already holds ``key``: the two would draw the same noise.
-
-    Two parameters of one name (groups built from two modules' ``named_parameters()``,
-    each with its own ``"weight"``) would be keyed alike, and their noise would be
-    identical, a silently correlated chain.
-    """
+    """Raise if another parameter holds ``key`` (one name twice): they would share noise."""
     other = owners.setdefault(key, owner)
     if other != owner:
         raise ValueError(

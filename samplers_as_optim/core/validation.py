@@ -226,12 +226,7 @@ def check_open_unit_interval(name: str, value: Any, *, where: str = "") -> float
 
 
 def user_stacklevel(inside: tuple[str, ...] = ("samplers_as_optim", "torch/optim")) -> int:
-    """``warnings.warn``'s ``stacklevel`` for the innermost caller outside ``inside``.
-
-    Called from the function that warns: a warning raised in a constructor or a step
-    points at the user's line, however deep in the package and in ``torch.optim`` it was
-    found.
-    """
+    """``warnings.warn``'s ``stacklevel``, from its caller, of the first frame not in ``inside``."""
     level, frame = 1, sys._getframe(1)
     while frame.f_back is not None and any(
         part in frame.f_code.co_filename.replace("\\", "/") for part in inside
