@@ -191,10 +191,13 @@ def _run_side_by_side(
         layers = [model[0], model[2]]
         if not groups:
             return model.named_parameters() if named else model.parameters()
+        # (named apart, as the model names them: one name twice would share its noise)
         return [
-            {"params": list(layers[0].named_parameters() if named else layers[0].parameters())},
+            {"params": list(layers[0].named_parameters("0") if named else layers[0].parameters())},
             {
-                "params": list(layers[1].named_parameters() if named else layers[1].parameters()),
+                "params": list(
+                    layers[1].named_parameters("2") if named else layers[1].parameters()
+                ),
                 "lr": kwargs["lr"] / 2,
                 "weight_decay": 0.05,
             },
@@ -471,8 +474,8 @@ def test_param_groups_and_frozen_parameters():
     frozen = model[2].bias.detach().clone()
     opt = IVON(
         [
-            {"params": list(model[0].named_parameters()), "lr": 0.0},
-            {"params": list(model[2].named_parameters()), "temperature": 2.0},
+            {"params": list(model[0].named_parameters("0")), "lr": 0.0},
+            {"params": list(model[2].named_parameters("2")), "temperature": 2.0},
         ],
         lr=0.1,
         ess=32,
