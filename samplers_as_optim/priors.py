@@ -168,7 +168,6 @@ def _overridden(variances: dict[str, float | None], precision: Any) -> dict[str,
     """The variances 1/precision that ``precision`` sets (see :func:`prior_variances`)."""
     if precision is None:
         return {}
-    with_prior = [name for name, variance in variances.items() if variance is not None]
     if not isinstance(precision, Mapping):
         if isinstance(precision, Tensor) and precision.numel() == 1:
             precision = float(precision)
@@ -177,8 +176,9 @@ def _overridden(variances: dict[str, float | None], precision: Any) -> dict[str,
                 f"Invalid precision: {precision!r} (expected None, a finite number > 0, or "
                 "a mapping of parameter names to numbers or one-valued tensors)"
             )
+        with_prior = [name for name, variance in variances.items() if variance is not None]
         return dict.fromkeys(with_prior, 1.0 / check_positive("precision", precision))
-    variances_set = {}
+    overrides = {}
     for name, value in precision.items():
         where = f"precision[{name!r}]"
         if name not in variances:
@@ -201,8 +201,8 @@ def _overridden(variances: dict[str, float | None], precision: Any) -> dict[str,
                     "one number per parameter)"
                 )
             value = float(value.flatten()[0])
-        variances_set[name] = 1.0 / check_positive(where, value)
-    return variances_set
+        overrides[name] = 1.0 / check_positive(where, value)
+    return overrides
 
 
 def prior_param_groups(
