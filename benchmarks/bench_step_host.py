@@ -29,10 +29,14 @@ AdamWSGHMC T=0                               AdamW                      1.3
 IVON (one training draw and a step)          AdamW                      2.0
 ===========================================  =========================  ======
 
+``--floor`` adds the floor of a keyed-noise step: :class:`KeyedNoiseFloor`, the least
+SGLD's step at T = 1 does with this design (the guard's check, one seeded draw per
+tensor into kept tensors, the update's three foreach calls), against SGD likewise.
+
 ``--mlp`` adds the same ratios for a full training iteration (forward, backward, step)
 of the 1.86M-parameter MLP of ``bench_samplers.py`` at batch 128.
 
-Run: ``python benchmarks/bench_step_host.py [--rounds 15] [--repeat 200] [--mlp]``.
+Run: ``python benchmarks/bench_step_host.py [--rounds 15] [--repeat 200] [--floor] [--mlp]``.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from timing import interleaved, median_ratio, setup_threads
 from torch import nn
 
 from samplers_as_optim import BAOA, IVON, PSGLD, SGHMC, SGLD, SGNHT, AdamWSGHMC
+from samplers_as_optim.core.keyed_normal import _splitmix64
 
 NUM_DATA = 1000
 TENSORS = 6
@@ -112,6 +117,54 @@ def rows() -> list[Row]:
         ),
         ("IVON draw+step / AdamW", lambda p: IVON(p, lr=lr, ess=NUM_DATA, seed=0), adamw, 2.0),
     ]
+
+
+class KeyedNoiseFloor(torch.optim.Optimizer):
+    """SGLD's step at T = 1 with nothing but what its design must do, written out.
+
+    ``nonfinite="raise"``'s check (GradScaler's kernel at a scale of 1, read once); per
+    tensor, its seed (two SplitMix64 rounds in Python) and one ``manual_seed`` and one
+    ``normal_`` into a tensor kept from step to step (each parameter's noise is its own
+    stream); ``d = g - c xi``, then ``theta + d (-lr)`` (the transform's rounding): three
+    foreach calls. No validation, plan, state or dispatch: not a sampler, a bound.
+    """
+
+    def __init__(self, params: list[nn.Parameter], lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+        self.generator = torch.Generator()
+        self.scale = (2.0 / (NUM_DATA * lr)) ** 0.5
+        self.factor = torch.tensor(-lr)
+        self.one, self.found = torch.ones(1), torch.zeros(1)
+        self.keys = [_splitmix64(i) for i in range(TENSORS)]
+        self.kept: list[torch.Tensor] = []
+        self.count = 0
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found, self.one)
+            if bool(self.found):
+                raise FloatingPointError("a gradient is not finite")
+            if not self.kept:
+                self.kept = [torch.empty_like(p) for p in params]
+            prefix = _splitmix64(self.count)
+            for key, out in zip(self.keys, self.kept, strict=True):
+                self.generator.manual_seed(_splitmix64(_splitmix64(prefix ^ key) ^ 1))
+                out.normal_(generator=self.generator)
+            directions = torch._foreach_add(grads, self.kept, alpha=-self.scale)
+            torch._foreach_add_(params, torch._foreach_mul(directions, self.factor))
+            self.count += 1
+
+
+def floor_ratio(rounds: int, repeat: int) -> float:
+    contenders = {
+        "floor": KeyedNoiseFloor(small_params(), lr=1e-3).step,
+        "torch": torch.optim.SGD(small_params(), lr=1e-3, foreach=True).step,
+    }
+    _, per_round = interleaved(contenders, rounds=rounds, repeat=repeat)
+    return median_ratio(per_round, "floor", "torch")
 
 
 def small_params() -> list[nn.Parameter]:
@@ -194,6 +247,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument("--floor", action="store_true", help="also a keyed-noise step's floor")
     parser.add_argument("--mlp", action="store_true", help="also the 1.86M MLP's iteration")
     parser.add_argument("--mlp-rounds", type=int, default=5)
     parser.add_argument("--mlp-repeat", type=int, default=5)
@@ -206,6 +260,9 @@ def main() -> None:
         host_table(args.rounds, args.repeat),
         targets=True,
     )
+    if args.floor:
+        ratio = floor_ratio(args.rounds, args.repeat)
+        print(f"  {'floor of a keyed-noise step / SGD':<34} {ratio:6.2f}x")
     if args.mlp:
         print_table(
             "full iteration, 1.86M-parameter MLP, batch 128",

@@ -246,3 +246,76 @@ def test_the_noise_drawn_in_one_pass_is_each_parameters_own(shard):
         alone = stream.draw(like, step=17, key=key, shard=shard)
         assert noise.shape == like.shape and noise.dtype == like.dtype and noise.is_contiguous()
         assert torch.equal(noise, alone)
+
+
+def test_the_noise_drawn_into_given_tensors_is_the_same_and_fills_them():
+    """``draw_many(out=...)``: the numbers of a new draw, written into the given tensors."""
+    from samplers_as_optim.core.keyed_normal import KeyedNormal
+
+    stream = KeyedNormal(7)
+    likes = [torch.zeros(16), torch.zeros(3, 5, dtype=torch.float64), torch.zeros(2)]
+    outs = [torch.empty(16), torch.empty(3, 5, dtype=torch.float64), None]
+    drawn = stream.draw_many(likes, [1, 2, 3], step=4, out=outs)
+    assert drawn[0] is outs[0] and drawn[1] is outs[1]
+    fresh = stream.draw_many(likes, [1, 2, 3], step=4)
+    assert all(torch.equal(a, b) for a, b in zip(drawn, fresh, strict=True))
+
+
+@pytest.mark.parametrize(
+    "reshape", [lambda p: p.reshape(2, 8), lambda p: p.double(), lambda p: p[:5].clone()]
+)
+def test_a_parameter_reshaped_under_its_plan_is_given_noise_of_its_new_kind(reshape):
+    """The step draws small tensors' noise into tensors its plan keeps; a parameter given
+    another shape or dtype in place (``param.data = ...``) gets noise of its new kind: the
+    numbers a new draw gives, not the kept tensor's."""
+    from samplers_as_optim.core.keyed_normal import KeyedNormal
+
+    params = [
+        nn.Parameter(torch.randn(16, generator=torch.Generator().manual_seed(i))) for i in range(2)
+    ]
+    for p in params:
+        p.grad = torch.full((16,), 0.1)
+    opt = SGLD(params, lr=1e-2, num_data=10, seed=3, foreach=True)
+    opt.step()
+    params[0].data = reshape(params[0].data)
+    params[0].grad = torch.full_like(params[0].data, 0.1)
+    before = params[0].detach().clone()
+    key = opt._noise_keys(params)[0]
+    opt.step()
+    noise = KeyedNormal(3).draw(before, step=1, key=key)
+    scale = (2.0 * 1.0 / (10 * 1e-2)) ** 0.5
+    direction = torch.full_like(before, 0.1).add(noise, alpha=-scale)
+    assert torch.equal(params[0].detach(), before.add(direction.mul(-1e-2)))
+
+
+def test_the_kept_step_operands_keep_the_sign_of_zero():
+    """``scalar_operand`` keeps a 0-d tensor per value and dtype, but 0.0 and -0.0 apart."""
+    from samplers_as_optim.sgmcmc.tensor_lists import scalar_operand
+
+    like = torch.zeros(3)
+    assert scalar_operand(-1e-3, like) is scalar_operand(-1e-3, like)
+    assert scalar_operand(-1e-3, like).dtype == torch.float32
+    assert scalar_operand(-1e-3, like.double()).dtype == torch.float64
+    for zero in (0.0, -0.0):
+        first, second = scalar_operand(zero, like), scalar_operand(-zero, like)
+        assert torch.signbit(first) == (str(zero) == "-0.0") != torch.signbit(second)
+    assert scalar_operand(2.0, like.to(torch.bfloat16)) == 2.0  # (a number off float32/64)
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_each_parameters_noise_key_is_in_the_state_whatever_the_first_step(nonfinite):
+    """The keys a step records once per plan are recorded again after a skipped step put
+    the state back (PSGLD keeps host numbers: a skip puts its new entries back)."""
+    from samplers_as_optim import PSGLD
+
+    params = [nn.Parameter(torch.randn(4)) for _ in range(2)]
+    opt = PSGLD(params, lr=1e-3, num_data=10, seed=0, nonfinite=nonfinite)
+    if nonfinite == "skip":
+        for p in params:
+            p.grad = torch.full((4,), float("nan"))
+        opt.step()
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.full((4,), 0.1)
+        opt.step()
+    assert all("noise_key" in opt.state[p] for p in params)

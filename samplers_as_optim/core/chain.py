@@ -251,18 +251,24 @@ class ChainOptimizer(Optimizer):
                 index += 1
         self._runtime["all_named"] = unique
 
-    def _record_noise_keys(self, params: list[Tensor]) -> None:
+    def _record_noise_keys(
+        self, params: list[Tensor], scratch: dict[str, Any] | None = None
+    ) -> None:
         """Keep each parameter's noise key in its state, once its noise has been drawn.
 
         Not where the ranks of a sharded optimizer key unnamed parameters by their place
         in the rank's share (with the rank): such a key does not identify the parameter
-        outside that rank.
+        outside that rank. ``scratch`` (a step's plan's, unless a skip may put back new
+        state entries) keeps the ids of the parameters known to hold theirs.
         """
-        if self._shard is not None:
+        recorded = None if scratch is None else scratch.setdefault("noise_keys", set())
+        if self._shard is not None or (recorded and recorded.issuperset(map(id, params))):
             return
         missing = [param for param in params if NOISE_KEY not in self.state[param]]
         for param, key in zip(missing, self._noise_keys(missing), strict=True):
             self.state[param][NOISE_KEY] = torch.tensor(key_to_int64(key), dtype=torch.int64)
+        if recorded is not None:
+            recorded.update(map(id, params))
 
     def _restore_noise_keys(self, state_dict: dict[str, Any]) -> None:
         """Undo torch's cast of the saved noise keys to the parameter's dtype and device.

@@ -226,35 +226,43 @@ class KeyedNormal:
         return torch.cat(blocks).reshape(like.shape)
 
     def draw_many(
-        self, likes: Sequence[Tensor], keys: Sequence[int], *, step: int, shard: int | None = None
+        self,
+        likes: Sequence[Tensor],
+        keys: Sequence[int],
+        *,
+        step: int,
+        shard: int | None = None,
+        out: Sequence[Tensor | None] | None = None,
     ) -> list[Tensor]:
         """:meth:`draw` of each of ``likes`` (whole tensors) with its key: the same numbers.
 
         The seed's and the step's part of :func:`derive_seed` is mixed once for all of
         them, and a tensor of one block is one ``manual_seed`` and one ``normal_`` into
         a new contiguous tensor (``torch.randn`` is exactly that): the per-tensor cost of
-        a step's noise, for many small tensors.
+        a step's noise, for many small tensors. ``out``: a contiguous tensor like each
+        to fill instead of a new one (None: a new one).
         """
         prefix = extend_seed(_counter_hash(self.seed & _MASK64), step)
-        shards = () if shard is None else (shard,)
+        block0, sharded = _counter_hash(0), shard is not None
+        last = 0 if shard is None else _counter_hash(shard & _MASK64)
         generators = self._generators
-        out = []
-        for like, key in zip(likes, keys, strict=True):
+        drawn = []
+        for like, key, target in zip(likes, keys, out or [None] * len(likes), strict=True):
             if like.numel() > BLOCK:
-                out.append(self.draw(like, step=step, key=key, shard=shard))
+                drawn.append(self.draw(like, step=step, key=key, shard=shard))
                 continue
-            h = extend_seed(prefix, key, 0, *shards)  # derive_seed(seed, step, key, 0, ...)
-            device = like.device
-            generator = generators.get(device)
+            # derive_seed(seed, step, key, 0[, shard]), written out
+            h = _splitmix64(_splitmix64(prefix ^ _counter_hash(key & _MASK64)) ^ block0)
+            if sharded:
+                h = _splitmix64(h ^ last)
+            generator = generators.get(like.device)
             if generator is None:
-                generator = generators[device] = torch.Generator(device=device)
+                generator = generators[like.device] = torch.Generator(device=like.device)
             generator.manual_seed(h)
-            if like.is_contiguous():  # (a contiguous tensor's empty_like is contiguous)
-                out.append(torch.empty_like(like).normal_(generator=generator))
-            else:
-                new = torch.empty_like(like, memory_format=torch.contiguous_format)
-                out.append(new.normal_(generator=generator))
-        return out
+            if target is None:
+                target = torch.empty_like(like, memory_format=torch.contiguous_format)
+            drawn.append(target.normal_(generator=generator))
+        return drawn
 
     def _draw_part(
         self, like: Tensor, *, step: int, key: int, shard: int | None, layout: tuple[int, int]

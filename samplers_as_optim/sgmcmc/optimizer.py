@@ -408,14 +408,14 @@ class SamplerOptimizer(ChainOptimizer):
         if prefetcher is not None:
             prefetcher.wait()
         for (_, group, params, grads), planned_rates in zip(gathered, rates, strict=True):
-            lr, temperature, _ = planned_rates
+            lr, temperature = planned_rates.lr, planned_rates.temperature
             if not params or (temperature > 0 and lr == 0):
                 continue  # (a step of length zero: no time passes, nothing changes)
             update_group(
                 self, group, params, grads, planned_rates, keep=keep, grad_scale=scaler.grad_scale
             )
             if temperature > 0:  # the keys the noise was drawn with (module docstring)
-                self._record_noise_keys(params)
+                self._record_noise_keys(params, None if record else planned_rates.scratch)
         self._advance()
         put_back_if_skipped(self._runtime, record, keep)  # (off the CPU: by the next call)
         if prefetcher is not None:
@@ -436,7 +436,7 @@ class SamplerOptimizer(ChainOptimizer):
                 self.check_hyperparameters(group, where=at_group(index))
                 check_representable(group, params, where=at_group(index))
                 fields = self.definition.state_fields(group)
-                rates.append(StepRates(float(group["lr"]), float(group["temperature"]), fields))
+                rates.append(StepRates(float(group["lr"]), float(group["temperature"]), fields, {}))
             else:
                 plan = planned(
                     plans,
@@ -445,7 +445,7 @@ class SamplerOptimizer(ChainOptimizer):
                     self.definition.state_fields,
                 )
                 plan.check_dtypes(group, params, at_group(index))
-                rates.append(StepRates(plan.lr, plan.temperature, plan.fields))
+                rates.append(plan.rates())
             gathered.append((index, group, params, grads))
         return gathered, rates
 

@@ -237,15 +237,29 @@ def apply_step_(
             torch._foreach_add_(bucket_params, torch._foreach_mul(bucket_directions, factor))
 
 
+#: the 0-d operands :func:`scalar_operand` made, by (value, dtype): read, never written
+_OPERANDS: dict[tuple[float, torch.dtype], Tensor] = {}
+
+
 def scalar_operand(value: float, like: Tensor) -> float | Tensor:
     """``value`` for ``mul`` by tensors like ``like``: the same product, made cheaper.
 
     On the CPU in float32/float64 a 0-d tensor of their dtype (``mul`` wraps a Python
-    number per tensor, 5 us each); else the number (kernels use the unrounded number).
+    number per tensor, 5 us each), made once per value and dtype and kept (a step
+    multiplies by the same few numbers every time; only ever read); else the number
+    (kernels use the unrounded number). Traced by ``torch.compile``, a new tensor.
     """
-    if like.device.type == "cpu" and like.dtype in (torch.float32, torch.float64):
-        return torch.tensor(value, dtype=like.dtype)
-    return value
+    dtype = like.dtype
+    if like.device.type != "cpu" or dtype not in (torch.float32, torch.float64):
+        return value
+    if value == 0 or value != value or torch.compiler.is_compiling():
+        return torch.tensor(value, dtype=dtype)  # (0.0 == -0.0 as keys; NaN != NaN)
+    operand = _OPERANDS.get((value, dtype))
+    if operand is None:
+        if len(_OPERANDS) >= 1024:  # (a schedule moves lr at every step: bounded)
+            _OPERANDS.clear()
+        operand = _OPERANDS[(value, dtype)] = torch.tensor(value, dtype=dtype)
+    return operand
 
 
 def host_scalar(value: float) -> Tensor:

@@ -233,35 +233,12 @@ def adamw_sghmc_direction(
         ``"exp_avg_sq"``, ``"max_exp_avg_sq"``, ``"preconditioner"``,
         ``"preconditioner_root"`` and ``"preconditioner_step"`` to their new values.
     """
-    settings = Settings(
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        temperature=temperature,
-        num_data=num_data,
-        maximize=maximize,
-        amsgrad=amsgrad,
-        preconditioner=preconditioner,
-        preconditioner_warmup=preconditioner_warmup,
-        inplace=inplace,
-        prior_weight_decay=prior_weight_decay,
-    )
-    return directions(
-        params,
-        grads,
-        steps,
-        exp_avgs,
-        exp_avg_sqs,
-        noise,
-        settings,
-        sigma=adamw_sghmc_noise_scale(lr, temperature, num_data),
-        max_exp_avg_sqs=max_exp_avg_sqs,
-        preconditioners=preconditioners,
-        roots=roots,
-        frozen_at=frozen_at,
-    )
+    rates = (lr, beta1, beta2, eps, weight_decay, temperature, num_data, maximize)
+    options = (amsgrad, preconditioner, preconditioner_warmup, inplace, prior_weight_decay)
+    sigma = adamw_sghmc_noise_scale(lr, temperature, num_data)
+    frozen = (max_exp_avg_sqs, preconditioners, roots, frozen_at)
+    settings = Settings(*rates, *options)
+    return directions(params, grads, steps, exp_avgs, exp_avg_sqs, noise, settings, sigma, *frozen)
 
 
 def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:

@@ -57,7 +57,6 @@ def directions(
     exp_avg_sqs: list[Tensor],
     noise: list[Tensor] | None,
     settings: Settings,
-    *,
     sigma: float,
     max_exp_avg_sqs: list[Tensor] | None,
     preconditioners: list[Tensor | None] | None,

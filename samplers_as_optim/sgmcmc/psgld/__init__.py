@@ -190,11 +190,9 @@ def psgld_direction(
         V \leftarrow \alpha V + (1-\alpha)\, g'^2, \quad a = \sqrt{V} + \epsilon, \quad
         d = g'/a + \sqrt{2T/(N\,lr)}\;\xi/\sqrt{a} - (T/N)\,\Gamma,
 
-    the step being :math:`\theta \leftarrow \theta - lr\, d` (see the module docstring
-    for :math:`\Gamma`, used when ``previous`` is given). At :math:`T = 0` with
-    ``momentum`` the direction is RMSprop's buffer :math:`b \leftarrow \mu b + g'/a`;
-    with ``centered`` :math:`a` uses the centred second moment, as in RMSprop. Computed
-    one (device, dtype) bucket at a time, step by step, in ``psgld/update``.
+    the step being :math:`\theta \leftarrow \theta - lr\, d` (:math:`\Gamma`: module
+    docstring). At :math:`T = 0` it is RMSprop's, with its momentum and centred variant.
+    Computed one (device, dtype) bucket at a time in ``psgld/update``.
 
     Args:
         params: the parameters (read only, for weight decay and the correction).
@@ -203,74 +201,40 @@ def psgld_direction(
         noise: standard-normal :math:`\xi` per parameter; None exactly when T is 0.
         lr: learning rate, > 0 when ``temperature`` > 0.
         alpha: :math:`\alpha \in [0, 1)`.
-        eps: :math:`\epsilon > 0`, which the dtype the step is computed in must not
-            round to 0 (float16 at temperature > 0 is computed in float32).
+        eps: :math:`\epsilon > 0` (float16 at T > 0 is computed in float32).
         temperature: T >= 0.
         num_data: N.
         weight_decay: as in ``torch.optim.RMSprop``.
         maximize: as in ``torch.optim.RMSprop``.
         foreach: multi-tensor path; the single-tensor loop is the reference.
-        momentum: RMSprop's momentum (temperature 0 only).
-        centered: RMSprop's centred variant (temperature 0 only).
+        momentum: RMSprop's momentum (T = 0 only).
+        centered: RMSprop's centred variant (T = 0 only).
         momentum_buffers: one per parameter when ``momentum`` > 0.
         grad_avgs: one per parameter when ``centered``.
-        previous: ``(previous_params, previous_grads)`` for the correction :math:`\Gamma`
-            (temperature > 0), or None for no correction.
+        previous: ``(previous_params, previous_grads)`` for :math:`\Gamma` (T > 0) or None.
         inplace: update the given state in place (Optimizer) or return new tensors.
-        split: at temperature 0 without momentum, return ``g'`` and :math:`a` as the
-            state entries ``"numerator"`` and ``"denominator"`` instead of dividing, so
-            that the Optimizer takes RMSprop's last step ``addcdiv_`` bit for bit.
-        steps: each parameter's step count before this step (a 0-d CPU tensor, as
-            ``torch.optim.RMSprop`` keeps it, or a float); None: no counts are kept,
-            and the preconditioner is never frozen.
+        split: at T = 0 without momentum, return ``g'`` and :math:`a` (state entries
+            ``"numerator"``, ``"denominator"``) for RMSprop's own ``addcdiv_`` step.
+        steps: each step count before this step (a 0-d CPU tensor, as RMSprop keeps it,
+            or a float); None: no counts are kept, the preconditioner never freezes.
         preconditioners: the frozen sampling preconditioners (None before a freeze).
-        frozen_at: the step at which each was frozen, 0 when it is not (as ``steps``).
-        preconditioner: ``"factored"`` or ``"elementwise"`` pooling of :math:`V` at
-            temperature > 0 (:mod:`.sampling_preconditioner`; the default here is Li et
-            al.'s elementwise, the Optimizer's is ``"factored"``).
-        preconditioner_warmup: the step count after which it is frozen (None: never).
+        frozen_at: the step at which each froze, 0 when not yet (as ``steps``).
+        preconditioner: ``"factored"`` or ``"elementwise"`` (Li et al.'s, the default
+            here; the Optimizer's is ``"factored"``) pooling of :math:`V` at T > 0.
+        preconditioner_warmup: the step count after which it freezes (None: never).
 
     Returns:
-        ``(directions, state)`` with state entries ``"square_avg"``, ``"grad_avg"``,
-        ``"momentum_buffer"``, ``"previous_param"``, ``"previous_grad"``, ``"step"``,
-        ``"preconditioner"`` and ``"preconditioner_step"`` (lists, or None where
-        unused).
+        ``(directions, state)``, the state's entries named as the Optimizer's state
+        (``"square_avg"``, ``"preconditioner_step"``, ...): lists, or None where unused.
 
     Raises:
-        ValueError: ``noise`` is given at temperature 0 or missing above it; ``eps``
-            rounds to 0 in the dtype the step is computed in, or at temperature > 0 the
-            largest noise scale does not fit the dtype (module docstring). Raised before
-            anything changes.
+        ValueError: before anything changes: ``noise`` given at T = 0 or missing above;
+            ``eps`` rounds to 0 or the noise scale overflows the dtype computed in.
     """
-    settings = Settings(
-        lr=lr,
-        alpha=alpha,
-        eps=eps,
-        temperature=temperature,
-        num_data=num_data,
-        weight_decay=weight_decay,
-        maximize=maximize,
-        foreach=foreach,
-        momentum=momentum,
-        centered=centered,
-        inplace=inplace,
-        split=split,
-        preconditioner=preconditioner,
-        preconditioner_warmup=preconditioner_warmup,
-    )
-    return directions(
-        params,
-        grads,
-        square_avgs,
-        noise,
-        settings,
-        momentum_buffers=momentum_buffers,
-        grad_avgs=grad_avgs,
-        previous=previous,
-        steps=steps,
-        preconditioners=preconditioners,
-        frozen_at=frozen_at,
-    )
+    rates = (lr, alpha, eps, temperature, num_data, weight_decay, maximize, foreach)
+    options = (momentum, centered, inplace, split, preconditioner, preconditioner_warmup)
+    state = (momentum_buffers, grad_avgs, previous, steps, preconditioners, frozen_at)
+    return directions(params, grads, square_avgs, noise, Settings(*rates, *options), *state)
 
 
 def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:

@@ -63,7 +63,6 @@ def directions(
     square_avgs: list[Tensor],
     noise: list[Tensor] | None,
     settings: Settings,
-    *,
     momentum_buffers: list[Tensor] | None,
     grad_avgs: list[Tensor | None] | None,
     previous: tuple[list[Tensor], list[Tensor]] | None,

@@ -132,7 +132,7 @@ def _update_group(
     float32 master (``step/half_precision``) and the GradScaler's scale go to the kernel
     (``FusedInput.masters``, ``FusedInput.grad_scales``).
     """
-    lr, temperature, fields = rates
+    lr, temperature, fields, _ = rates
     masters, tensors = positions(opt, params, temperature)
     foreach = default_foreach(params)
     states = ready_state(

@@ -49,8 +49,10 @@ class GroupNoise:
         shard: int | None,
         prefetcher: NoisePrefetcher | None,
         ahead: bool,
+        scratch: dict[str, Any] | None = None,
     ) -> None:
         self.params = params
+        self.scratch = scratch  # (the plan's: ``_kept_outputs``)
         self.stream = stream
         self.keys = keys
         self.step = step
@@ -79,11 +81,13 @@ class GroupNoise:
             for i, param in enumerate(self.params)
             if out[i] is None and parameter_layout(param) is None and not is_dtensor(param)
         ]
+        likes = [self.params[i] for i in plain]
         drawn = self.stream.draw_many(
-            [self.params[i] for i in plain],
+            likes,
             [self.keys[i] for i in plain],
             step=self.step,
             shard=self.shard,
+            out=None if self.scratch is None else _kept_outputs(self.scratch, likes),
         )
         for i, noise in zip(plain, drawn, strict=True):
             out[i] = noise
@@ -119,6 +123,32 @@ class GroupNoise:
         return self.stream.fill_block_(
             scratch[: stop - start], step=self.step, key=self.keys[i], block=block, shard=self.shard
         )
+
+
+#: the most elements of a group's noise drawn into kept tensors (:func:`_kept_outputs`)
+KEPT_NUMEL = 2**20
+
+
+def _kept_outputs(scratch: dict[str, Any], likes: list[Tensor]) -> list[Tensor | None]:
+    """Tensors kept in the plan's ``scratch`` to draw small tensors' noise into.
+
+    A small tensor's noise costs as much to allocate as to draw; the update only reads
+    it, within the step. Below :data:`PREFETCH_MIN_NUMEL` elements each and
+    :data:`KEPT_NUMEL` in all (None: a new tensor); one that no longer matches is new.
+    """
+    kept: dict[int, Tensor] = scratch.setdefault("noise", {})
+    outputs: list[Tensor | None] = []
+    for like in likes:
+        out = kept.get(id(like))
+        kind = (like.shape, like.dtype, like.device)
+        if out is None or (out.shape, out.dtype, out.device) != kind:
+            out = None
+            numel = scratch.get("noise_numel", 0) + like.numel()
+            if like.numel() < PREFETCH_MIN_NUMEL and numel <= KEPT_NUMEL:
+                out = kept[id(like)] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+                scratch["noise_numel"] = numel
+        outputs.append(out)
+    return outputs
 
 
 def next_noise_requests(opt: Any) -> list[NoiseRequest]:

@@ -46,11 +46,12 @@ NOT_HYPERPARAMETERS = frozenset({"params", "step", "seed", "skipped_steps"})
 
 
 class StepRates(NamedTuple):
-    """What a group's step computes with, from its plan: ``lr``, ``temperature``, fields."""
+    """What a group's step computes with: ``lr``, ``temperature``, fields, ``scratch``."""
 
     lr: float
     temperature: float
     fields: tuple[str, ...]
+    scratch: dict[str, Any]
 
 
 class GroupPlan:
@@ -62,6 +63,8 @@ class GroupPlan:
         fields: the per-parameter state the sampler's update reads and writes, in its
             order (``SamplerDefinition.state_fields``).
         volatile: a hyperparameter is a tensor: validated at every step.
+        scratch: what the stages keep from step to step (a dict; a step not planned,
+            traced by ``torch.compile``, gets a new one).
     """
 
     __slots__ = (
@@ -70,6 +73,7 @@ class GroupPlan:
         "names",
         "params",
         "represented",
+        "scratch",
         "seed",
         "size",
         "temperature",
@@ -91,6 +95,11 @@ class GroupPlan:
         self.fields = fields
         #: the dtypes ``check_representable`` passed for these hyperparameters
         self.represented: set[torch.dtype] = set()
+        self.scratch: dict[str, Any] = {}
+
+    def rates(self) -> StepRates:
+        """What the step computes with (:class:`StepRates`)."""
+        return StepRates(self.lr, self.temperature, self.fields, self.scratch)
 
     def holds(self, group: dict[str, Any]) -> bool:
         """Whether ``group`` is still the group planned: same values, same entries."""

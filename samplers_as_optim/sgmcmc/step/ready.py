@@ -66,7 +66,7 @@ def ready_state(
     ``tensors``; state in lr's units follows a change of lr (``unless_nonfinite`` as for
     :func:`reexpress_state`). No field: no state (an empty list).
     """
-    lr, temperature, fields = rates
+    lr, temperature, fields, _ = rates
     if not fields:
         return []
     state_of = opt.state

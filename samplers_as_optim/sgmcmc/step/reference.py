@@ -80,7 +80,7 @@ def _update_tensors(
     CPU without foreach, large tensors are updated chunk by chunk, in cache
     (``step/chunked``), with the same numbers.
     """
-    lr, temperature, fields = rates
+    lr, temperature, fields, _ = rates
     foreach = group["foreach"]
     if foreach is None:  # under compile, whole tensors (both paths: the same numbers)
         foreach = torch.compiler.is_compiling() or default_foreach(params)
@@ -103,6 +103,7 @@ def _update_tensors(
             shard=opt._shard,
             prefetcher=opt._prefetcher,
             ahead=opt._overlap_noise,
+            scratch=rates.scratch,
         )
     if keep is None and not foreach and opt.chunked_kernel and chunkable(tensors, grads, buffers):
 
