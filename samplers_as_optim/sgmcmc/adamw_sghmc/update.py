@@ -1,11 +1,12 @@
-r"""AdamWSGHMC's pure kernel, one parameter at a time: the body of ``adamw_sghmc_direction``.
+r"""AdamWSGHMC's pure kernel, on lists of tensors: the body of ``adamw_sghmc_direction``.
 
 :func:`.adamw_sghmc.adamw_sghmc_direction` documents the kernel (its derivation is the
 module docstring of :mod:`.adamw_sghmc`) and hands its hyperparameters here as one
 :class:`Settings`. Per parameter, :func:`directions` updates AdamW's :math:`V`, takes the
 denominator :math:`a` (AdamW's own at temperature 0, :func:`_adamw_denominator`; the
-pooled, frozen sampling preconditioner above it, :func:`_sampling_denominator`), moves the
-momentum and returns the direction, with AdamW's operations in AdamW's order.
+pooled, frozen sampling preconditioner above it, :func:`_sampling_denominator`, one
+tensor at a time), moves the momentum and returns the direction, with AdamW's operations,
+each a foreach call where that gives the same numbers (``_Lists``).
 """
 
 from __future__ import annotations
@@ -71,45 +72,107 @@ def directions(
     at temperature 0 only.
     """
     s, count = settings, len(params)
+    if s.maximize:
+        grads = [-grad for grad in grads]
     state: dict[str, list[Any]] = {
-        "step": [],
-        "exp_avg": [],
-        "exp_avg_sq": [],
+        "step": _advanced(steps, s.inplace),
+        "exp_avg": [m if s.inplace else m.clone() for m in exp_avgs],
+        "exp_avg_sq": [v if s.inplace else v.clone() for v in exp_avg_sqs],
         "max_exp_avg_sq": list(max_exp_avg_sqs) if s.amsgrad and max_exp_avg_sqs else [],
         "preconditioner": list(preconditioners) if preconditioners is not None else [None] * count,
         "preconditioner_root": list(roots) if roots is not None else [None] * count,
         "preconditioner_step": list(frozen_at) if frozen_at is not None else [0.0] * count,
     }
-    out: list[Tensor] = []
-    for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
-        grad = -grad if s.maximize else grad
-        step = advanced(steps[i], s.inplace)
-        t = float(step)
-        m = exp_avgs[i] if s.inplace else exp_avgs[i].clone()
-        v = exp_avg_sqs[i] if s.inplace else exp_avg_sqs[i].clone()
-        v.mul_(s.beta2).addcmul_(grad, grad, value=1 - s.beta2)
-        correction1, correction2 = 1 - s.beta1**t, 1 - s.beta2**t
-        if noise is None:
-            m.lerp_(grad, 1 - s.beta1)
-            denominator = _adamw_denominator(i, v, correction2, state, s)
-        else:
-            denominator, root = _sampling_denominator(i, param, v, t, correction2, state, s)
-            kick = torch.addcmul(grad, noise[i], root, value=sigma)
-            m.lerp_(kick, 1 - s.beta1)
-        direction = m.div(denominator)
-        if noise is None and correction1 != 1:  # (at T > 0 the momentum starts at 0: doc)
-            direction = direction.div_(correction1) if s.inplace else direction.div(correction1)
-        if s.weight_decay != 0:
-            direction = (
-                direction.add_(param, alpha=s.weight_decay)
-                if s.inplace
-                else direction.add(param, alpha=s.weight_decay)
-            )
-        out.append(direction)
-        state["step"].append(step)
-        state["exp_avg"].append(m)
-        state["exp_avg_sq"].append(v)
+    times = [float(step) for step in state["step"]]
+    ms, vs, each = state["exp_avg"], state["exp_avg_sq"], _Lists(params)
+    each.mul_(vs, s.beta2)
+    each.addcmul_(vs, grads, grads, 1 - s.beta2)
+    if noise is None:
+        each.lerp_(ms, grads, 1 - s.beta1)
+        denominators = [
+            _adamw_denominator(i, vs[i], 1 - s.beta2 ** times[i], state, s) for i in range(count)
+        ]
+    else:
+        pairs = [
+            _sampling_denominator(i, params[i], vs[i], times[i], 1 - s.beta2 ** times[i], state, s)
+            for i in range(count)
+        ]
+        denominators = [denominator for denominator, _ in pairs]
+        each.lerp_(ms, each.addcmul(grads, noise, [root for _, root in pairs], sigma), 1 - s.beta1)
+    out = each.div(ms, denominators)
+    if noise is None:  # (at T > 0 the momentum starts at 0: module docstring)
+        for direction, t in zip(out, times, strict=True):
+            if 1 - s.beta1**t != 1:
+                direction.div_(1 - s.beta1**t)
+    if s.weight_decay != 0:
+        each.add_(out, params, s.weight_decay)
     return out, state
+
+
+def _advanced(steps: list[Any], inplace: bool) -> list[Any]:
+    """Each step count plus one (``advanced``); in place, float tensors in one call."""
+    if (
+        inplace
+        and steps
+        and all(type(step) is Tensor and step.is_floating_point() for step in steps)
+    ):
+        torch._foreach_add_(steps, 1)  # (0-d CPU tensors, as torch.optim.AdamW's)
+        return list(steps)
+    return [advanced(step, inplace) for step in steps]
+
+
+class _Lists:
+    """Per-tensor operations on lists, as foreach calls where they give the same numbers.
+
+    One call per list for float32/float64 tensors on one device (torch's foreach
+    operations apply the single-tensor operation to each); tensor by tensor otherwise
+    (on the CPU a foreach multiply rounds a Python scalar to a half tensor's dtype first).
+    """
+
+    def __init__(self, like: list[Tensor]) -> None:
+        self.foreach = bool(like) and all(
+            t.dtype in (torch.float32, torch.float64) and t.device == like[0].device for t in like
+        )
+
+    def mul_(self, xs: list[Tensor], value: float) -> None:
+        if self.foreach:
+            torch._foreach_mul_(xs, value)
+        else:
+            for x in xs:
+                x.mul_(value)
+
+    def addcmul_(self, xs: list[Tensor], ys: list[Tensor], zs: list[Tensor], value: float) -> None:
+        if self.foreach:
+            torch._foreach_addcmul_(xs, ys, zs, value=value)
+        else:
+            for x, y, z in zip(xs, ys, zs, strict=True):
+                x.addcmul_(y, z, value=value)
+
+    def addcmul(
+        self, xs: list[Tensor], ys: list[Tensor], zs: list[Tensor], value: float
+    ) -> list[Tensor]:
+        if self.foreach:
+            return list(torch._foreach_addcmul(xs, ys, zs, value=value))
+        return [torch.addcmul(x, y, z, value=value) for x, y, z in zip(xs, ys, zs, strict=True)]
+
+    def lerp_(self, xs: list[Tensor], ends: list[Tensor], weight: float) -> None:
+        if self.foreach:
+            torch._foreach_lerp_(xs, ends, weight)
+        else:
+            for x, end in zip(xs, ends, strict=True):
+                x.lerp_(end, weight)
+
+    def div(self, xs: list[Tensor], ys: list[Tensor]) -> list[Tensor]:
+        if self.foreach:
+            return list(torch._foreach_div(xs, ys))
+        return [x.div(y) for x, y in zip(xs, ys, strict=True)]
+
+    def add_(self, xs: list[Tensor], ys: list[Tensor], alpha: float) -> None:
+        if self.foreach:
+            torch._foreach_add_(xs, ys, alpha=alpha)
+        else:
+            for x, y in zip(xs, ys, strict=True):
+                x.add_(y, alpha=alpha)
 
 
 def _adamw_denominator(
