@@ -319,3 +319,18 @@ def test_each_parameters_noise_key_is_in_the_state_whatever_the_first_step(nonfi
             p.grad = torch.full((4,), 0.1)
         opt.step()
     assert all("noise_key" in opt.state[p] for p in params)
+
+
+def test_the_kept_operands_are_never_inference_tensors():
+    """An operand first asked for under ``torch.inference_mode`` is not kept: a later
+    differentiable multiply may save it for backward, which autograd refuses of one."""
+    from samplers_as_optim.sgmcmc.tensor_lists import scalar_operand
+
+    like = torch.zeros(3)
+    with torch.inference_mode():
+        assert scalar_operand(-0.123456, like).is_inference()
+    operand = scalar_operand(-0.123456, like)
+    assert not operand.is_inference()
+    x = torch.ones(3, requires_grad=True)
+    (x * operand).sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), -0.123456))

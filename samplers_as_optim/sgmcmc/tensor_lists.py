@@ -247,13 +247,16 @@ def scalar_operand(value: float, like: Tensor) -> float | Tensor:
     On the CPU in float32/float64 a 0-d tensor of their dtype (``mul`` wraps a Python
     number per tensor, 5 us each), made once per value and dtype and kept (a step
     multiplies by the same few numbers every time; only ever read); else the number
-    (kernels use the unrounded number). Traced by ``torch.compile``, a new tensor.
+    (kernels use the unrounded number). Traced by ``torch.compile``, or under
+    ``torch.inference_mode`` (whose tensors autograd may not save later), a new tensor.
     """
     dtype = like.dtype
     if like.device.type != "cpu" or dtype not in (torch.float32, torch.float64):
         return value
     if value == 0 or value != value or torch.compiler.is_compiling():
         return torch.tensor(value, dtype=dtype)  # (0.0 == -0.0 as keys; NaN != NaN)
+    if torch.is_inference_mode_enabled():
+        return torch.tensor(value, dtype=dtype)
     operand = _OPERANDS.get((value, dtype))
     if operand is None:
         if len(_OPERANDS) >= 1024:  # (a schedule moves lr at every step: bounded)

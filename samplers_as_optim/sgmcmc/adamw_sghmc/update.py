@@ -102,8 +102,9 @@ def directions(
     out = each.div(ms, denominators)
     if noise is None:  # (at T > 0 the momentum starts at 0: module docstring)
         for direction, t in zip(out, times, strict=True):
-            if 1 - s.beta1**t != 1:
-                direction.div_(1 - s.beta1**t)
+            correction1 = 1 - s.beta1**t
+            if correction1 != 1:
+                direction.div_(correction1)
     if s.weight_decay != 0:
         each.add_(out, params, s.weight_decay)
     return out, state

@@ -142,6 +142,8 @@ def _kept_outputs(scratch: dict[str, Any], likes: list[Tensor]) -> list[Tensor |
         out = kept.get(id(like))
         kind = (like.shape, like.dtype, like.device)
         if out is None or (out.shape, out.dtype, out.device) != kind:
+            if out is not None:  # (no longer like its tensor: dropped)
+                scratch["noise_numel"] -= kept.pop(id(like)).numel()
             out = None
             numel = scratch.get("noise_numel", 0) + like.numel()
             if like.numel() < PREFETCH_MIN_NUMEL and numel <= KEPT_NUMEL:
