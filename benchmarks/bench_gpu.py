@@ -16,11 +16,16 @@ step size (and ``fused``, named where it is compared):
     ``AdamW(fused=True).step``.
 (c) ``ParallelEnsemble`` of 16 MLPs 784-256-256-10 with one fused SGHMC against a Python
     loop over 16 models, each with its own fused SGHMC, batch 128: time per step.
+(d) a captured iteration (forward, backward and step recorded once in a
+    ``torch.cuda.graph``, then replayed) of the 1.86M MLP at batch 128:
+    ``SGHMC(capturable=True, nonfinite="skip")`` against ``SGD(momentum=0.9, fused=True)``
+    captured the same way (the twin refuses ``capturable``: no row).
 
 Targets on an H100 (issue 24): (a) <= 1.05x for both sizes, (b) <= 1.5x at 36.8M, for
-SGHMC against SGD and for the AdamW twin against AdamW.
+SGHMC against SGD and for the AdamW twin against AdamW; (issue 35) (d) <= 1.05x.
 
-Run: ``python benchmarks/bench_gpu.py [--rounds 9] [--repeat 30]`` on a machine with CUDA.
+Run: ``python benchmarks/bench_gpu.py [--rounds 9] [--repeat 30] [--captured-only]`` on a
+machine with CUDA.
 """
 
 from __future__ import annotations
@@ -219,14 +224,52 @@ def ensemble_vs_loop(rounds: int, repeat: int, members: int = 16) -> None:
     show(per_round, [("loop", "ParallelEnsemble")])
 
 
+def captured_iteration(make_model, batch: int, rounds: int, repeat: int) -> None:
+    """(d): each contender's iteration captured once in a CUDA graph, timed as replays."""
+    x, y = data(batch)
+    factories = {
+        "SGD(fused) captured": lambda p: torch.optim.SGD(p, lr=SGD_LR, momentum=0.9, fused=True),
+        "SGHMC(capturable) captured": lambda p: SGHMC(
+            p, lr=SGD_LR, num_data=NUM_DATA, seed=0, nonfinite="skip", capturable=True
+        ),
+    }
+
+    def captured(factory):
+        model = make_model().to(DEVICE)
+        opt = factory(list(model.parameters()))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up, as torch's capture recipe does
+            for _ in range(3):
+                opt.zero_grad(set_to_none=False)
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        opt.zero_grad(set_to_none=False)
+        with torch.cuda.graph(graph):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        return graph.replay
+
+    per_round = timed({name: captured(f) for name, f in factories.items()}, rounds, repeat)
+    size = sum(p.numel() for p in make_model().parameters()) / 1e6
+    print(f"(d) captured iteration (CUDA graph replay), {size:.2f}M parameters, batch {batch}")
+    show(per_round, [("SGHMC(capturable) captured", "SGD(fused) captured")])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--captured-only", action="store_true", help="(d) only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu.py needs a CUDA device")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    captured_iteration(mlp, 128, args.rounds, args.repeat)
+    if args.captured_only:
+        return
     full_iteration(mlp, 128, args.rounds, args.repeat)
     full_iteration(wide_mlp, 512, args.rounds, max(args.repeat // 3, 5))
     step_only(mlp, args.rounds, args.repeat)

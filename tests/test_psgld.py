@@ -485,8 +485,9 @@ def test_same_validation_and_message_as_the_optimizer(kwargs, error, message):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"capturable": True}, "Invalid capturable: True (expected False: there is no capturable "
-         "sampler kernel)"),
+        ({"capturable": True}, "Invalid capturable: True (expected False: PSGLD counts its "
+         "steps in Python (state 'step', 'preconditioner_step'), which a replayed step would "
+         "not advance; capturable=True is for SGLD, SGHMC, BAOA and SGNHT)"),
         ({"differentiable": True}, "Invalid differentiable: True (expected False: "
          "differentiating through a sampler step is not supported)"),
     ],

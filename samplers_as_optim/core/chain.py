@@ -44,7 +44,12 @@ from torch.optim import Optimizer
 
 from ..names import parameter_name
 from .streams import NoiseStream, key_from_int64, key_to_int64, parameter_key
-from .validation import check_nonnegative_integer, check_seed, user_stacklevel
+from .validation import (
+    check_nonnegative_integer,
+    check_seed,
+    check_step_counter,
+    user_stacklevel,
+)
 
 __all__ = [
     "CHAIN_KEYS",
@@ -116,10 +121,17 @@ class ChainOptimizer(Optimizer):
         raise NotImplementedError
 
     @staticmethod
-    def _check_chain_state(group: dict[str, Any], *, where: str) -> None:
-        """Raise unless a group's ``seed`` and ``step`` are valid (the chain's state)."""
+    def _check_chain_state(group: dict[str, Any], *, where: str, step_tensor: bool = False) -> None:
+        """Raise unless a group's ``seed`` and ``step`` are valid (the chain's state).
+
+        ``step_tensor``: a step counter may be a 0-d integer tensor (a capturable step's).
+        """
         check_seed(group["seed"], where=where)
-        check_nonnegative_integer("step", group["step"], where=where)
+        step = group["step"]
+        if isinstance(step, Tensor) and step_tensor:
+            check_step_counter(step, where=where)  # (read: not in a step that is captured)
+        else:
+            check_nonnegative_integer("step", step, where=where)
 
     @staticmethod
     def _hold_chain_state(groups: Iterable[dict[str, Any]]) -> bool:

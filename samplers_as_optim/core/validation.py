@@ -35,6 +35,7 @@ __all__ = [
     "check_positive",
     "check_positive_int",
     "check_seed",
+    "check_step_counter",
     "check_temperature",
     "user_stacklevel",
 ]
@@ -185,6 +186,20 @@ def check_foreach(value: Any, *, where: str = "") -> bool | None:
 def check_nonnegative_integer(name: str, value: Any, *, where: str = "") -> int:
     """Check that ``value`` is an integer >= 0 (not a bool) and return it as an int."""
     return _integer(name, value, "an integer >= 0", where, low=0, high=None)
+
+
+def check_step_counter(value: torch.Tensor, *, where: str = "") -> int:
+    """Check a capturable step counter: a 0-d integer tensor holding a value >= 0.
+
+    Reads the value (a host synchronisation off the CPU): when a group is planned or a
+    state loaded, never in a step that may be captured.
+    """
+    expected = "an integer >= 0, or a 0-d integer tensor holding one"
+    if value.dim() != 0 or value.dtype.is_floating_point or value.dtype.is_complex:
+        refuse("step", value, expected, where)
+    if value.dtype == torch.bool or int(value) < 0:
+        refuse("step", value, expected, where)
+    return int(value)
 
 
 def check_positive(name: str, value: Any, *, where: str = "") -> float:

@@ -3,15 +3,13 @@
 A sampler class is ``class SGHMC(SamplerOptimizer, definition=DEFINITION)``: its
 constructor (with the declared signature), its documentation and its hooks come from the
 :class:`~.definition.SamplerDefinition`. This base class owns the step every sampler
-takes: param-group validation (at construction, on ``add_param_group`` and at every
-step, since a schedule may move any hyperparameter), gathering parameters with a
-gradient, the non-finite policy (``step/nonfinite``; what a skipped or refused step puts back
-on the host, ``step/skipped_host``), the lr re-expression of the state, the
-noise (``step/group_noise``, drawn ahead by ``step/prefetch``), the CPU update in chunks
-(``step/chunked``), the fused step (``fused``: one Triton kernel per tensor, its
-non-finite check on the device, ``fused/nonfinite``), ``torch.amp.GradScaler``'s
-``grad_scale``/``found_inf`` (``step/grad_scaler``), the float32 master of a float16/bfloat16
-parameter (``step/half_precision``) and loading checkpoints (``step/checkpoint``).
+takes, the pipeline of ``docs/design.md`` ("The step"): the plan and its validation
+(``step/plan``: a schedule may move any hyperparameter; the capturable step's counter),
+the guard (``step/guard``: the non-finite policy, ``torch.amp.GradScaler``'s verdict,
+what a skipped step puts back on the host), the state made ready (``step/ready``: the lr
+re-expression, float32 masters), the noise (``step/group_noise``), the update by one of
+two backends (``step/reference``: torch ops, chunked on the CPU; ``step/fused_backend``:
+one Triton kernel per tensor), and loading checkpoints (``step/checkpoint``).
 
 The chain itself (the seed and step counter in the param groups, the noise streams, each
 parameter's noise key, derived once and kept in its state as ``state["noise_key"]``) is
@@ -62,7 +60,7 @@ from .definition import (
     example_doc,
     generated_function,
 )
-from .definition.arguments import PARAMS_DOC
+from .definition.arguments import NONFINITE_POLICIES, PARAMS_DOC, check_differentiable
 from .fused import check_fused, fused_message, fused_refusal
 from .step.checkpoint import (
     MOMENTUM_RATE,
@@ -79,7 +77,14 @@ from .step.group_noise import next_noise_requests
 from .step.guard import raise_deferred_refusal, verdict
 from .step.half_precision import MasterSync
 from .step.nonfinite import describe_parameter
-from .step.plan import GroupPlan, StepRates, planned
+from .step.plan import (
+    GroupPlan,
+    StepRates,
+    capturable_option,
+    check_capturable,
+    place_step_counter,
+    planned,
+)
 from .step.prefetch import NoisePrefetcher
 from .step.ready import reexpress_state
 from .step.reference import update_group
@@ -90,35 +95,15 @@ from .tensor_lists import HostScalars
 __all__ = ["SamplerOptimizer"]
 
 
-#: what a step does with a non-finite gradient: refuse it (an error, after a host sync) or
-#: skip it (a no-op, counted in ``group["skipped_steps"]``, without a sync)
-NONFINITE_POLICIES = ("raise", "skip")
-
-
-def check_differentiable(differentiable: Any) -> None:
-    """Reject ``torch.optim.SGD``'s ``differentiable=True``: no sampler implements it."""
-    if differentiable is not False:
-        raise ValueError(
-            f"Invalid differentiable: {differentiable!r} (expected False: differentiating "
-            "through a sampler step is not supported)"
-        )
-
-
 class SamplerOptimizer(ChainOptimizer):
     """Base class of the SG-MCMC optimizers, built from a sampler's definition.
 
     A sampler is declared once, as a :class:`~.definition.SamplerDefinition`
     (hyperparameters, state, pure update); its class is ``class SGHMC(SamplerOptimizer,
     definition=DEFINITION)``, whose ``__init__`` (with the declared signature) and
-    ``Args`` documentation are generated here, and whose hooks (``_state_fields``,
-    ``_init_state``, ``_kernel``, the group checks) read the definition. This class owns
-    the rest: param-group validation (at construction, on ``add_param_group`` and at every
-    step, since a schedule may move any hyperparameter), gathering parameters with a
-    gradient, the non-finite policy, the lr re-expression of the state, the fused step
-    (``fused``, where the definition names a fused kernel), ``torch.amp.GradScaler``'s
-    protocol (``_step_supports_amp_scaling``: the step unscales and skips itself,
-    without a host synchronisation), the float32 master of a half-precision parameter,
-    and the chain.
+    ``Args`` documentation are generated here. This class owns the step every sampler
+    takes (the module docstring), ``torch.amp.GradScaler``'s protocol
+    (``_step_supports_amp_scaling``) and the chain.
     """
 
     #: the sampler this class is built from (set by ``__init_subclass__``)
@@ -202,6 +187,7 @@ class SamplerOptimizer(ChainOptimizer):
         )
         check_differentiable(defaults.pop("differentiable", False))
         self._fused = check_fused(defaults.pop("fused", None))
+        self._capturable = capturable_option(defaults, type(self).__name__, self.host_state)
         self.check_hyperparameters(defaults, where="")
         for name in self.signature_only_arguments:
             del defaults[name]
@@ -209,6 +195,9 @@ class SamplerOptimizer(ChainOptimizer):
         defaults["step"] = 0
         self._reset_runtime(seed_given=seed is not None)
         Optimizer.__init__(self, params, defaults)
+        for index, group in enumerate(self.param_groups if self._capturable else ()):
+            where = at_group(index)
+            check_capturable(group, nonfinite=self._nonfinite, fused=self._fused, where=where)
         if self._fused:
             groups = [(i, g, list(g["params"]), None) for i, g in enumerate(self.param_groups)]
             reason = fused_refusal(self.definition, groups)
@@ -244,6 +233,7 @@ class SamplerOptimizer(ChainOptimizer):
             "_overlap_noise": self._overlap_noise,
             "_nonfinite": self._nonfinite,
             "_fused": self._fused,
+            "_capturable": self._capturable,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -258,6 +248,7 @@ class SamplerOptimizer(ChainOptimizer):
         state.setdefault("_overlap_noise", getattr(self, "_overlap_noise", True))
         state.setdefault("_nonfinite", getattr(self, "_nonfinite", "raise"))
         state.setdefault("_fused", getattr(self, "_fused", None))
+        state.setdefault("_capturable", getattr(self, "_capturable", False))
         super().__setstate__(state)
         self._migrate_host_state()
         self._reset_runtime(seed_given=True)
@@ -367,10 +358,12 @@ class SamplerOptimizer(ChainOptimizer):
 
         Under ``torch.compile`` the step is one graph (the noise draw is one custom op,
         ``samplers_as_optim.core.noise_op``) when built with ``nonfinite="skip"`` (but
-        PSGLD's and AdamWSGHMC's, which read host counts); with
-        ``"raise"`` the check of the gradients reads a value back to Python, which
-        splits the graph there, exactly as in eager mode. (The fused step is not traced:
-        ``fused=None`` takes the unfused step there.)
+        PSGLD's and AdamWSGHMC's, which read host counts); with ``"raise"`` the check
+        of the gradients reads a value back to Python, which splits the graph there.
+        (The fused step is not traced: ``fused=None`` takes the unfused step there.)
+        With ``capturable=True`` (and ``"skip"``) a step reads nothing back and keeps
+        no Python value that changes per step: ``torch.cuda.graph`` captures it
+        (``docs/design.md``, "A capturable step").
         """
         loss = None
         scaler = scaler_input(self)  # set by torch.amp.GradScaler.step, checked first
@@ -435,6 +428,8 @@ class SamplerOptimizer(ChainOptimizer):
             if compiling:
                 self.check_hyperparameters(group, where=at_group(index))
                 check_representable(group, params, where=at_group(index))
+                if self._capturable:  # (a traced int may pass for a tensor)
+                    place_step_counter(group, capturable=True)
                 fields = self.definition.state_fields(group)
                 rates.append(StepRates(float(group["lr"]), float(group["temperature"]), fields, {}))
             else:
@@ -450,9 +445,13 @@ class SamplerOptimizer(ChainOptimizer):
         return gathered, rates
 
     def _check_group(self, group: dict[str, Any], *, index: int) -> None:
-        """Validate a group's hyperparameters and its chain state (``seed``, ``step``)."""
-        self.check_hyperparameters(group, where=at_group(index))
-        self._check_chain_state(group, where=at_group(index))
+        """Validate a group's hyperparameters and chain state; place a capturable counter."""
+        where = at_group(index)
+        self.check_hyperparameters(group, where=where)
+        if self._capturable:
+            check_capturable(group, nonfinite=self._nonfinite, fused=self._fused, where=where)
+        self._check_chain_state(group, where=where, step_tensor=True)
+        place_step_counter(group, capturable=self._capturable)
 
     def temperature_estimates(self, *, level: float = 0.999) -> list[ChainTemperatureReport]:
         r"""The chain's kinetic and configurational temperatures, now, with their bands.
@@ -490,7 +489,7 @@ class SamplerOptimizer(ChainOptimizer):
         self._noise_keys([])  # whether every parameter has a name
         agreement = agree_across_ranks(
             [group["seed"] for group in self.param_groups],
-            [group["step"] for group in self.param_groups],
+            [int(group["step"]) for group in self.param_groups],
             [[tuple(p.shape) for p in group["params"]] for group in self.param_groups],
             given=self._seed_given,
             named=self._runtime["all_named"],
@@ -583,8 +582,9 @@ class SamplerOptimizer(ChainOptimizer):
                 for current, saved in zip(self.param_groups, saved_groups, strict=True)
             ]
             for index, group in enumerate(saved_groups):
-                self.check_hyperparameters(group, where=at_group(index))
-                self._check_chain_state(group, where=at_group(index))
+                where = at_group(index)
+                self.check_hyperparameters(group, where=where)
+                self._check_chain_state(group, where=where, step_tensor=True)
         state_dict["param_groups"] = saved_groups
         super().load_state_dict(state_dict)
         restore_own_dtype_state(self, state_dict)

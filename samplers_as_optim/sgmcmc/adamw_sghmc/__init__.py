@@ -242,11 +242,6 @@ def adamw_sghmc_direction(
 
 
 def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:
-    if group["capturable"]:
-        raise ValueError(
-            f"Invalid capturable{where}: True (expected False: there is no capturable "
-            "sampler kernel)"
-        )
     sampling_meaningless("amsgrad", group["amsgrad"], False, temperature, where)
     if group.get("l2_prior") is True and group["weight_decay"] != 0:  # priors.PRIOR_GROUP_KEY
         raise ValueError(
@@ -368,9 +363,10 @@ DEFINITION = SamplerDefinition(
             default=False,
             annotation="bool",
             doc=r"""capturable: accepted for compatibility with ``torch.optim.AdamW``;
-            only False is supported.""",
-            check=lambda value, where: check_bool("capturable", value, where=where),
+            only False is supported (an option of the optimizer, not kept in the
+            param groups).""",
             transform=False,
+            kept=False,
         ),
         DIFFERENTIABLE.replace(
             doc=r"""differentiable: accepted for compatibility with
@@ -444,7 +440,6 @@ DEFINITION = SamplerDefinition(
     chunked_kernel=False,
     supports_dtensor=False,
     dtensor_unsupported_reason="its pooled preconditioner takes means over whole tensors",
-    transform_fixed={"capturable": False},
     zero_temperature_step=_adamw_step,
     fused_kernel=load_fused_kernel,
     optimizer_doc=r"""SGHMC preconditioned by Adam's second moment, a drop-in for AdamW.

@@ -223,8 +223,6 @@ class SamplerDefinition:
         chunked_kernel: the update is elementwise, so it may run on chunks of a tensor.
         supports_dtensor: the update runs on DTensor (FSDP2) shards; else why not in
             ``dtensor_unsupported_reason``.
-        transform_fixed: values the transformation fixes for hyperparameters it does not
-            take (PSGLD's ``capturable``).
         check_parameters: checks a param group's parameters at every step, before any
             group changes, ``check_parameters(group, params, where)`` (PSGLD: the
             dtypes its ``eps`` and noise scale must fit).
@@ -264,7 +262,6 @@ class SamplerDefinition:
     chunked_kernel: bool = True
     supports_dtensor: bool = True
     dtensor_unsupported_reason: str = ""
-    transform_fixed: Mapping[str, Any] = field(default_factory=dict)
     check_parameters: Callable[[Mapping[str, Any], list[Tensor], str], None] | None = None
     zero_temperature_step: Callable[..., bool] | None = None
     fused_kernel: Callable[[], Any] | None = None

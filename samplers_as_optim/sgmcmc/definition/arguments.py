@@ -5,7 +5,8 @@ signature and its ``Args`` entry (one Google-style entry, continuation lines ind
 a class docstring, as torch writes ``_maximize_doc``). A sampler's definition lists them in
 its signature's order, with its own arguments between (:func:`sgd_signature` for the
 samplers whose signature is ``torch.optim.SGD``'s). The Optimizer base class validates
-them (``SamplerOptimizer.check_hyperparameters``), so they declare no ``check``.
+them (``SamplerOptimizer.check_hyperparameters``, or its constructor for the options
+that are not kept in the param groups), so they declare no ``check``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ...core.validation import check_bool, check_finite
 from . import REQUIRED, Hyperparameter
 
 __all__ = [
+    "CAPTURABLE",
     "DAMPENING",
     "DIFFERENTIABLE",
     "FOREACH",
@@ -25,6 +27,7 @@ __all__ = [
     "MAXIMIZE",
     "NESTEROV",
     "NONFINITE",
+    "NONFINITE_POLICIES",
     "NUM_DATA",
     "OVERLAP_NOISE",
     "PARAMS_DOC",
@@ -32,6 +35,7 @@ __all__ = [
     "SEED",
     "TEMPERATURE",
     "WEIGHT_DECAY",
+    "check_differentiable",
     "pick",
     "sampling_meaningless",
     "sgd_signature",
@@ -218,6 +222,41 @@ NONFINITE = Hyperparameter(
     transform=False,
 )
 
+CAPTURABLE = Hyperparameter(
+    "capturable",
+    default=False,
+    annotation="bool",
+    doc=r"""capturable: take a step that reads nothing back to the host and keeps
+            nothing in Python that changes from step to step, so that
+            ``torch.cuda.graph`` or ``torch.compile(mode="reduce-overhead")`` can
+            capture it, and each replay continues the chain (default: False). The
+            group's step counter ``param_group["step"]`` is then a 0-d int64 tensor on
+            its parameters' device, advanced in place, and the noise is computed on the
+            device from it (``core/counter_normal``: another stream than the default
+            one, the same function of the seed, step, parameter and element on every
+            device). Requires ``nonfinite="skip"`` and the unfused step (``fused`` None
+            or False). ``lr`` and ``temperature`` are read when the step is captured:
+            capture again after changing them. An option of the optimizer, as
+            ``nonfinite``: not kept in the param groups (``torch.compile`` writes
+            ``capturable=True`` into every group of an optimizer it traces).""",
+    transform=False,
+    kept=False,
+)
+
+
+#: what a step does with a non-finite gradient: refuse it (an error, after a host sync) or
+#: skip it (a no-op, counted in ``group["skipped_steps"]``, without a sync)
+NONFINITE_POLICIES = ("raise", "skip")
+
+
+def check_differentiable(differentiable: Any) -> None:
+    """Reject ``torch.optim.SGD``'s ``differentiable=True``: no sampler implements it."""
+    if differentiable is not False:
+        raise ValueError(
+            f"Invalid differentiable: {differentiable!r} (expected False: differentiating "
+            "through a sampler step is not supported)"
+        )
+
 
 def sgd_signature(
     momentum: Hyperparameter,
@@ -229,8 +268,8 @@ def sgd_signature(
     """``torch.optim.SGD``'s signature with ``momentum``, then the samplers' own arguments.
 
     ``(params, lr, momentum, *, num_data, temperature, weight_decay, dampening, nesterov,
-    maximize, foreach, differentiable, fused, seed, overlap_noise, nonfinite, *extra)``;
-    a sampler may document ``temperature``, ``dampening`` and ``nesterov`` its own way.
+    maximize, foreach, differentiable, fused, seed, overlap_noise, nonfinite, capturable,
+    *extra)``; a sampler may document ``temperature``, ``dampening`` and ``nesterov`` its own way.
     """
     return (
         LR,
@@ -247,6 +286,7 @@ def sgd_signature(
         SEED,
         OVERLAP_NOISE,
         NONFINITE,
+        CAPTURABLE,
         *extra,
     )
 

@@ -238,11 +238,6 @@ def psgld_direction(
 
 
 def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:
-    if group["capturable"]:
-        raise ValueError(
-            f"Invalid capturable{where}: True (expected False: there is no capturable "
-            "sampler kernel)"
-        )
     sampling_meaningless("momentum", group["momentum"], 0, temperature, where)
     sampling_meaningless("centered", group["centered"], False, temperature, where)
     moving = group["preconditioner"] == "elementwise" and group["preconditioner_warmup"] is None
@@ -388,10 +383,11 @@ DEFINITION = SamplerDefinition(
             default=False,
             annotation="bool",
             doc=r"""capturable: accepted for compatibility with
-            ``torch.optim.RMSprop``; only False is supported.""",
-            check=lambda value, where: check_bool("capturable", value, where=where),
+            ``torch.optim.RMSprop``; only False is supported (an option of the
+            optimizer, not kept in the param groups).""",
             positional=True,
             transform=False,
+            kept=False,
         ),
         FOREACH.replace(positional=True, transform_positional=False),
         MAXIMIZE.replace(positional=True, transform_positional=False),
@@ -470,7 +466,6 @@ DEFINITION = SamplerDefinition(
     temperature_rule=LANGEVIN,
     example="lr=1e-3",
     check=_check,
-    transform_fixed={"capturable": False},
     check_parameters=_check_parameters,
     zero_temperature_step=_rmsprop_step,
     fused_kernel=load_fused_kernel,

@@ -48,13 +48,15 @@ def takes_fused_step(opt: Any, gathered: list[Any], *, compiling: bool) -> bool:
     step without gradients (which would only import Triton), nor where every group is at
     temperature 0: there the step is ``torch.optim``'s default (foreach) step, bit for
     bit, as the optimizer it replaces takes it (``fused=True`` is ``SGD(fused=True)``'s
-    step at T = 0), nor where no parameter is on a CUDA device.
+    step at T = 0), nor where no parameter is on a CUDA device, nor for a ``capturable``
+    optimizer (whose counter the kernels cannot read).
     """
     fused = opt._fused
     if fused is False or (fused is None and (compiling or not DEFAULT_ON_CUDA)):
         return False
     if fused is None and (
-        any(group["foreach"] is not None for _, group, *_ in gathered)
+        opt._capturable
+        or any(group["foreach"] is not None for _, group, *_ in gathered)
         or not any(params for _, _, params, _ in gathered)
         or all(float(group["temperature"]) == 0 for _, group, params, _ in gathered if params)
         or not (_any_on_cuda(gathered) or _fused_on_cpu())

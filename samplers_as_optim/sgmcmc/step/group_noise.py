@@ -1,9 +1,14 @@
-"""The noise of one param group's step: prefetched where it was, drawn otherwise.
+"""The noise stage of a param group's step: the keyed stream, or the capturable one.
 
-A parameter's noise is whole (shaped like it; an FSDP2 shard's rows of the whole
+:class:`GroupNoise` (the default): prefetched where it was, drawn otherwise. A
+parameter's noise is whole (shaped like it; an FSDP2 shard's rows of the whole
 parameter's noise; a ``ParallelEnsemble`` share's part) or, for the CPU update chunk by
 chunk (``step/chunked``), one block at a time; every way gives the numbers of
 ``NoiseStream.draw`` (``docs/design.md``, "Noise").
+
+:class:`CounterGroupNoise` (a ``capturable`` optimizer's): the whole group's noise computed on
+the device from its step counter tensor (``core/counter_normal``), into a flat buffer the
+plan keeps, so that a captured step's replay draws the next step's numbers.
 """
 
 from __future__ import annotations
@@ -13,13 +18,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...core.counter_normal import CounterLayout, counter_normal_
 from ...core.dtensor import is_dtensor, local_layout, wrap_like
 from ...core.streams import NoiseStream
 from ...names import parameter_layout
 from .half_precision import HALF_DTYPES, MASTER
 from .prefetch import NoisePrefetcher, NoiseRequest
 
-__all__ = ["PREFETCH_MIN_NUMEL", "GroupNoise", "drawn_ahead", "large", "next_noise_requests"]
+__all__ = [
+    "PREFETCH_MIN_NUMEL",
+    "CounterGroupNoise",
+    "GroupNoise",
+    "drawn_ahead",
+    "group_noise",
+    "large",
+    "next_noise_requests",
+]
 
 #: Parameters with at least this many elements have their noise drawn ahead (on the
 #: worker thread, or a CUDA side stream: ``overlap_noise``); smaller ones draw in the step.
@@ -34,6 +48,91 @@ def large(param: Tensor) -> bool:
 def drawn_ahead(param: Tensor) -> bool:
     """Whether a parameter's next noise is drawn ahead on the worker (CPU, large)."""
     return param.device.type == "cpu" and large(param)
+
+
+def group_noise(
+    opt: Any, group: dict[str, Any], params: list[Tensor], tensors: list[Tensor], scratch: Any
+) -> GroupNoise | CounterGroupNoise:
+    """The noise of ``group``'s step for ``tensors`` (each parameter, or its master).
+
+    ``params`` key the noise; ``scratch``: the plan's (None: a step not planned).
+    """
+    if opt._capturable:
+        return CounterGroupNoise(
+            tensors,
+            params,
+            seed=group["seed"],
+            keys=opt._noise_keys(params),
+            step=group["step"],
+            shard=opt._shard,
+            scratch={} if scratch is None else scratch,
+        )
+    return GroupNoise(
+        tensors,
+        stream=opt._stream(group["seed"]),
+        keys=opt._noise_keys(params),
+        step=group["step"],
+        shard=opt._shard,
+        prefetcher=opt._prefetcher,
+        ahead=opt._overlap_noise,
+        scratch=scratch,
+    )
+
+
+class CounterGroupNoise:
+    """A capturable group's noise: ``core/counter_normal``'s, from the device counter.
+
+    The tensors are drawn per dtype and device as one flat buffer, which the plan's
+    ``scratch`` keeps with its layout (the same memory at every step, as a captured
+    graph reads it); each tensor's noise is a view of it. A share of a larger tensor
+    (``ParallelEnsemble`` over ranks) draws its part of the whole tensor's numbers.
+    """
+
+    def __init__(
+        self,
+        tensors: list[Tensor],
+        params: list[Tensor],
+        *,
+        seed: int,
+        keys: list[int],
+        step: Tensor,
+        shard: int | None,
+        scratch: dict[str, Any],
+    ) -> None:
+        self.tensors, self.params, self.step = tensors, params, step
+        self.seed, self.keys, self.shard, self.scratch = seed, keys, shard, scratch
+
+    def all(self) -> list[Tensor]:
+        """Every tensor's noise, shaped like it, in order."""
+        signature = tuple((id(t), t.shape, t.dtype, t.device) for t in self.tensors)
+        kept = self.scratch.get("counter_noise")
+        if kept is None or kept[0] != signature:
+            kept = self.scratch["counter_noise"] = (signature, self._buffers())
+        noise: list[Tensor | None] = [None] * len(self.tensors)
+        for indices, layout, flat in kept[1]:
+            counter_normal_(flat, layout, self.step)
+            for i, piece in zip(indices, flat.split(layout.numels), strict=True):
+                noise[i] = piece.view(self.tensors[i].shape)
+        return noise  # type: ignore[return-value]
+
+    def _buffers(self) -> list[tuple[list[int], CounterLayout, Tensor]]:
+        """Per dtype and device: the tensors' indices, their layout, the flat buffer."""
+        kinds: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i, tensor in enumerate(self.tensors):
+            kinds.setdefault((tensor.dtype, tensor.device), []).append(i)
+        buffers = []
+        for (dtype, device), indices in kinds.items():
+            shares = [parameter_layout(self.params[i]) for i in indices]
+            layout = CounterLayout(
+                self.seed,
+                [self.keys[i] for i in indices],
+                [self.tensors[i].numel() for i in indices],
+                offsets=[0 if share is None else share[0] for share in shares],
+                shard=self.shard,
+                device=device,
+            )
+            buffers.append((indices, layout, torch.empty(layout.total, dtype=dtype, device=device)))
+        return buffers
 
 
 class GroupNoise:
@@ -163,6 +262,8 @@ def next_noise_requests(opt: Any) -> list[NoiseRequest]:
     """
     requests = []
     for group in opt.param_groups:
+        if opt._capturable:  # (drawn on the device, in the step)
+            break
         if not (float(group["temperature"]) > 0 and float(group["lr"]) > 0):
             continue
         params = [

@@ -20,7 +20,10 @@ anything the plan depends on has changed:
 A value that is a tensor (a learning rate held as a tensor) makes the group's plan
 volatile: it is validated at every step, as before plans. The step counter is not
 planned: it changes at every step and is checked (an ``int`` >= 0) every time, by a
-comparison, before it keys the noise.
+comparison, before it keys the noise. A capturable group's counter (a 0-d tensor on the
+device, advanced in place: ``capturable=True``) is validated when planned, and the plan
+holds that tensor: another one (a loaded state) makes a new plan; its value is never read
+by the step.
 
 What the step then runs is the pipeline of ``docs/design.md`` ("The step"): the guard
 (the non-finite policy and ``torch.amp.GradScaler``'s verdict), the noise, the sampler's
@@ -38,11 +41,23 @@ import torch
 from torch import Tensor
 
 from ...core.chain import check_representable
+from ...core.dtensor import is_dtensor
+from ...core.validation import check_bool
 
-__all__ = ["NOT_HYPERPARAMETERS", "GroupPlan", "StepRates", "planned"]
+__all__ = [
+    "NOT_HYPERPARAMETERS",
+    "GroupPlan",
+    "StepRates",
+    "capturable_option",
+    "check_capturable",
+    "place_step_counter",
+    "planned",
+]
 
 #: param-group entries that are not hyperparameters (the chain's state, counters)
-NOT_HYPERPARAMETERS = frozenset({"params", "step", "seed", "skipped_steps"})
+#: (and ``capturable``: an option of the optimizer, which ``torch.compile`` writes into
+#: every group it traces, and torch's RMSprop and AdamW checkpoints hold)
+NOT_HYPERPARAMETERS = frozenset({"params", "step", "seed", "skipped_steps", "capturable"})
 
 
 class StepRates(NamedTuple):
@@ -63,11 +78,13 @@ class GroupPlan:
         fields: the per-parameter state the sampler's update reads and writes, in its
             order (``SamplerDefinition.state_fields``).
         volatile: a hyperparameter is a tensor: validated at every step.
+        counter: a capturable group's step counter, the tensor planned, else None.
         scratch: what the stages keep from step to step (a dict; a step not planned,
             traced by ``torch.compile``, gets a new one).
     """
 
     __slots__ = (
+        "counter",
         "fields",
         "lr",
         "names",
@@ -93,6 +110,9 @@ class GroupPlan:
         self.lr = float(group["lr"])
         self.temperature = float(group["temperature"])
         self.fields = fields
+        step = group["step"]
+        #: a capturable group's step counter (a tensor), else None
+        self.counter = step if isinstance(step, Tensor) else None
         #: the dtypes ``check_representable`` passed for these hyperparameters
         self.represented: set[torch.dtype] = set()
         self.scratch: dict[str, Any] = {}
@@ -104,6 +124,8 @@ class GroupPlan:
     def holds(self, group: dict[str, Any]) -> bool:
         """Whether ``group`` is still the group planned: same values, same entries."""
         if self.volatile or len(group) != self.size or group["params"] is not self.params:
+            return False
+        if self.counter is not None and group["step"] is not self.counter:
             return False
         seed = group["seed"]
         if seed is not self.seed and (type(seed) is not type(self.seed) or seed != self.seed):
@@ -135,13 +157,79 @@ def planned(
     ``check(group)`` validates the hyperparameters and the chain's state and raises on
     an invalid value; nothing is kept then, so the next step checks again.
     ``fields(group)``: the state fields the group's update reads. The step
-    counter, which no plan holds, is checked at every call.
+    counter, which no plan holds (but a capturable group's tensor), is checked at every
+    call: a step counter that is not an ``int`` >= 0 is checked, which raises, or (a
+    tensor, a state loaded from a capturable group) makes a new plan.
     """
     plan = plans.get(id(group))
-    if plan is None or not plan.holds(group):
-        check(group)
-        plan = GroupPlan(group, fields(group))
-        plans[id(group)] = plan
-    elif type(group["step"]) is not int or group["step"] < 0:
-        check(group)  # (raises: the step counter is not an integer >= 0)
+    if plan is not None and plan.holds(group):
+        step = group["step"]
+        if plan.counter is not None or (type(step) is int and step >= 0):
+            return plan
+    check(group)
+    plan = plans[id(group)] = GroupPlan(group, fields(group))
     return plan
+
+
+def capturable_option(arguments: dict[str, Any], sampler: str, host_state: tuple[str, ...]) -> bool:
+    """The constructor's ``capturable``: a bool, True only for a sampler without host numbers."""
+    capturable = check_bool("capturable", arguments.get("capturable", False))
+    if capturable and host_state:
+        raise ValueError(
+            f"Invalid capturable: True (expected False: {sampler} counts its steps in "
+            f"Python (state {', '.join(map(repr, host_state))}), which a replayed step "
+            "would not advance; capturable=True is for SGLD, SGHMC, BAOA and SGNHT)"
+        )
+    return capturable
+
+
+def check_capturable(
+    group: dict[str, Any], *, nonfinite: str, fused: bool | None, where: str
+) -> None:
+    """Refuse a group a capturable step cannot take, saying why (ValueError).
+
+    A captured step may read nothing back to the host: ``nonfinite="raise"`` reads the
+    gradients' check, the fused kernels take the step counter as a host integer, and the
+    group's step counter lives on one device.
+    """
+    params = [param for param in group["params"] if isinstance(param, Tensor)]  # (not saved ids)
+    reason = None
+    if nonfinite != "skip":
+        reason = (
+            f"nonfinite={nonfinite!r} (expected nonfinite='skip': refusing a step reads the "
+            "gradients' check back to the host, which a captured step cannot)"
+        )
+    elif fused:
+        reason = (
+            "fused=True (expected fused=None or False: the fused kernels take the step "
+            "counter from the host; a capturable step runs the unfused one)"
+        )
+    elif any(map(is_dtensor, params)):
+        reason = "DTensor (FSDP2) parameters (expected plain tensors: not supported yet)"
+    elif len({param.device for param in params}) > 1:
+        devices = sorted({str(param.device) for param in params})
+        reason = (
+            f"parameters on {', '.join(devices)} (expected one device per param group: "
+            "the group's step counter lives on it)"
+        )
+    if reason is not None:
+        raise ValueError(f"Invalid capturable{where}: True with {reason}")
+
+
+def place_step_counter(group: dict[str, Any], *, capturable: bool) -> None:
+    """A capturable step's counter: a 0-d int64 tensor on the group's parameters' device.
+
+    An ``int`` (a new group, a state saved uncapturable) becomes one; a tensor elsewhere
+    (a state loaded with another ``map_location``) is copied there. Not capturable: a
+    tensor (a state saved capturable) becomes an ``int`` (a host read, when planned).
+    """
+    step = group["step"]
+    if not capturable:
+        if isinstance(step, Tensor):
+            group["step"] = int(step)
+        return
+    device = group["params"][0].device if group["params"] else torch.device("cpu")
+    if not isinstance(step, Tensor):
+        group["step"] = torch.tensor(step, dtype=torch.int64, device=device)
+    elif step.device != device or step.dtype != torch.int64:
+        group["step"] = step.to(device=device, dtype=torch.int64)

@@ -24,7 +24,7 @@ from ..definition import UpdateInput
 from ..tensor_lists import apply_step_, default_foreach
 from .chunked import chunkable, update_in_chunks
 from .grad_scaler import unscaled_grads
-from .group_noise import GroupNoise
+from .group_noise import GroupNoise, group_noise
 from .half_precision import store_masters_
 from .nonfinite import kept
 from .plan import StepRates
@@ -95,17 +95,14 @@ def _update_tensors(
             return
     noise_of = None
     if temperature > 0:
-        noise_of = GroupNoise(
-            tensors,
-            stream=opt._stream(group["seed"]),
-            keys=opt._noise_keys(params),
-            step=group["step"],
-            shard=opt._shard,
-            prefetcher=opt._prefetcher,
-            ahead=opt._overlap_noise,
-            scratch=rates.scratch,
-        )
-    if keep is None and not foreach and opt.chunked_kernel and chunkable(tensors, grads, buffers):
+        noise_of = group_noise(opt, group, params, tensors, rates.scratch)
+    if (
+        keep is None
+        and not foreach
+        and isinstance(noise_of, GroupNoise | None)
+        and opt.chunked_kernel
+        and chunkable(tensors, grads, buffers)
+    ):
 
         def kernel(
             ps: list[Tensor], gs: list[Tensor], bs: list[list[Any]], noise: list[Tensor] | None

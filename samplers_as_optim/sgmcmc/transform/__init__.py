@@ -534,7 +534,7 @@ def _build(
     arguments: dict[str, Any],
 ) -> GradientTransformation:
     """The transformation that :func:`transformation_of`'s factory builds from its arguments."""
-    arguments = {**arguments, **definition.transform_fixed}
+    arguments = dict(arguments)
     fused = arguments.pop("fused")
     name = f"transforms.{definition.transform_name}"
     return sampler_transformation(
