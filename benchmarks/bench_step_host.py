@@ -36,7 +36,13 @@ tensor into kept tensors, the update's three foreach calls), against SGD likewis
 ``--mlp`` adds the same ratios for a full training iteration (forward, backward, step)
 of the 1.86M-parameter MLP of ``bench_samplers.py`` at batch 128.
 
-Run: ``python benchmarks/bench_step_host.py [--rounds 15] [--repeat 200] [--floor] [--mlp]``.
+``--capturable`` adds the eager cost of a capturable step (``capturable=True``,
+``nonfinite="skip"``: its noise computed by tensor operations from the device counter,
+meant to be replayed by a CUDA graph, where this Python is not run), beside the same
+sampler with ``nonfinite="skip"`` alone, against SGD; no target.
+
+Run: ``python benchmarks/bench_step_host.py [--rounds 15] [--repeat 200] [--floor] [--mlp]
+[--capturable]``.
 """
 
 from __future__ import annotations
@@ -119,6 +125,29 @@ def rows() -> list[Row]:
     ]
 
 
+def capturable_rows() -> list[Row]:
+    """SGLD's and SGHMC's eager step, capturable and not, with ``nonfinite="skip"``."""
+    lr, momentum = 1e-3, 0.9
+    common = {"num_data": NUM_DATA, "seed": 0, "foreach": True, "nonfinite": "skip"}
+    rows_ = []
+    for label, capturable in (("skip", False), ("capturable", True)):
+        rows_ += [
+            (
+                f"SGLD T=1 {label} / SGD",
+                lambda p, c=capturable: SGLD(p, lr=lr, capturable=c, **common),
+                lambda p: torch.optim.SGD(p, lr=lr, foreach=True),
+                0.0,
+            ),
+            (
+                f"SGHMC T=1 {label} / SGD(m=0.9)",
+                lambda p, c=capturable: SGHMC(p, lr=lr, momentum=momentum, capturable=c, **common),
+                lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum, foreach=True),
+                0.0,
+            ),
+        ]
+    return rows_
+
+
 class KeyedNoiseFloor(torch.optim.Optimizer):
     """SGLD's step at T = 1 with nothing but what its design must do, written out.
 
@@ -193,9 +222,11 @@ def step_of(opt: torch.optim.Optimizer) -> Callable[[], object]:
     return opt.step
 
 
-def host_table(rounds: int, repeat: int) -> list[tuple[str, float, float]]:
+def host_table(
+    rounds: int, repeat: int, table: Callable[[], list[Row]] = rows
+) -> list[tuple[str, float, float]]:
     results = []
-    for name, sampler, reference, target in rows():
+    for name, sampler, reference, target in table():
         contenders = {
             "sampler": step_of(sampler(small_params())),
             "torch": step_of(reference(small_params())),
@@ -251,9 +282,19 @@ def main() -> None:
     parser.add_argument("--mlp", action="store_true", help="also the 1.86M MLP's iteration")
     parser.add_argument("--mlp-rounds", type=int, default=5)
     parser.add_argument("--mlp-repeat", type=int, default=5)
+    parser.add_argument("--capturable", action="store_true", help="also capturable steps")
+    parser.add_argument("--only-capturable", action="store_true", help="capturable rows only")
     args = parser.parse_args()
     setup_threads(1)
     warnings.simplefilter("ignore")  # e.g. the twin's note on its prior: not timed here
+    if args.capturable or args.only_capturable:
+        print_table(
+            "eager step() of a capturable sampler, same tensors (no target)",
+            host_table(args.rounds, args.repeat, capturable_rows),
+            targets=False,
+        )
+        if args.only_capturable:
+            return
     print_table(
         f"step() alone, {TENSORS} tensors x {ELEMENTS} elements, CPU, one thread "
         f"(median of {args.rounds} rounds' ratios)",
