@@ -30,6 +30,7 @@ from samplers_as_optim import BAOA, PSGLD, SGHMC, SGLD, SGNHT, AdamWSGHMC
 from samplers_as_optim.core import counter_normal
 from samplers_as_optim.core.counter_normal import CounterLayout, counter_normal_, mix_step
 from samplers_as_optim.core.keyed_normal import _splitmix64, derive_seed
+from samplers_as_optim.sgmcmc.step.plan import GroupPlan, place_step_counter
 
 CAPTURABLE = {"SGLD": (SGLD, {}), "SGHMC": (SGHMC, {"momentum": 0.9}), "BAOA": (BAOA, {})}
 CAPTURABLE["SGNHT"] = (SGNHT, {"momentum": 0.9})
@@ -152,6 +153,17 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def describe(value):
+    """A launch's argument: a tensor (or generator) by kind, anything else by value."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape))
+    if isinstance(value, torch.Generator):
+        return "generator"
+    if isinstance(value, list | tuple):
+        return tuple(map(describe, value))
+    return repr(value)
+
+
 class Launches(TorchDispatchMode):
     """The operations a step runs, with their non-tensor arguments."""
 
@@ -162,10 +174,8 @@ class Launches(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if str(func).startswith("profiler."):  # (torch.optim's record_function)
             return func(*args, **(kwargs or {}))
-        flat = [*args, *(kwargs or {}).values()]
-        plain = [repr(a) for a in flat if not isinstance(a, torch.Tensor | torch.Generator)]
-        generators = [a for a in flat if isinstance(a, torch.Generator)]
-        self.ops.append((str(func), tuple(plain), bool(generators)))
+        described = describe([*args, *(kwargs or {}).values()])
+        self.ops.append((str(func), described, "generator" in repr(described)))
         return func(*args, **(kwargs or {}))
 
 
@@ -195,9 +205,10 @@ def assert_warm_steps_capturable(opt):
     assert reachable(opt) == kept  # the same tensors, written in place
 
 
+@pytest.mark.parametrize("foreach", [None, True], ids=["default", "foreach"])
 @pytest.mark.parametrize("name", sorted(CAPTURABLE))
-def test_a_warm_step_reads_nothing_and_repeats_its_launches_in_place(name):
-    model, opt = make(name)
+def test_a_warm_step_reads_nothing_and_repeats_its_launches_in_place(name, foreach):
+    model, opt = make(name, foreach=foreach)
     iterate(model, opt, 3)  # warm: the state, the plan, the keys
     assert_warm_steps_capturable(opt)
     assert opt.param_groups[0]["step"].tolist() == 6
@@ -225,6 +236,27 @@ def test_the_default_step_is_not_capturable_and_the_check_says_so():
         opt.step()
     assert any(uses_generator for *_, uses_generator in launches.ops)
     assert reachable(opt) != kept  # the step counter, a Python int, moved
+
+
+def test_a_held_state_dict_keeps_the_counters_it_was_taken_at():
+    model, opt = make("SGHMC")
+    iterate(model, opt, 3)
+    held = opt.state_dict()
+    iterate(model, opt, 2)
+    assert int(held["param_groups"][0]["step"]) == 3
+    assert int(opt.state_dict()["param_groups"][0]["step"]) == 5
+
+
+def test_the_counters_follow_the_parameters_device():
+    """A counter (and the skip count) loaded or left on another device is moved."""
+    param = nn.Parameter(torch.zeros(3, device="meta"))
+    group = {"params": [param], "step": torch.tensor(4), "skipped_steps": torch.tensor(1)}
+    place_step_counter(group, capturable=True)
+    assert group["step"].device.type == group["skipped_steps"].device.type == "meta"
+    moved = {"params": [param], "step": torch.tensor(4), "seed": 0, "lr": 0.1, "temperature": 1.0}
+    assert not GroupPlan(moved, ()).holds(moved)  # (its counter is not on the parameters')
+    placed = {**moved, "step": group["step"]}
+    assert GroupPlan(placed, ()).holds(placed)
 
 
 def test_the_counter_is_a_device_tensor_advanced_in_place():
@@ -331,6 +363,11 @@ def test_a_non_finite_gradient_skips_the_step_on_the_device():
             "(expected fused=None or False",
         ),
         ({"capturable": 1}, "Invalid capturable: 1 (expected"),
+        (
+            {"temperature": torch.tensor(1.0)},
+            "Invalid capturable in param group 0: True with a tensor temperature (tensor(1.); "
+            "expected a Python number: a tensor hyperparameter is checked at every step",
+        ),
     ],
 )
 def test_what_a_capturable_step_cannot_take_is_refused(options, message):

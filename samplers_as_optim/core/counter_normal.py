@@ -25,8 +25,9 @@ The numbers (a pure function of ``(seed, key, step, position)``, as the keyed st
   :math:`u_1 = (\lfloor x / 2^{64-m} \rfloor + \tfrac12)\, 2^{-m}` from its high
   :math:`m` bits and :math:`u_2 = (x \bmod 2^m)\, 2^{-m}` from its low ones, and
   :math:`\xi = \sqrt{-2 \ln u_1}\, \cos(2\pi u_2)`, computed in float32 with
-  :math:`m = 24` (exact uniforms, the tail cut at :math:`5.9\sigma`, probability
-  :math:`4 \cdot 10^{-9}`) or in float64 with :math:`m = 32` (cut at :math:`6.7\sigma`).
+  :math:`m = 24` (:math:`u_1` rounded to float32 above :math:`2^{-1}`, the tail cut at
+  :math:`5.9\sigma`, probability :math:`4 \cdot 10^{-9}`) or in float64 with
+  :math:`m = 32` (exact, cut at :math:`6.7\sigma`).
 
 The 64-bit words live in int64 tensors, whose multiplications wrap modulo :math:`2^{64}`
 and whose right shift is arithmetic; a logical shift is the arithmetic one masked.

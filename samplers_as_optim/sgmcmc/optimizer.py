@@ -53,18 +53,13 @@ from ..core.validation import (
     check_seed,
     check_temperature,
 )
-from .definition import (
-    REQUIRED,
-    SamplerDefinition,
-    arguments_doc,
-    example_doc,
-    generated_function,
-)
+from .definition import REQUIRED, SamplerDefinition, arguments_doc, example_doc, generated_function
 from .definition.arguments import NONFINITE_POLICIES, PARAMS_DOC, check_differentiable
 from .fused import check_fused, fused_message, fused_refusal
 from .step.checkpoint import (
     MOMENTUM_RATE,
     check_saved_masters,
+    counters_copied,
     migrate_momentum_rates,
     refuse_non_finite_state,
     restore_own_dtype_state,
@@ -542,10 +537,10 @@ class SamplerOptimizer(ChainOptimizer):
 
         With ``nonfinite="raise"``, a fused step whose gradients were not finite is
         refused here if no ``step()`` has raised it yet, so that no checkpoint counts it
-        as taken (see :meth:`step`).
+        as taken. The groups' counters are copies (a capturable step's advance in place).
         """
         raise_deferred_refusal(self)
-        return super().state_dict()
+        return counters_copied(super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by a sampler (or a wrapper of one), or by ``torch.optim.SGD``.

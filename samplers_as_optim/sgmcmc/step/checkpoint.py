@@ -25,6 +25,7 @@ from .half_precision import MASTER, check_saved_master, is_half, restore_master_
 __all__ = [
     "MOMENTUM_RATE",
     "check_saved_masters",
+    "counters_copied",
     "migrate_momentum_rates",
     "refuse_non_finite_state",
     "restore_momentum_rate",
@@ -38,6 +39,20 @@ __all__ = [
 LEGACY_SAMPLER_KEY = "sampler"
 #: param-group entries that only a sampler (not torch.optim.SGD) writes
 SAMPLER_ONLY_KEYS = ("num_data", "temperature")
+
+
+def counters_copied(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with each group's counter tensors (``step``, ``skipped_steps``) copied.
+
+    A capturable step advances its counter in place, and the skip count is always
+    advanced in place: a state dict held in memory keeps the values it was taken at, as
+    one holding a Python ``int`` does.
+    """
+    for group in state_dict.get("param_groups", []):
+        for name in ("step", "skipped_steps"):
+            if isinstance(group.get(name), Tensor):
+                group[name] = group[name].clone()
+    return state_dict
 
 
 def saved_groups_with_chain_state(

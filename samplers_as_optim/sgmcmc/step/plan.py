@@ -125,8 +125,12 @@ class GroupPlan:
         """Whether ``group`` is still the group planned: same values, same entries."""
         if self.volatile or len(group) != self.size or group["params"] is not self.params:
             return False
-        if self.counter is not None and group["step"] is not self.counter:
-            return False
+        counter = self.counter
+        if counter is not None and (
+            group["step"] is not counter
+            or (self.params and counter.device != self.params[0].device)
+        ):
+            return False  # (a loaded counter, or the parameters moved: placed again)
         seed = group["seed"]
         if seed is not self.seed and (type(seed) is not type(self.seed) or seed != self.seed):
             return False
@@ -193,8 +197,16 @@ def check_capturable(
     group's step counter lives on one device.
     """
     params = [param for param in group["params"] if isinstance(param, Tensor)]  # (not saved ids)
+    tensors = [name for name, value in group.items() if isinstance(value, Tensor)]
+    tensors = [name for name in tensors if name not in NOT_HYPERPARAMETERS]
     reason = None
-    if nonfinite != "skip":
+    if tensors:
+        reason = (
+            f"a tensor {tensors[0]} ({group[tensors[0]]!r}; expected a Python number: a "
+            "tensor hyperparameter is checked at every step, which reads it back to the "
+            "host; a capturable step reads lr and temperature when it is captured)"
+        )
+    elif nonfinite != "skip":
         reason = (
             f"nonfinite={nonfinite!r} (expected nonfinite='skip': refusing a step reads the "
             "gradients' check back to the host, which a captured step cannot)"
@@ -220,7 +232,8 @@ def place_step_counter(group: dict[str, Any], *, capturable: bool) -> None:
     """A capturable step's counter: a 0-d int64 tensor on the group's parameters' device.
 
     An ``int`` (a new group, a state saved uncapturable) becomes one; a tensor elsewhere
-    (a state loaded with another ``map_location``) is copied there. Not capturable: a
+    (a state loaded with another ``map_location``, parameters moved) is copied there,
+    with the group's ``skipped_steps``. Not capturable: a
     tensor (a state saved capturable) becomes an ``int`` (a host read, when planned).
     """
     step = group["step"]
@@ -233,3 +246,6 @@ def place_step_counter(group: dict[str, Any], *, capturable: bool) -> None:
         group["step"] = torch.tensor(step, dtype=torch.int64, device=device)
     elif step.device != device or step.dtype != torch.int64:
         group["step"] = step.to(device=device, dtype=torch.int64)
+    skipped = group.get("skipped_steps")  # (a state loaded elsewhere: read at every step)
+    if isinstance(skipped, Tensor) and skipped.device != device:
+        group["skipped_steps"] = skipped.to(device)
