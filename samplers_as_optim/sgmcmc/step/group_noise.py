@@ -260,10 +260,10 @@ def next_noise_requests(opt: Any) -> list[NoiseRequest]:
     parameters draw in the step, and a small model hands nothing over. A half-precision
     parameter's noise is drawn like its float32 master (``step/half_precision``).
     """
+    if opt._capturable:  # (drawn on the device, in the step)
+        return []
     requests = []
     for group in opt.param_groups:
-        if opt._capturable:  # (drawn on the device, in the step)
-            break
         if not (float(group["temperature"]) > 0 and float(group["lr"]) > 0):
             continue
         params = [
