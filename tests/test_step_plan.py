@@ -334,3 +334,78 @@ def test_the_kept_operands_are_never_inference_tensors():
     x = torch.ones(3, requires_grad=True)
     (x * operand).sum().backward()
     assert torch.equal(x.grad, torch.full((3,), -0.123456))
+
+
+# ------------------------------------------------------------------ the plan's layout
+def layout_of(opt, group=0):
+    return opt._runtime["plans"][id(opt.param_groups[group])].tensors
+
+
+def test_the_layout_is_kept_while_the_parameters_stay_and_remade_when_they_change():
+    """``TensorLayout``: described once, kept while the step's parameters are the same
+    tensors of the same kinds; a gradient lost, a dtype or shape changed in place, makes
+    a new one that describes them."""
+    params = [nn.Parameter(torch.randn(16)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.full((16,), 0.1)
+    opt = SGLD(params, lr=1e-3, num_data=10, seed=0, foreach=True)
+    opt.step()
+    first = layout_of(opt)
+    opt.step()
+    assert layout_of(opt) is first and first.buckets == [[0, 1, 2]]
+    assert first.dtypes == {torch.float32} and not first.half and first.drawn == [0, 1, 2]
+    params[1].grad = None
+    opt.step()
+    assert layout_of(opt) is not first and layout_of(opt).drawn == [0, 1]
+    params[1].grad = torch.full((16,), 0.1)
+    params[2].data = params[2].data.double()
+    params[2].grad = torch.full((16,), 0.1, dtype=torch.float64)
+    opt.step()
+    assert layout_of(opt).buckets == [[0, 1], [2]]
+    assert layout_of(opt).dtypes == {torch.float32, torch.float64}
+    params[0].data = params[0].data.reshape(4, 4)
+    params[0].grad = torch.full((4, 4), 0.1)
+    kept = layout_of(opt)
+    opt.step()
+    assert layout_of(opt) is not kept and layout_of(opt).signature[0][1] == (4, 4)
+
+
+def changes(k, params):
+    """Step k's gradients, with parameters losing and gaining them and changing in place."""
+    generator = torch.Generator().manual_seed(k)
+    if k == 4:  # (as many parameters as the step before: only the kinds tell)
+        params[0].data = params[0].data.reshape(2, 8)
+    if k == 5:
+        params[2].data = params[2].data.double()
+    for i, p in enumerate(params):
+        dropped = (k == 2 and i == 1) or (k == 7 and i == 0)
+        g = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+        p.grad = None if dropped else g
+
+
+@pytest.mark.parametrize("foreach", [True, None])
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_the_kept_layout_changes_no_number(monkeypatch, foreach, nonfinite):
+    """A chain whose parameters lose and regain gradients, are reshaped and change dtype in
+    place, is the chain of an optimizer planned afresh at every step, bit for bit."""
+    from samplers_as_optim.sgmcmc.step import plan as step_plan
+
+    def build():
+        params = [
+            nn.Parameter(torch.randn(16, generator=torch.Generator().manual_seed(i)))
+            for i in range(3)
+        ]
+        kwargs = {"foreach": foreach, "nonfinite": nonfinite}
+        return params, SGLD(params, lr=1e-2, num_data=10, seed=5, **kwargs)
+
+    params, opt = build()
+    twin_params, twin = build()
+    for k in range(8):
+        changes(k, params)
+        changes(k, twin_params)
+        opt.step()
+        with monkeypatch.context() as patched:
+            patched.setattr(step_plan.GroupPlan, "holds", lambda self, group: False)
+            twin.step()
+        assert all(torch.equal(p, q) for p, q in zip(params, twin_params, strict=True)), k
+        assert all(p.dtype == q.dtype for p, q in zip(params, twin_params, strict=True))

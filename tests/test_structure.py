@@ -46,7 +46,14 @@ counter tensor, is a module of its own (``core/counter_normal``, which also lift
 Inductor's fused version of it is wrong on the CPU), drawn per group by
 ``step/group_noise``, with the counter's placement, the option and the refusals in
 ``step/plan``, and its review's mends (a tensor hyperparameter refused, the skip count
-placed with the counter, a held state dict's counters copied).
+placed with the counter, a held state dict's counters copied). The step's parameters
+described once per plan (``step/plan.TensorLayout``: their foreach buckets, dtypes,
+``torch.optim``'s foreach default, which are drawn together and into what, read by the
+guard, the masters' test, the noise and the step instead of each stage asking each
+tensor again), the large parameters found once per plan for the noise drawn ahead, and
+the momentum rates found up to date remembered per plan (``momentum_units``), issue #35
+item 3, took it to 9,248 lines: SGHMC's step 3.2 → 2.6× SGD(momentum), SGLD's 5.6 → 4.8×
+SGD.
 ``gaussian`` (28) was divided into folders by concept (``laplace``,
 ``ivon``, ``vi``, ``linearised``): 15.
 
@@ -73,7 +80,7 @@ LONG_FUNCTIONS_IN_SGMCMC = 0
 MODULES_PER_FOLDER = {"sgmcmc": 15, "gaussian": 15, "": 15, "hmc": 10, "samples": 10, "core": 10}
 #: SGHMC's import closure inside the package (target: 16 modules, 4,000 lines)
 SGHMC_CLOSURE_MODULES = 42
-SGHMC_CLOSURE_LINES = 9063
+SGHMC_CLOSURE_LINES = 9248
 #: private names imported from a module of another folder (target met: none)
 PRIVATE_ACROSS_FOLDERS = 0
 

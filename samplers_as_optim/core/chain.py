@@ -227,8 +227,12 @@ class ChainOptimizer(Optimizer):
         reads no tensor back once they are known).
         """
         keys = self._keys
-        if not keys or any(id(param) not in keys for param in params):
-            self._derive_noise_keys()
+        if keys:
+            try:
+                return [keys[id(param)] for param in params]
+            except KeyError:  # (a parameter not keyed yet)
+                pass
+        self._derive_noise_keys()  # (every parameter's: ``_noise_keys([])`` derives them)
         return [keys[id(param)] for param in params]
 
     def _derive_noise_keys(self) -> None:

@@ -270,15 +270,19 @@ class SamplerOptimizer(ChainOptimizer):
         cls.definition.check_hyperparameters(group, temperature, where)
 
     # ------------------------------------------------------------------ step
-    def _gather(self, group: dict[str, Any], index: int) -> tuple[list[Tensor], list[Tensor]]:
-        """The group's parameters with a gradient and their gradients, refused if unfit."""
+    def _gather(
+        self, group: dict[str, Any], index: int, plan: GroupPlan | None = None
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """The parameters with a gradient, and their gradients, refused if unfit (by the plan)."""
         params = [param for param in group["params"] if param.grad is not None]
         grads = [param.grad for param in params]
-        if (
-            any(grad.is_sparse or grad.is_complex() for grad in grads)
-            or any(param.is_complex() for param in params)
-            or (not self.supports_dtensor and any(map(is_dtensor, params)))
-        ):
+        layout = None if plan is None else plan.layout(params)
+        if layout is None:
+            complex_, dtensor = any(p.is_complex() for p in params), any(map(is_dtensor, params))
+        else:
+            complex_, dtensor = layout.complex, layout.dtensor
+        unfit = complex_ or (dtensor and not self.supports_dtensor)
+        if unfit or any(grad.is_sparse or grad.is_complex() for grad in grads):
             self._refuse_parameters(group, index)
         if self.definition.check_parameters is not None:
             self.definition.check_parameters(group, params, at_group(index))
@@ -391,7 +395,8 @@ class SamplerOptimizer(ChainOptimizer):
         (``step/skipped_host``) and the next step's large draws go to the worker
         (``step/prefetch``).
         """
-        keep, record = verdict(self, gathered, scaler)
+        layout = rates[0].layout if len(rates) == 1 else None
+        keep, record = verdict(self, gathered, scaler, None if layout is None else layout.buckets)
         prefetcher = None if compiling else self._prefetcher
         if prefetcher is not None:
             prefetcher.wait()
@@ -419,8 +424,8 @@ class SamplerOptimizer(ChainOptimizer):
         gathered, rates = [], []
         plans: dict[int, GroupPlan] = self._runtime["plans"]
         for index, group in enumerate(self.param_groups):
-            params, grads = self._gather(group, index)
             if compiling:
+                params, grads = self._gather(group, index)
                 self.check_hyperparameters(group, where=at_group(index))
                 check_representable(group, params, where=at_group(index))
                 if self._capturable:  # (a traced int may pass for a tensor)
@@ -428,13 +433,10 @@ class SamplerOptimizer(ChainOptimizer):
                 fields = self.definition.state_fields(group)
                 rates.append(StepRates(float(group["lr"]), float(group["temperature"]), fields, {}))
             else:
-                plan = planned(
-                    plans,
-                    group,
-                    partial(self._check_group, index=index),
-                    self.definition.state_fields,
-                )
-                plan.check_dtypes(group, params, at_group(index))
+                check = partial(self._check_group, index=index)
+                plan = planned(plans, group, check, self.definition.state_fields)
+                params, grads = self._gather(group, index, plan)
+                plan.check_dtypes(group, params, partial(at_group, index))
                 rates.append(plan.rates())
             gathered.append((index, group, params, grads))
         return gathered, rates

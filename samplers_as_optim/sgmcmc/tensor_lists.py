@@ -117,7 +117,9 @@ _CHECKED_IN_ONE_PASS = (torch.float32, torch.float64)
 _FLAGS: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
 
-def gradients_may_be_non_finite(grads: Sequence[Tensor]) -> bool:
+def gradients_may_be_non_finite(
+    grads: Sequence[Tensor], kinds: list[list[int]] | None = None
+) -> bool:
     """:func:`may_be_non_finite` of an Optimizer's gradients, exact and in one pass.
 
     Where every gradient is a plain dense float32/float64 tensor outside autograd, one
@@ -126,7 +128,8 @@ def gradients_may_be_non_finite(grads: Sequence[Tensor]) -> bool:
     bit) sets a flag read once: about a fifth of the norms' cost for a small model, and
     exact (no overflow). The kernel writes every element back, so the gradients' version
     counters move: only gradients that no graph can hold (``requires_grad`` False) and
-    that own their elements (contiguous) take it; others take the norms.
+    that own their elements (contiguous) take it; others take the norms. ``kinds``:
+    ``buckets(grads)``, where the caller knows it.
     """
     if not all(
         type(grad) is Tensor
@@ -137,7 +140,7 @@ def gradients_may_be_non_finite(grads: Sequence[Tensor]) -> bool:
     ):
         return may_be_non_finite(grads)
     suspect = False
-    for index in buckets(grads):
+    for index in buckets(grads) if kinds is None else kinds:
         device = grads[index[0]].device
         kept = _FLAGS.get(device)
         if kept is None:  # (the scale, never written, and the flag, zero between checks)
@@ -146,7 +149,8 @@ def gradients_may_be_non_finite(grads: Sequence[Tensor]) -> bool:
                 torch.zeros(1, dtype=torch.float32, device=device),
             )
         one, found = kept
-        torch._amp_foreach_non_finite_check_and_unscale_([grads[i] for i in index], found, one)
+        bucket = [grads[i] for i in index]
+        torch._amp_foreach_non_finite_check_and_unscale_(bucket, found, one)
         if bool(found):
             found.zero_()  # (the kernel only ever sets it: zero again for the next check)
             suspect = True
@@ -198,6 +202,7 @@ def apply_step_(
     as_sgd: bool,
     foreach: bool,
     keep: dict[torch.device, Tensor] | None = None,
+    kinds: list[list[int]] | None = None,
 ) -> None:
     """Take the step ``theta <- theta - lr * d`` in place.
 
@@ -213,6 +218,7 @@ def apply_step_(
 
     ``keep`` (``nonfinite="skip"``): per device, a 0-d boolean tensor; where it is False
     the parameters keep their values (``torch.where``, the same roundings otherwise).
+    ``kinds``: ``buckets(params)``, where the caller knows it.
     """
     if keep is not None:
         for param, direction in zip(params, directions, strict=True):
@@ -227,8 +233,8 @@ def apply_step_(
             else:
                 param.add_(direction.mul(scalar_operand(-lr, direction)))
         return
-    for index in buckets(params):
-        bucket_params = [params[i] for i in index]
+    for index in buckets(params) if kinds is None else kinds:
+        bucket_params = params if len(index) == len(params) else [params[i] for i in index]
         bucket_directions = [directions[i] for i in index]
         if as_sgd:
             torch._foreach_add_(bucket_params, bucket_directions, alpha=-lr)
@@ -251,7 +257,7 @@ def scalar_operand(value: float, like: Tensor) -> float | Tensor:
     ``torch.inference_mode`` (whose tensors autograd may not save later), a new tensor.
     """
     dtype = like.dtype
-    if like.device.type != "cpu" or dtype not in (torch.float32, torch.float64):
+    if not like.is_cpu or dtype not in (torch.float32, torch.float64):
         return value
     if value == 0 or value != value or torch.compiler.is_compiling():
         return torch.tensor(value, dtype=dtype)  # (0.0 == -0.0 as keys; NaN != NaN)

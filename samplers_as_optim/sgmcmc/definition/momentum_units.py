@@ -12,6 +12,7 @@ with ``momentum_in_lr_units``) and the transforms alike.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -134,6 +135,7 @@ def rescale_momentum_state(
     known: HostScalars | None = None,
     buffer: str = "momentum_buffer",
     unless_nonfinite: dict[torch.device, Tensor] | None = None,
+    verified: dict[str, Any] | None = None,
 ) -> None:
     """:func:`rescale_momentum` on an Optimizer's per-parameter states, in place.
 
@@ -154,8 +156,40 @@ def rescale_momentum_state(
         known: the Optimizer's :class:`~._common.HostScalars` of its rates.
         buffer: the name of the momentum buffer in the states.
         unless_nonfinite: as for :func:`rescale_momentum`.
+        verified: a dict kept from step to step (a step's plan's scratch), where the
+            records a call left are remembered with its ``lr`` and ``temperature``: a
+            call that finds the same record tensors and rates does nothing, as it would
+            (records are replaced, never modified in place).
     """
     records = [state.get(MOMENTUM_RATE) for state in states]
+    if verified is not None:
+        last = verified.get("momentum_rates")
+        if (
+            last is not None
+            and last[0] == (lr, temperature)
+            and len(last[1]) == len(records)
+            and all(map(operator.is_, last[1], records))
+        ):
+            return
+    _rescale_states(
+        states, records, lr, temperature, foreach, params, known, buffer, unless_nonfinite
+    )
+    if verified is not None:
+        verified["momentum_rates"] = ((lr, temperature), [s.get(MOMENTUM_RATE) for s in states])
+
+
+def _rescale_states(
+    states: list[dict[str, Any]],
+    records: list[Any],
+    lr: float,
+    temperature: float,
+    foreach: bool,
+    params: Sequence[Tensor] | None,
+    known: HostScalars | None,
+    buffer: str,
+    unless_nonfinite: dict[torch.device, Tensor] | None,
+) -> None:
+    """:func:`rescale_momentum_state` given the states' ``records``."""
     if temperature == 0 and records.count(None) == len(records):
         return  # SGD's buffers, with no record to keep up to date
     if params is not None and known is not None:

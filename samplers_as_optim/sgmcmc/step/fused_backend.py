@@ -134,7 +134,7 @@ def _update_group(
     float32 master (``step/half_precision``) and the GradScaler's scale go to the kernel
     (``FusedInput.masters``, ``FusedInput.grad_scales``).
     """
-    lr, temperature, fields, _ = rates
+    lr, temperature, fields = rates.lr, rates.temperature, rates.fields
     masters, tensors = positions(opt, params, temperature)
     foreach = default_foreach(params)
     states = ready_state(

@@ -23,6 +23,7 @@ from ...core.dtensor import is_dtensor, local_layout, wrap_like
 from ...core.streams import NoiseStream
 from ...names import parameter_layout
 from .half_precision import HALF_DTYPES, MASTER
+from .plan import TensorLayout
 from .prefetch import NoisePrefetcher, NoiseRequest
 
 __all__ = [
@@ -51,11 +52,17 @@ def drawn_ahead(param: Tensor) -> bool:
 
 
 def group_noise(
-    opt: Any, group: dict[str, Any], params: list[Tensor], tensors: list[Tensor], scratch: Any
+    opt: Any,
+    group: dict[str, Any],
+    params: list[Tensor],
+    tensors: list[Tensor],
+    scratch: Any,
+    layout: TensorLayout | None = None,
 ) -> GroupNoise | CounterGroupNoise:
     """The noise of ``group``'s step for ``tensors`` (each parameter, or its master).
 
-    ``params`` key the noise; ``scratch``: the plan's (None: a step not planned).
+    ``params`` key the noise; ``scratch``: the plan's (None: a step not planned);
+    ``layout``: the parameters' (the plan's), used where ``tensors`` are the parameters.
     """
     if opt._capturable:
         return CounterGroupNoise(
@@ -76,6 +83,7 @@ def group_noise(
         prefetcher=opt._prefetcher,
         ahead=opt._overlap_noise,
         scratch=scratch,
+        layout=layout if tensors is params else None,
     )
 
 
@@ -149,9 +157,11 @@ class GroupNoise:
         prefetcher: NoisePrefetcher | None,
         ahead: bool,
         scratch: dict[str, Any] | None = None,
+        layout: TensorLayout | None = None,
     ) -> None:
         self.params = params
         self.scratch = scratch  # (the plan's: ``_kept_outputs``)
+        self.layout = layout  # (``params``': which are drawn together, and into what)
         self.stream = stream
         self.keys = keys
         self.step = step
@@ -159,7 +169,8 @@ class GroupNoise:
         self.prefetched: list[Tensor | None] = [None] * len(params)
         #: under torch.compile, whether the draw hands the next step's to the worker
         self.ahead = ahead
-        if prefetcher is not None and prefetcher.holds_any():
+        self.any_prefetched = prefetcher is not None and prefetcher.holds_any()
+        if prefetcher is not None and self.any_prefetched:
             self.prefetched = [
                 prefetcher.take(NoiseRequest(param, stream.seed, step, key, shard))
                 for param, key in zip(params, keys, strict=True)
@@ -174,20 +185,36 @@ class GroupNoise:
         """
         if torch.compiler.is_compiling():
             return [self.whole(i) for i in range(len(self.params))]
-        out = list(self.prefetched)
-        plain = [
-            i
-            for i, param in enumerate(self.params)
-            if out[i] is None and parameter_layout(param) is None and not is_dtensor(param)
-        ]
-        likes = [self.params[i] for i in plain]
+        params, layout = self.params, self.layout
+        if layout is None:
+            plain = [
+                i
+                for i, param in enumerate(params)
+                if parameter_layout(param) is None and not is_dtensor(param)
+            ]
+        else:  # (the plan's: which are drawn here, and the tensors they are drawn into)
+            plain = layout.drawn
+        if self.any_prefetched:  # (those drawn ahead are not drawn again)
+            plain = [i for i in plain if self.prefetched[i] is None]
+        whole = len(plain) == len(params)
+        likes = params if whole else [params[i] for i in plain]
+        outputs: list[Tensor | None] | None
+        if layout is not None and whole:
+            if layout.noise is None:
+                layout.noise = _kept_outputs({}, likes)
+            outputs = layout.noise
+        else:
+            outputs = None if self.scratch is None else _kept_outputs(self.scratch, likes)
         drawn = self.stream.draw_many(
             likes,
-            [self.keys[i] for i in plain],
+            self.keys if whole else [self.keys[i] for i in plain],
             step=self.step,
             shard=self.shard,
-            out=None if self.scratch is None else _kept_outputs(self.scratch, likes),
+            out=outputs,
         )
+        if whole:
+            return drawn
+        out = list(self.prefetched)
         for i, noise in zip(plain, drawn, strict=True):
             out[i] = noise
         return [self.whole(i) if noise is None else noise for i, noise in enumerate(out)]
@@ -258,23 +285,33 @@ def next_noise_requests(opt: Any) -> list[NoiseRequest]:
     Handing a draw to the worker costs about as much as drawing a few ten thousand
     normals (the hand-off, and the worker's Python competing for the GIL), so smaller
     parameters draw in the step, and a small model hands nothing over. A half-precision
-    parameter's noise is drawn like its float32 master (``step/half_precision``).
+    parameter's noise is drawn like its float32 master (``step/half_precision``). Which
+    parameters are large is found once per plan: one that grows later draws in the step,
+    one that shrinks is drawn ahead at its new size (the same numbers either way).
     """
     if opt._capturable:  # (drawn on the device, in the step)
         return []
     requests = []
+    plans = opt._runtime["plans"]
     for group in opt.param_groups:
         if not (float(group["temperature"]) > 0 and float(group["lr"]) > 0):
             continue
-        params = [
-            param
-            for param in group["params"]
-            if large(param)
-            and param.requires_grad
-            and param.device.type in ("cpu", "cuda")
-            and parameter_layout(param) is None
-            and not is_dtensor(param)
-        ]
+        plan = plans.get(id(group))
+        ahead = None if plan is None else plan.scratch.get("ahead")
+        if ahead is None:  # (the plan's parameters, once: sizes and devices rarely change)
+            ahead = [
+                param
+                for param in group["params"]
+                if large(param)
+                and param.device.type in ("cpu", "cuda")
+                and parameter_layout(param) is None
+                and not is_dtensor(param)
+            ]
+            if plan is not None and plan.params is group["params"]:
+                plan.scratch["ahead"] = ahead
+        if not ahead:
+            continue
+        params = [param for param in ahead if param.requires_grad]
         requests += [
             NoiseRequest(_noise_like(opt, param), group["seed"], group["step"], key, opt._shard)
             for param, key in zip(params, opt._noise_keys(params), strict=True)

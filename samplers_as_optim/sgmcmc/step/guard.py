@@ -33,19 +33,20 @@ __all__ = ["FusedVerdict", "raise_deferred_refusal", "skip_record", "verdict"]
 
 
 def verdict(
-    opt: Any, gathered: list[Any], scaler: ScalerInput
+    opt: Any, gathered: list[Any], scaler: ScalerInput, kinds: list[list[int]] | None = None
 ) -> tuple[dict[torch.device, Tensor] | None, Callable[[], None] | None]:
     """The reference backend's verdict, and the host record a skip puts back.
 
     Per device, a boolean, False where the step is skipped (a ``GradScaler``'s
     ``found_inf``, or ``nonfinite="skip"``), or None: ``nonfinite="raise"`` refused a
-    non-finite gradient here already, before anything changed.
+    non-finite gradient here already, before anything changed. ``kinds``: the
+    gradients' buckets by device and dtype, where the plan knows them.
     """
     keep = None
     if scaler.found_inf is not None:  # the scaler's verdict, on the device
         keep = keep_flags(gathered, scaler.found_inf)
     elif opt._nonfinite == "raise":
-        refuse_non_finite_gradients(type(opt).__name__, gathered)
+        refuse_non_finite_gradients(type(opt).__name__, gathered, kinds)
     else:
         keep = finite_flags(gathered)
     return keep, None if keep is None else skip_record(opt, gathered)

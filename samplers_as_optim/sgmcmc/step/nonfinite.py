@@ -41,13 +41,17 @@ def describe_parameter(group: dict[str, Any], index: int, position: int) -> str:
     return f"param group {index}, parameter {position}{name} of shape {tuple(param.shape)}"
 
 
-def refuse_non_finite_gradients(name: str, gathered: Gathered) -> None:
+def refuse_non_finite_gradients(
+    name: str, gathered: Gathered, kinds: list[list[int]] | None = None
+) -> None:
     """Raise, before anything changes, if any gradient holds NaN or infinity.
 
-    Fast path :func:`~._common.gradients_may_be_non_finite`; only on suspicion are the
-    tensors checked one by one, to name the culprit.
+    Fast path :func:`~._common.gradients_may_be_non_finite` (``kinds``: the gradients'
+    buckets, where known); only on suspicion are the tensors checked one by one, to
+    name the culprit.
     """
-    if not gradients_may_be_non_finite([grad for *_, grads in gathered for grad in grads]):
+    grads = gathered[0][3] if len(gathered) == 1 else [g for *_, gs in gathered for g in gs]
+    if not gradients_may_be_non_finite(grads, kinds):
         return
     for index, group, _, _ in gathered:
         for position, param in enumerate(group["params"]):

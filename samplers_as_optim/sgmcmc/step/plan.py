@@ -25,6 +25,12 @@ device, advanced in place: ``capturable=True``) is validated when planned, and t
 holds that tensor: another one (a loaded state) makes a new plan; its value is never read
 by the step.
 
+The parameters a step takes (those with a gradient) are described once, too
+(:class:`TensorLayout`: their foreach buckets, dtypes, which are drawn together and
+into what), and the description is kept while a step's parameters are the same
+tensors with the same shapes, dtypes and devices: one comparison per parameter instead
+of each stage asking each tensor again.
+
 What the step then runs is the pipeline of ``docs/design.md`` ("The step"): the guard
 (the non-finite policy and ``torch.amp.GradScaler``'s verdict), the noise, the sampler's
 update and the write-back of masters and buffers, through one of two backends, the
@@ -43,11 +49,15 @@ from torch import Tensor
 from ...core.chain import check_representable
 from ...core.dtensor import is_dtensor
 from ...core.validation import check_bool
+from ...names import parameter_layout
+from ..tensor_lists import buckets, default_foreach
+from .half_precision import HALF_DTYPES
 
 __all__ = [
     "NOT_HYPERPARAMETERS",
     "GroupPlan",
     "StepRates",
+    "TensorLayout",
     "capturable_option",
     "check_capturable",
     "place_step_counter",
@@ -60,13 +70,67 @@ __all__ = [
 NOT_HYPERPARAMETERS = frozenset({"params", "step", "seed", "skipped_steps", "capturable"})
 
 
+class TensorLayout:
+    """The tensors a group steps (its parameters with a gradient), described once.
+
+    What the stages read of the parameters but their values: a step whose parameters
+    are the same tensors, of the same shapes, dtypes and devices (``signature``), reads
+    it from the plan (:meth:`GroupPlan.layout`) instead of asking each tensor again.
+
+    Attributes:
+        signature: each parameter's ``(id, shape, dtype, device)``.
+        buckets: their indices grouped by (device, dtype), for the foreach kernels
+            (``tensor_lists.buckets``).
+        dtypes: their dtypes.
+        half: whether any is float16/bfloat16 (a float32 master may step for it).
+        complex: whether any is complex (refused: ``SamplerOptimizer._gather``).
+        dtensor: whether any is a DTensor.
+        foreach: ``torch.optim``'s default for them (``tensor_lists.default_foreach``).
+        drawn: the indices of those whose noise the step draws together (neither a
+            DTensor nor a share of a larger tensor: ``step/group_noise``).
+        noise: the tensors their noise is drawn into, kept (``step/group_noise``; None
+            until the first draw).
+    """
+
+    __slots__ = (
+        "buckets",
+        "complex",
+        "drawn",
+        "dtensor",
+        "dtypes",
+        "foreach",
+        "half",
+        "noise",
+        "signature",
+    )
+
+    def __init__(self, params: list[Tensor], signature: list[tuple[Any, ...]]) -> None:
+        self.signature = signature
+        self.buckets = buckets(params)
+        self.dtypes = {param.dtype for param in params}
+        self.half = any(dtype in HALF_DTYPES for dtype in self.dtypes)
+        self.complex = any(dtype.is_complex for dtype in self.dtypes)
+        self.dtensor = any(map(is_dtensor, params))
+        self.foreach = default_foreach(params)
+        self.drawn = [
+            i
+            for i, param in enumerate(params)
+            if parameter_layout(param) is None and not is_dtensor(param)
+        ]
+        self.noise: list[Tensor | None] | None = None
+
+
 class StepRates(NamedTuple):
-    """What a group's step computes with: ``lr``, ``temperature``, fields, ``scratch``."""
+    """What a group's step computes with: ``lr``, ``temperature``, fields, ``scratch``.
+
+    ``layout``: its tensors' (:class:`TensorLayout`), or None (a step not planned).
+    """
 
     lr: float
     temperature: float
     fields: tuple[str, ...]
     scratch: dict[str, Any]
+    layout: TensorLayout | None = None
 
 
 class GroupPlan:
@@ -81,6 +145,7 @@ class GroupPlan:
         counter: a capturable group's step counter, the tensor planned, else None.
         scratch: what the stages keep from step to step (a dict; a step not planned,
             traced by ``torch.compile``, gets a new one).
+        tensors: the last step's :class:`TensorLayout` (:meth:`layout`), or None.
     """
 
     __slots__ = (
@@ -94,6 +159,7 @@ class GroupPlan:
         "seed",
         "size",
         "temperature",
+        "tensors",
         "types",
         "values",
         "volatile",
@@ -116,10 +182,19 @@ class GroupPlan:
         #: the dtypes ``check_representable`` passed for these hyperparameters
         self.represented: set[torch.dtype] = set()
         self.scratch: dict[str, Any] = {}
+        self.tensors: TensorLayout | None = None
 
     def rates(self) -> StepRates:
-        """What the step computes with (:class:`StepRates`)."""
-        return StepRates(self.lr, self.temperature, self.fields, self.scratch)
+        """What the step computes with (:class:`StepRates`), with the last layout."""
+        return StepRates(self.lr, self.temperature, self.fields, self.scratch, self.tensors)
+
+    def layout(self, params: list[Tensor]) -> TensorLayout:
+        """The :class:`TensorLayout` of ``params``: the last one if they match it, else new."""
+        signature = [(id(p), p.shape, p.dtype, p.device) for p in params]
+        kept = self.tensors
+        if kept is None or kept.signature != signature:
+            kept = self.tensors = TensorLayout(params, signature)
+        return kept
 
     def holds(self, group: dict[str, Any]) -> bool:
         """Whether ``group`` is still the group planned: same values, same entries."""
@@ -140,12 +215,19 @@ class GroupPlan:
             return False
         return values == self.values and tuple(map(type, values)) == self.types
 
-    def check_dtypes(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
-        """``check_representable`` for dtypes these hyperparameters were not checked against."""
-        dtypes = {param.dtype for param in params}
+    def check_dtypes(
+        self, group: dict[str, Any], params: list[Tensor], where: Callable[[], str]
+    ) -> None:
+        """``check_representable`` for dtypes these hyperparameters were not checked against.
+
+        ``params``: the step's, whose :meth:`layout` was the last taken; ``where()``
+        locates the group in a message.
+        """
+        layout = self.tensors
+        dtypes = {param.dtype for param in params} if layout is None else layout.dtypes
         if dtypes <= self.represented:
             return
-        check_representable(group, params, where=where)
+        check_representable(group, params, where=where())
         if not self.volatile:
             self.represented |= dtypes
 

@@ -17,19 +17,23 @@ from torch import Tensor
 
 from ..definition.momentum_units import rescale_momentum_state
 from .half_precision import HALF_DTYPES, compute_tensors
-from .plan import StepRates
+from .plan import StepRates, TensorLayout
 
 __all__ = ["init_state", "positions", "ready_state", "reexpress_state"]
 
 
-def positions(opt: Any, params: list[Tensor], temperature: float) -> tuple[list[Any], list[Tensor]]:
+def positions(
+    opt: Any, params: list[Tensor], temperature: float, layout: TensorLayout | None = None
+) -> tuple[list[Any], list[Tensor]]:
     """Each parameter's float32 master (None without one), and the tensors stepped.
 
     The tensor a parameter's step updates is its master, or the parameter itself
     (``step/half_precision``). Without a half-precision parameter the tensors are
     ``params`` itself (the same list), which the reference backend reads as "no master".
+    ``layout``: the parameters' (the plan's), which knows their dtypes.
     """
-    if not any(param.dtype in HALF_DTYPES for param in params):
+    half = any(param.dtype in HALF_DTYPES for param in params) if layout is None else layout.half
+    if not half:
         return [None] * len(params), params
     masters = compute_tensors(
         params, opt.state, temperature=temperature, skip=opt.host_state, sync=opt._master_sync
@@ -66,13 +70,14 @@ def ready_state(
     ``tensors``; state in lr's units follows a change of lr (``unless_nonfinite`` as for
     :func:`reexpress_state`). No field: no state (an empty list).
     """
-    lr, temperature, fields, _ = rates
+    lr, temperature, fields = rates.lr, rates.temperature, rates.fields
     if not fields:
         return []
     state_of = opt.state
     states = [state_of[p] for p in params]
+    wanted = set(fields)
     for tensor, state in zip(tensors, states, strict=True):
-        if not all(name in state for name in fields):
+        if not wanted <= state.keys():
             init_state(opt, group, tensor, state)
     reexpress_state(
         opt,
@@ -82,6 +87,7 @@ def ready_state(
         temperature=temperature,
         foreach=foreach,
         unless_nonfinite=unless_nonfinite,
+        scratch=rates.scratch,
     )
     return states
 
@@ -95,6 +101,7 @@ def reexpress_state(
     temperature: float,
     foreach: bool,
     unless_nonfinite: dict[torch.device, Tensor] | None = None,
+    scratch: dict[str, Any] | None = None,
 ) -> None:
     """Re-express state kept in lr's units when lr has changed, before the update.
 
@@ -104,7 +111,8 @@ def reexpress_state(
     :func:`~.momentum_units.rescale_momentum_state`), reading the rate each buffer was
     written at through the optimizer's ``HostScalars``; other samplers keep no such
     state. ``unless_nonfinite`` (per device): where it is not finite the buffers keep
-    every bit (a step the device skips).
+    every bit (a step the device skips). ``scratch``: the plan's, where the rates found
+    up to date are remembered.
     """
     if opt.momentum_in_lr_units:
         rescale_momentum_state(
@@ -116,4 +124,5 @@ def reexpress_state(
             known=opt._host_scalars,
             buffer=opt.definition.momentum_buffer,
             unless_nonfinite=unless_nonfinite,
+            verified=scratch,
         )

@@ -56,7 +56,7 @@ def update_group(
     through its float32 master (``step/half_precision``): the update runs on the master with
     the gradient widened, then the parameter takes its rounding.
     """
-    masters, tensors = positions(opt, params, rates.temperature)
+    masters, tensors = positions(opt, params, rates.temperature, rates.layout)
     if grad_scale is not None or tensors is not params:
         grads = unscaled_grads(grads, grad_scale, widen=[m is not None for m in masters])
     _update_tensors(opt, group, params, tensors, grads, rates, keep=keep)
@@ -80,10 +80,13 @@ def _update_tensors(
     CPU without foreach, large tensors are updated chunk by chunk, in cache
     (``step/chunked``), with the same numbers.
     """
-    lr, temperature, fields, _ = rates
+    lr, temperature, fields = rates.lr, rates.temperature, rates.fields
     foreach = group["foreach"]
     if foreach is None:  # under compile, whole tensors (both paths: the same numbers)
-        foreach = torch.compiler.is_compiling() or default_foreach(params)
+        if rates.layout is not None:  # (a planned step: not traced)
+            foreach = rates.layout.foreach
+        else:
+            foreach = torch.compiler.is_compiling() or default_foreach(params)
     gate = rescale_gate(keep, opt.host_state)  # (where a skip puts back the rate)
     states = ready_state(opt, group, rates, params, tensors, foreach=foreach, unless_nonfinite=gate)
     buffers: list[list[Any]] = [[state.get(name) for state in states] for name in fields]
@@ -95,7 +98,7 @@ def _update_tensors(
             return
     noise_of = None
     if temperature > 0:
-        noise_of = group_noise(opt, group, params, tensors, rates.scratch)
+        noise_of = group_noise(opt, group, params, tensors, rates.scratch, rates.layout)
     if (
         keep is None
         and not foreach
@@ -119,7 +122,10 @@ def _update_tensors(
         opt, group, fields, tensors, grads, buffers, noise, lr, temperature, foreach
     )
     _store(opt, fields, states, new_buffers, old, keep)
-    apply_step_(tensors, directions, lr=lr, as_sgd=temperature == 0, foreach=foreach, keep=keep)
+    kinds = None if rates.layout is None or tensors is not params else rates.layout.buckets
+    apply_step_(
+        tensors, directions, lr=lr, as_sgd=temperature == 0, foreach=foreach, keep=keep, kinds=kinds
+    )
 
 
 def _store(
