@@ -409,3 +409,19 @@ def test_the_kept_layout_changes_no_number(monkeypatch, foreach, nonfinite):
             twin.step()
         assert all(torch.equal(p, q) for p, q in zip(params, twin_params, strict=True)), k
         assert all(p.dtype == q.dtype for p, q in zip(params, twin_params, strict=True))
+
+
+def test_a_layout_remade_as_gradients_come_and_go_draws_into_the_same_tensors():
+    """Parameters without a gradient at some steps (a mixture of experts'): each step's
+    layout is new, but small parameters' noise is drawn into the tensors the plan keeps."""
+    params = [nn.Parameter(torch.randn(16)) for _ in range(3)]
+    opt = SGLD(params, lr=1e-3, num_data=10, seed=0, foreach=True)
+    kept = []
+    for k in range(4):
+        for i, p in enumerate(params):
+            p.grad = None if (k % 2 and i == 1) else torch.full((16,), 0.1)
+        opt.step()
+        kept.append(layout_of(opt).noise)
+    assert kept[0] is not kept[2] and kept[1] is not kept[3]
+    assert all(a is b for a, b in zip(kept[0], kept[2], strict=True))
+    assert kept[1][1] is kept[0][2]  # (parameter 2, second of the two stepped)

@@ -200,8 +200,9 @@ class GroupNoise:
         likes = params if whole else [params[i] for i in plain]
         outputs: list[Tensor | None] | None
         if layout is not None and whole:
-            if layout.noise is None:
-                layout.noise = _kept_outputs({}, likes)
+            if layout.noise is None:  # (the plan's tensors: kept when the layout changes)
+                scratch = {} if self.scratch is None else self.scratch
+                layout.noise = _kept_outputs(scratch, likes)
             outputs = layout.noise
         else:
             outputs = None if self.scratch is None else _kept_outputs(self.scratch, likes)
