@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from samplers_as_optim import SGHMC, SGLD
+from samplers_as_optim.names import set_parameter_layout
 from samplers_as_optim.sgmcmc.tensor_lists import gradients_may_be_non_finite, may_be_non_finite
 
 
@@ -368,6 +369,9 @@ def test_the_layout_is_kept_while_the_parameters_stay_and_remade_when_they_chang
     kept = layout_of(opt)
     opt.step()
     assert layout_of(opt) is not kept and layout_of(opt).signature[0][1] == (4, 4)
+    set_parameter_layout(params[1], 16, 32)  # (now the second half of a larger tensor)
+    opt.step()
+    assert layout_of(opt).drawn == [0, 2]  # (its part of the larger tensor's noise)
 
 
 def changes(k, params):

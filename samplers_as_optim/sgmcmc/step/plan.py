@@ -74,11 +74,12 @@ class TensorLayout:
     """The tensors a group steps (its parameters with a gradient), described once.
 
     What the stages read of the parameters but their values: a step whose parameters
-    are the same tensors, of the same shapes, dtypes and devices (``signature``), reads
-    it from the plan (:meth:`GroupPlan.layout`) instead of asking each tensor again.
+    are the same tensors, of the same shapes, dtypes, devices and shares (``signature``),
+    reads it from the plan (:meth:`GroupPlan.layout`) instead of asking each tensor again.
 
     Attributes:
-        signature: each parameter's ``(id, shape, dtype, device)``.
+        signature: each parameter's ``(id, shape, dtype, device, share)`` (``share``: its
+            ``parameter_layout``, where it is part of a larger tensor).
         buckets: their indices grouped by (device, dtype), for the foreach kernels
             (``tensor_lists.buckets``).
         dtypes: their dtypes.
@@ -190,7 +191,7 @@ class GroupPlan:
 
     def layout(self, params: list[Tensor]) -> TensorLayout:
         """The :class:`TensorLayout` of ``params``: the last one if they match it, else new."""
-        signature = [(id(p), p.shape, p.dtype, p.device) for p in params]
+        signature = [(id(p), p.shape, p.dtype, p.device, parameter_layout(p)) for p in params]
         kept = self.tensors
         if kept is None or kept.signature != signature:
             kept = self.tensors = TensorLayout(params, signature)
