@@ -28,8 +28,8 @@ by the step.
 The parameters a step takes (those with a gradient) are described once, too
 (:class:`TensorLayout`: their foreach buckets, dtypes, which are drawn together and
 into what), and the description is kept while a step's parameters are the same
-tensors with the same shapes, dtypes and devices: one comparison per parameter instead
-of each stage asking each tensor again.
+tensors with the same shapes, dtypes, devices and shares of larger tensors: one
+comparison per parameter instead of each stage asking each tensor again.
 
 What the step then runs is the pipeline of ``docs/design.md`` ("The step"): the guard
 (the non-finite policy and ``torch.amp.GradScaler``'s verdict), the noise, the sampler's
