@@ -52,7 +52,7 @@ described once per plan (``step/plan.TensorLayout``: their foreach buckets, dtyp
 guard, the masters' test, the noise and the step instead of each stage asking each
 tensor again), the large parameters found once per plan for the noise drawn ahead, and
 the momentum rates found up to date remembered per plan (``momentum_units``), issue #35
-item 3, took it to 9,250 lines: SGHMC's step 3.2 → 2.6× SGD(momentum), SGLD's 5.6 → 4.8×
+item 3, took it to 9,248 lines: SGHMC's step 3.2 → 2.6× SGD(momentum), SGLD's 5.6 → 4.8×
 SGD.
 ``gaussian`` (28) was divided into folders by concept (``laplace``,
 ``ivon``, ``vi``, ``linearised``): 15.
@@ -80,7 +80,7 @@ LONG_FUNCTIONS_IN_SGMCMC = 0
 MODULES_PER_FOLDER = {"sgmcmc": 15, "gaussian": 15, "": 15, "hmc": 10, "samples": 10, "core": 10}
 #: SGHMC's import closure inside the package (target: 16 modules, 4,000 lines)
 SGHMC_CLOSURE_MODULES = 42
-SGHMC_CLOSURE_LINES = 9250
+SGHMC_CLOSURE_LINES = 9248
 #: private names imported from a module of another folder (target met: none)
 PRIVATE_ACROSS_FOLDERS = 0
 

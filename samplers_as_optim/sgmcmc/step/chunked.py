@@ -17,11 +17,10 @@ import torch
 from torch import Tensor
 
 from ...core import streams
-from ...core.dtensor import is_dtensor
 from ...core.streams import block_bounds
-from ...names import parameter_layout
 from ..tensor_lists import apply_step_
 from .group_noise import GroupNoise
+from .plan import drawn_whole
 
 __all__ = ["CHUNK", "chunkable", "update_in_chunks"]
 
@@ -41,7 +40,7 @@ def chunkable(
     """Whether a group's update may run chunk by chunk (CPU, contiguous, whole tensors)."""
     if not any(p.numel() > CHUNK for p in params):
         return False
-    if any(parameter_layout(p) is not None or is_dtensor(p) for p in params):
+    if not all(map(drawn_whole, params)):
         return False  # a share of a larger tensor draws its part of that one's noise
     tensors = [*params, *grads, *(b for field in buffers for b in field)]
     # not e.g. SGHMC's first step, whose buffers the kernel creates

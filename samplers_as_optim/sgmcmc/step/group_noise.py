@@ -23,7 +23,7 @@ from ...core.dtensor import is_dtensor, local_layout, wrap_like
 from ...core.streams import NoiseStream
 from ...names import parameter_layout
 from .half_precision import HALF_DTYPES, MASTER
-from .plan import TensorLayout
+from .plan import TensorLayout, drawn_whole
 from .prefetch import NoisePrefetcher, NoiseRequest
 
 __all__ = [
@@ -187,11 +187,7 @@ class GroupNoise:
             return [self.whole(i) for i in range(len(self.params))]
         params, layout = self.params, self.layout
         if layout is None:
-            plain = [
-                i
-                for i, param in enumerate(params)
-                if parameter_layout(param) is None and not is_dtensor(param)
-            ]
+            plain = [i for i, param in enumerate(params) if drawn_whole(param)]
         else:  # (the plan's: which are drawn here, and the tensors they are drawn into)
             plain = layout.drawn
         if self.any_prefetched:  # (those drawn ahead are not drawn again)
@@ -303,10 +299,7 @@ def next_noise_requests(opt: Any) -> list[NoiseRequest]:
             ahead = [
                 param
                 for param in group["params"]
-                if large(param)
-                and param.device.type in ("cpu", "cuda")
-                and parameter_layout(param) is None
-                and not is_dtensor(param)
+                if large(param) and param.device.type in ("cpu", "cuda") and drawn_whole(param)
             ]
             if plan is not None and plan.params is group["params"]:
                 plan.scratch["ahead"] = ahead

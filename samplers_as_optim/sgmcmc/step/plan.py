@@ -60,6 +60,7 @@ __all__ = [
     "TensorLayout",
     "capturable_option",
     "check_capturable",
+    "drawn_whole",
     "place_step_counter",
     "planned",
 ]
@@ -68,6 +69,15 @@ __all__ = [
 #: (and ``capturable``: an option of the optimizer, which ``torch.compile`` writes into
 #: every group it traces, and torch's RMSprop and AdamW checkpoints hold)
 NOT_HYPERPARAMETERS = frozenset({"params", "step", "seed", "skipped_steps", "capturable"})
+
+
+def drawn_whole(param: Tensor) -> bool:
+    """Whether a parameter's noise is a whole draw of its own.
+
+    Not for a DTensor (an FSDP2 shard's rows) nor a share of a larger tensor
+    (``names.parameter_layout``), which draw their part of the whole tensor's noise.
+    """
+    return parameter_layout(param) is None and not is_dtensor(param)
 
 
 class TensorLayout:
@@ -113,11 +123,7 @@ class TensorLayout:
         self.complex = any(dtype.is_complex for dtype in self.dtypes)
         self.dtensor = any(map(is_dtensor, params))
         self.foreach = default_foreach(params)
-        self.drawn = [
-            i
-            for i, param in enumerate(params)
-            if parameter_layout(param) is None and not is_dtensor(param)
-        ]
+        self.drawn = [i for i, param in enumerate(params) if drawn_whole(param)]
         self.noise: list[Tensor | None] | None = None
 
 
