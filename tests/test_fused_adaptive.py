@@ -26,13 +26,13 @@ from samplers_as_optim.core.streams import parameter_key  # noqa: E402
 from samplers_as_optim.names import set_member_dims, set_parameter_layout  # noqa: E402
 from samplers_as_optim.sgmcmc import fused  # noqa: E402
 from samplers_as_optim.sgmcmc.adamw_sghmc import adamw_sghmc_direction  # noqa: E402
+from samplers_as_optim.sgmcmc.fused import backend as fused_step_module  # noqa: E402
 from samplers_as_optim.sgmcmc.fused import fused_normal  # noqa: E402
 from samplers_as_optim.sgmcmc.fused.pooled import compact_layout, layout  # noqa: E402
 from samplers_as_optim.sgmcmc.psgld import psgld_direction  # noqa: E402
 from samplers_as_optim.sgmcmc.sampling_preconditioner import (  # noqa: E402
     pooled_second_moment,
 )
-from samplers_as_optim.sgmcmc.step import fused_backend as fused_step_module  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 N = 100

@@ -429,3 +429,51 @@ def test_a_layout_remade_as_gradients_come_and_go_draws_into_the_same_tensors():
     assert kept[0] is not kept[2] and kept[1] is not kept[3]
     assert all(a is b for a, b in zip(kept[0], kept[2], strict=True))
     assert kept[1][1] is kept[0][2]  # (parameter 2, second of the two stepped)
+
+
+class RecordingBackend:
+    """A fused backend that declines every step, recording what the Optimizer asks."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def check_construction(self, definition, groups) -> None:
+        self.asked.append(f"construction of {definition.name}, {len(groups)} group(s)")
+
+    def takes_step(self, opt, gathered, *, compiling: bool) -> bool:
+        self.asked.append(f"step {opt.param_groups[0]['step']}")
+        return False
+
+    def step(self, opt, gathered, rates, scaler) -> None:
+        raise AssertionError("a declined step was taken")
+
+
+def test_the_optimizer_reaches_the_fused_backend_through_its_slot_alone(monkeypatch):
+    """The package registers its Triton backend; the Optimizer asks whatever is
+    registered, only where ``fused`` is not False, and refuses with the fix when none is."""
+    from samplers_as_optim.sgmcmc.fused.backend import TritonBackend
+    from samplers_as_optim.sgmcmc.step import backends
+
+    assert isinstance(backends.fused_backend(), TritonBackend)
+    recording = RecordingBackend()
+    monkeypatch.setattr(backends, "_REGISTERED", [recording])
+    param = nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    opt = SGHMC([param], lr=0.1, num_data=10, momentum=0.9, seed=0, fused=True)
+    opt.step()
+    opt.step()
+    assert recording.asked == ["construction of SGHMC, 1 group(s)", "step 0", "step 1"]
+    twin = nn.Parameter(torch.ones(3))
+    twin.grad = torch.ones(3)
+    reference = SGHMC([twin], lr=0.1, num_data=10, momentum=0.9, seed=0, fused=False)
+    reference.step()
+    reference.step()
+    assert torch.equal(param, twin)  # the declined steps are the reference steps
+    assert len(recording.asked) == 3  # fused=False never asks
+    monkeypatch.setattr(backends, "_REGISTERED", [])
+    with pytest.raises(RuntimeError) as error:
+        SGHMC([param], lr=0.1, num_data=10, fused=True)
+    assert str(error.value) == (
+        "no fused backend is registered: importing samplers_as_optim.sgmcmc registers it"
+    )
+    reference.step()  # fused=False needs no backend

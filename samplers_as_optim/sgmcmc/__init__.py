@@ -5,11 +5,14 @@ A sampler module holds its derivation, its pure kernel and its
 there and its torchopt transformation in :mod:`samplers_as_optim.transforms`
 (``docs/design.md``, "A sampler is one definition").
 :data:`SAMPLERS` registers it: the generic tests (``tests/test_definitions.py``) check
-every registered sampler's front ends against its definition.
+every registered sampler's front ends against its definition. Importing the package
+registers the step's fused backend (``fused/backend``, with ``step/backends``), whose
+registry names each sampler's Triton kernel (``fused/kernels``).
 """
 
 from .adamw_sghmc import AdamWSGHMC, adamw_sghmc_direction
 from .baoa import BAOA, baoa_direction
+from .fused import backend as _fused_backend  # noqa: F401  (registers the fused backend)
 from .optimizer import SamplerOptimizer
 from .psgld import PSGLD, psgld_direction
 from .sghmc import SGHMC, sghmc_direction, sghmc_noise_scale

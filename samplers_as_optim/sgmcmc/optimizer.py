@@ -8,8 +8,9 @@ takes, the pipeline of ``docs/design.md`` ("The step"): the plan and its validat
 the guard (``step/guard``: the non-finite policy, ``torch.amp.GradScaler``'s verdict,
 what a skipped step puts back on the host), the state made ready (``step/ready``: the lr
 re-expression, float32 masters), the noise (``step/group_noise``), the update by one of
-two backends (``step/reference``: torch ops, chunked on the CPU; ``step/fused_backend``:
-one Triton kernel per tensor), and loading checkpoints (``step/checkpoint``).
+two backends (``step/reference``: torch ops, chunked on the CPU; the fused one, one Triton
+kernel per tensor, ``fused/backend``, which registers itself with ``step/backends``), and
+loading checkpoints (``step/checkpoint``).
 
 The chain itself (the seed and step counter in the param groups, the noise streams, each
 parameter's noise key, derived once and kept in its state as ``state["noise_key"]``) is
@@ -55,7 +56,7 @@ from ..core.validation import (
 )
 from .definition import REQUIRED, SamplerDefinition, arguments_doc, example_doc, generated_function
 from .definition.arguments import NONFINITE_POLICIES, PARAMS_DOC, check_differentiable
-from .fused import check_fused, fused_message, fused_refusal
+from .step.backends import check_fused, fused_backend
 from .step.checkpoint import (
     MOMENTUM_RATE,
     check_saved_masters,
@@ -66,7 +67,6 @@ from .step.checkpoint import (
     saved_groups_with_chain_state,
     warn_if_keyed_otherwise,
 )
-from .step.fused_backend import fused_step, takes_fused_step
 from .step.grad_scaler import scaler_input
 from .step.group_noise import next_noise_requests
 from .step.guard import raise_deferred_refusal, verdict
@@ -195,9 +195,7 @@ class SamplerOptimizer(ChainOptimizer):
             check_capturable(group, nonfinite=self._nonfinite, fused=self._fused, where=where)
         if self._fused:
             groups = [(i, g, list(g["params"]), None) for i, g in enumerate(self.param_groups)]
-            reason = fused_refusal(self.definition, groups)
-            if reason is not None:
-                raise ValueError(fused_message(reason))
+            fused_backend().check_construction(self.definition, groups)
 
     def _reset_runtime(self, *, seed_given: bool) -> None:
         """Create what is not part of the chain's state: generator caches, rank agreement.
@@ -374,8 +372,9 @@ class SamplerOptimizer(ChainOptimizer):
         if not self._runtime["agreed"]:
             self._agree_across_ranks()
         gathered, rates = self._plan(compiling)
-        if takes_fused_step(self, gathered, compiling=compiling):
-            fused_step(self, gathered, rates, scaler)
+        fused = None if self._fused is False else fused_backend()
+        if fused is not None and fused.takes_step(self, gathered, compiling=compiling):
+            fused.step(self, gathered, rates, scaler)
             self._advance()
         else:
             self._reference_step(gathered, rates, scaler, compiling=compiling)

@@ -295,13 +295,6 @@ def _zeros(param: Tensor, group: Mapping[str, Any]) -> Tensor:
     return torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
-def load_fused_kernel() -> Any:
-    """AdamWSGHMC's fused Triton kernel, ``adamw_sghmc/triton_kernel`` (imported on first use)."""
-    from . import triton_kernel as _adamw_sghmc_fused
-
-    return _adamw_sghmc_fused
-
-
 DEFINITION = SamplerDefinition(
     name="AdamWSGHMC",
     transform_name="adamw_sghmc",
@@ -441,7 +434,6 @@ DEFINITION = SamplerDefinition(
     supports_dtensor=False,
     dtensor_unsupported_reason="its pooled preconditioner takes means over whole tensors",
     zero_temperature_step=_adamw_step,
-    fused_kernel=load_fused_kernel,
     optimizer_doc=r"""SGHMC preconditioned by Adam's second moment, a drop-in for AdamW.
 
     Each step is one transition of the Markov chain

@@ -198,13 +198,6 @@ MOMENTUM = Hyperparameter(
 )
 
 
-def load_fused_kernel() -> Any:
-    """BAOA's update as one Triton kernel, ``baoa/triton_kernel`` (imported on first use)."""
-    from . import triton_kernel  # (it imports Triton)
-
-    return triton_kernel
-
-
 DEFINITION = SamplerDefinition(
     name="BAOA",
     transform_name="baoa",
@@ -231,7 +224,6 @@ DEFINITION = SamplerDefinition(
         ),
     ),
     update=_update,
-    fused_kernel=load_fused_kernel,
     temperature_rule=TemperatureRule("baoa", kinetic=UnitMass()),
     example="lr=1e-3, momentum=0.9",
     check=_check,

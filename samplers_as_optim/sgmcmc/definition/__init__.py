@@ -11,9 +11,11 @@ A sampler module declares, once, everything that makes the sampler what it is:
   (:class:`UpdateInput`), directions and new buffers out, nothing else touched;
 * the rules that join hyperparameters (``check``), and what the sampler cannot do
   (a temperature of 0, chunked or DTensor parameters).
-* optionally, its **fused kernel** (``fused_kernel``): a function that imports the
-  module beside it holding the Triton kernel that takes the same step in one pass per
-  tensor on CUDA (``sgmcmc/fused``).
+
+A sampler's **fused kernel**, the same step as a Triton kernel in one pass per tensor on
+CUDA, lives beside its definition (``sgmcmc/sghmc/triton_kernel``) and is named in the
+fused backend's registry (``sgmcmc/fused/kernels``), not here: the definition, and the
+Optimizer's reference step built from it, import nothing of the fused backend.
 
 From a :class:`SamplerDefinition`, ``sgmcmc/optimizer.py`` builds the
 ``torch.optim.Optimizer`` class and ``sgmcmc/transform`` the torchopt
@@ -231,12 +233,6 @@ class SamplerDefinition:
             ``zero_temperature_step(group, inputs, *, foreach)`` takes the Optimizer's
             step itself (parameters and buffers in place) and returns True, or returns
             False where it does not apply.
-        fused_kernel: a function without arguments that imports and returns the module
-            beside the sampler's holding its fused Triton kernel (SGHMC's
-            ``load_fused_kernel`` returns ``sgmcmc/sghmc/triton_kernel``), which takes the
-            Optimizer's step in one pass per tensor where it can run (``sgmcmc/fused``);
-            called on first use, so that importing the package never imports Triton.
-            None: no fused kernel yet (``fused=True`` is refused).
         temperature_rule: what the sampler means by its temperature
             (:class:`~.temperature_rule.TemperatureRule`, built in its module): how
             ``sgmcmc/temperature/estimates`` reads the kinetic temperature from a group's
@@ -264,7 +260,6 @@ class SamplerDefinition:
     dtensor_unsupported_reason: str = ""
     check_parameters: Callable[[Mapping[str, Any], list[Tensor], str], None] | None = None
     zero_temperature_step: Callable[..., bool] | None = None
-    fused_kernel: Callable[[], Any] | None = None
     temperature_rule: TemperatureRule | None = None
 
     def __post_init__(self) -> None:

@@ -1,17 +1,18 @@
 r"""The fused path of the SG-MCMC samplers: the step in Triton kernels, one pass per tensor.
 
-A sampler whose definition has a fused kernel (``SamplerDefinition.fused_kernel``: a
-function of its module that imports the module beside it holding the Triton kernel,
-called on first use, so that importing the package never imports Triton) takes its
-step, with ``fused=True`` or by default (``fused=None``) where every parameter is on
-CUDA, in one kernel per tensor that reads the parameter, its gradient and its buffers
-once, draws the noise in registers and writes the parameter and its buffers once (a
+A sampler with a fused kernel (the module beside its definition holding its Triton
+kernel, named in ``fused/kernels`` and imported on first use, so that importing the
+package never imports Triton) takes its step through the fused backend
+(``fused/backend``, which registers itself with the step: ``step/backends``), with
+``fused=True`` or by default (``fused=None``) where every parameter is on CUDA, in one
+kernel per tensor that reads the parameter, its gradient and its buffers once, draws the
+noise in registers and writes the parameter and its buffers once (a
 tensor of more than ``fused/launch.MULTI_TENSOR_BLOCKS`` blocks gets a launch of its
 own; smaller ones share one launch per device and dtypes, through a table of their
 pointers, sizes, offsets and noise keys). This module holds what the Optimizer asks of
 the fused path: whether it can run (:func:`fused_refusal`, whose reasons ``fused=True``
 raises), the keys of its noise (:func:`fused_noise_seed`), a sampler's kernel module
-(:func:`fused_kernel`), and the numbers of its noise stream drawn alone
+(:func:`fused_kernel`, from ``fused/kernels``), and the numbers of its noise stream drawn alone
 (:func:`fused_normal`); ``fused/launch`` holds what the kernel modules share on the
 host (the launch, float64 scalars), ``fused/io`` what they share in Triton (reading and
 writing their elements), ``fused/nonfinite`` the device flag every kernel reads (no
@@ -46,7 +47,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from functools import cache
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -56,9 +57,11 @@ from ...core.keyed_normal import extend_seed
 from ...core.streams import derive_seed
 from ...names import parameter_layout
 from ..definition import SamplerDefinition
+from ..step.backends import check_fused
 from ..step.half_precision import MASTER, is_half
 from ..step.nonfinite import describe_parameter
-from .launch import FusedKernel, optional_module
+from .kernels import fused_kernel, has_fused_kernel
+from .launch import optional_module
 
 __all__ = [
     "DEFAULT_ON_CUDA",
@@ -111,13 +114,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
 
 
-def check_fused(value: Any) -> bool | None:
-    """The ``fused`` argument: None (fused where it can run), True or False."""
-    if value is not None and not isinstance(value, bool):
-        raise ValueError(f"Invalid fused: {value!r} (expected None, True or False)")
-    return value
-
-
 def fused_noise_seed(seed: int, step: int, key: int, shard: int | None = None) -> int:
     """The Philox key of a parameter's fused noise at ``step``, in [2**63, 2**64).
 
@@ -146,13 +142,6 @@ def parameter_offset(param: Tensor) -> int:
     """
     layout = parameter_layout(param)
     return 0 if layout is None else layout[0]
-
-
-def fused_kernel(definition: SamplerDefinition) -> FusedKernel:
-    """The module of ``definition``'s fused kernel (its loader imports it now, and Triton)."""
-    if definition.fused_kernel is None:
-        raise ValueError(f"{definition.name} has no fused kernel")
-    return cast("FusedKernel", definition.fused_kernel())
 
 
 def _on_supported_device(tensor: Tensor) -> bool:
@@ -249,7 +238,7 @@ def fused_refusal(
     and Triton is imported only where the rest allows the fused path. The buffers an
     Optimizer's ``state`` holds must match their parameter as its gradient must.
     """
-    if definition.fused_kernel is None:
+    if not has_fused_kernel(definition):
         return f"{definition.name} has no fused kernel yet"
     if compiling:
         return "torch.compile traces the unfused step"

@@ -45,6 +45,7 @@ from ..definition import SamplerDefinition
 from ..tensor_lists import effective_grad
 from . import _tensor_refusal, fused_kernel, fused_noise_seeds, parameter_offset
 from . import triton_importable as _triton_importable
+from .kernels import has_fused_kernel
 from .launch import FusedInput
 
 __all__ = ["HOW", "fused_update", "fused_update_refusal"]
@@ -73,7 +74,7 @@ def fused_update_refusal(
     names it: ``"updates['w']"``). Checked in the order of cost: Triton is imported
     only where the rest allows the fused path.
     """
-    if definition.fused_kernel is None or definition.name not in HOW:
+    if not has_fused_kernel(definition) or definition.name not in HOW:
         return f"{name} has no fused update yet"
     if functorch:
         return "inside a torch.func transform (vmap, grad) the Triton kernels cannot run"
@@ -114,7 +115,6 @@ def fused_update(
     and floats for the host numbers); with ``inplace`` the tensors are updated in place
     and the updates written into ``grads``, else nothing given is modified.
     """
-    assert definition.fused_kernel is not None
     kernel = fused_kernel(definition)
     temperature = float(group["temperature"])
     seeds = fused_noise_seeds(seed, count, keys) if temperature > 0 else [0] * len(keys)

@@ -312,13 +312,6 @@ def _zeros(param: Tensor, group: Mapping[str, Any]) -> Tensor:
     return torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
-def load_fused_kernel() -> Any:
-    """PSGLD's update as one Triton kernel, ``psgld/triton_kernel`` (imported on first use)."""
-    from . import triton_kernel  # (it imports Triton)
-
-    return triton_kernel
-
-
 DEFINITION = SamplerDefinition(
     name="PSGLD",
     transform_name="psgld",
@@ -468,7 +461,6 @@ DEFINITION = SamplerDefinition(
     check=_check,
     check_parameters=_check_parameters,
     zero_temperature_step=_rmsprop_step,
-    fused_kernel=load_fused_kernel,
     chunked_kernel=False,
     supports_dtensor=False,
     dtensor_unsupported_reason="its pooled preconditioner takes means over whole tensors",

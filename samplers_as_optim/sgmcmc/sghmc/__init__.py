@@ -338,13 +338,6 @@ _OPTIMIZER_DOC = r"""Stochastic gradient Hamiltonian Monte Carlo, a drop-in for 
     """
 
 
-def load_fused_kernel() -> Any:
-    """SGHMC's update as one Triton kernel, ``sghmc/triton_kernel`` (imported on first use)."""
-    from . import triton_kernel  # (it imports Triton)
-
-    return triton_kernel
-
-
 DEFINITION = SamplerDefinition(
     name="SGHMC",
     transform_name="sghmc",
@@ -363,7 +356,6 @@ DEFINITION = SamplerDefinition(
     example="lr=1e-3, momentum=0.9",
     check=_check,
     momentum_in_lr_units=True,
-    fused_kernel=load_fused_kernel,
     optimizer_doc=_OPTIMIZER_DOC,
     transform_doc=r"""Stochastic gradient Hamiltonian Monte Carlo as a torchopt transformation.
 

@@ -163,13 +163,6 @@ MOMENTUM = Hyperparameter(
 )
 
 
-def load_fused_kernel() -> Any:
-    """SGLD's update as one Triton kernel, ``sgld/triton_kernel`` (imported on first use)."""
-    from . import triton_kernel  # (it imports Triton)
-
-    return triton_kernel
-
-
 DEFINITION = SamplerDefinition(
     name="SGLD",
     transform_name="sgld",
@@ -184,7 +177,6 @@ DEFINITION = SamplerDefinition(
     temperature_rule=LANGEVIN,
     example="lr=1e-3",
     check=_check,
-    fused_kernel=load_fused_kernel,
     optimizer_doc=r"""Stochastic gradient Langevin dynamics, a drop-in for ``torch.optim.SGD``.
 
     Each step is one transition of the Markov chain

@@ -418,13 +418,6 @@ _OPTIMIZER_DOC = r"""Stochastic gradient Nosé--Hoover thermostat, a drop-in for
     """
 
 
-def load_fused_kernel() -> Any:
-    """SGNHT's update as two Triton kernels, ``sgnht/triton_kernel`` (imported on first use)."""
-    from . import triton_kernel  # (it imports Triton)
-
-    return triton_kernel
-
-
 DEFINITION = SamplerDefinition(
     name="SGNHT",
     transform_name="sgnht",
@@ -465,7 +458,6 @@ DEFINITION = SamplerDefinition(
         ),
     ),
     update=_update,
-    fused_kernel=load_fused_kernel,
     temperature_rule=TemperatureRule("sgnht", kinetic=thermostat_kinetic),
     example="lr=1e-3",
     check=_check,

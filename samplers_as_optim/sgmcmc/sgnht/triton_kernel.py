@@ -48,6 +48,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from ..definition.noise_scales import sghmc_noise_scale
 from ..fused import io as fio
 from ..fused import launch as _fused_launch
 from ..fused.io import tl
@@ -60,7 +61,6 @@ from ..fused.launch import (
     parts,
     upload_table,
 )
-from ..sghmc import sghmc_noise_scale
 
 __all__ = ["CHUNK", "launch", "unsupported"]
 

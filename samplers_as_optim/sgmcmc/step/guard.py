@@ -5,9 +5,10 @@ One stage for both backends, decided before anything changes (``docs/design.md``
 
 * ``nonfinite="raise"`` (the default): the reference backend refuses a non-finite
   gradient here, naming the parameter, after one host read (``step/nonfinite``); the fused
-  backend checks on the device and the refusal is raised by the next ``step()`` or
-  ``state_dict()`` (:class:`~._fused_nonfinite.DeferredRefusal`), which puts back what the
-  step recorded on the host;
+  backend checks on the device (its verdict: ``fused/backend.FusedVerdict``) and the
+  refusal is raised by the next ``step()`` or ``state_dict()``
+  (:func:`raise_deferred_refusal`; ``fused/nonfinite.DeferredRefusal``), which puts back
+  what the step recorded on the host;
 * ``nonfinite="skip"``: the step is a no-op selected on the device, counted in
   ``group["skipped_steps"]``, without a synchronisation;
 * under ``torch.amp.GradScaler`` its ``found_inf`` decides instead, whatever the policy
@@ -24,12 +25,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..fused.nonfinite import DeferredRefusal, check_gradients, count_skipped
-from .grad_scaler import ScalerInput, found_inf_flags, keep_flags
+from .grad_scaler import ScalerInput, keep_flags
 from .nonfinite import finite_flags, refuse_non_finite_gradients
-from .skipped_host import host_record, put_back_if_skipped, settle_skipped
+from .skipped_host import host_record, settle_skipped
 
-__all__ = ["FusedVerdict", "raise_deferred_refusal", "skip_record", "verdict"]
+__all__ = ["raise_deferred_refusal", "skip_record", "verdict"]
 
 
 def verdict(
@@ -50,45 +50,6 @@ def verdict(
     else:
         keep = finite_flags(gathered)
     return keep, None if keep is None else skip_record(opt, gathered)
-
-
-class FusedVerdict:
-    """The fused backend's verdict: the kernels' flag per device, and what follows it.
-
-    Attributes:
-        largest: per device, a 1-element float64 tensor the kernels read: finite when
-            the step is kept (nothing is written otherwise).
-        finite_where: ``largest`` where a skip or refusal must keep the buffers'
-            every bit through the lr re-expression, else None.
-    """
-
-    def __init__(self, opt: Any, gathered: list[Any], scaler: ScalerInput) -> None:
-        self.check = self.rollback = None
-        if scaler.found_inf is not None:
-            self.largest = found_inf_flags(gathered, scaler.found_inf)
-        else:
-            self.check = check_gradients(gathered)
-            self.largest = self.check.largest
-            if opt._nonfinite == "skip":
-                count_skipped(gathered, self.largest)
-            else:
-                self.rollback = host_record(
-                    opt.state, opt.param_groups, gathered, opt.host_state, counters=True
-                )
-        self.record = skip_record(opt, gathered) if self.rollback is None else None
-        refused_or_skipped = self.rollback is not None or self.record is not None
-        self.finite_where = self.largest if refused_or_skipped else None
-
-    def settle(self, opt: Any) -> None:
-        """After the kernels: leave the refusal to the next call, or the skip's record."""
-        if self.rollback is not None and self.check is not None:
-            steps = {id(group): int(group["step"]) for group in opt.param_groups}
-            opt._runtime["refusal"] = DeferredRefusal(
-                self.check, steps=steps, rollback=self.rollback
-            )
-        if self.record is not None:
-            kept = {device: flag.isfinite().reshape(()) for device, flag in self.largest.items()}
-            put_back_if_skipped(opt._runtime, self.record, kept)
 
 
 def skip_record(opt: Any, gathered: list[Any]) -> Callable[[], None] | None:

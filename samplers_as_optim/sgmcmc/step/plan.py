@@ -35,7 +35,7 @@ What the step then runs is the pipeline of ``docs/design.md`` ("The step"): the 
 (the non-finite policy and ``torch.amp.GradScaler``'s verdict), the noise, the sampler's
 update and the write-back of masters and buffers, through one of two backends, the
 reference (``step/reference``: torch ops, foreach or chunked) or the fused Triton
-kernels (``step/fused_backend``).
+kernels (``fused/backend``).
 """
 
 from __future__ import annotations

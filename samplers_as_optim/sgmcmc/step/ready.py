@@ -1,6 +1,6 @@
 """The pipeline's first stage for a param group: the tensors stepped and their state, ready.
 
-Both backends (``step/reference``, ``step/fused_backend``) start a group's update here: each
+Both backends (``step/reference``, ``fused/backend``) start a group's update here: each
 parameter's float32 master where it keeps one (``step/half_precision``), the per-parameter
 state the sampler's update reads, created where it is missing (a first step, a state
 loaded from another sampler), and state kept in lr's units re-expressed when ``lr`` has

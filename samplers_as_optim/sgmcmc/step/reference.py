@@ -6,7 +6,7 @@ the noise (``step/group_noise``, drawn ahead by ``step/prefetch`` where it was),
 pure update (its definition's ``update``: foreach kernels, or on the CPU chunk by chunk,
 ``step/chunked``), the step ``theta <- theta - lr d`` (``tensor_lists.apply_step_``) and
 the write-back of half-precision masters (``step/half_precision``). The fused backend
-(``step/fused_backend``) runs the same stages in one Triton kernel per tensor.
+(``fused/backend``) runs the same stages in one Triton kernel per tensor.
 
 A step the device may skip (``keep``: ``nonfinite="skip"`` or a ``GradScaler``'s
 ``found_inf``) selects every new parameter and buffer against the old one with

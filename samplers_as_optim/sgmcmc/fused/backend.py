@@ -1,42 +1,96 @@
 """The fused backend of the step pipeline: every group's update by the sampler's Triton kernel.
 
 The same stages as the reference backend (``step/reference``): the guard
-(``step/guard.FusedVerdict``: the kernels' flag on the device), the tensors and state
-made ready (``step/ready``), then one kernel per tensor (``sgmcmc/fused``) that reads
-each parameter, gradient and buffer once, unscales the gradient (a GradScaler's scale),
-draws the fused noise stream in registers (``fused.fused_noise_seeds``), takes the
-sampler's update, writes the buffers and the parameter (through its float32 master,
-rounded back, for a half-precision parameter) and writes nothing when the flag says the
-step is skipped or refused.
+(:class:`FusedVerdict`: the kernels' flag on the device), the tensors and state made
+ready (``step/ready``), then one kernel per tensor (``fused/kernels``) that reads each
+parameter, gradient and buffer once, unscales the gradient (a GradScaler's scale), draws
+the fused noise stream in registers (``fused.fused_noise_seeds``), takes the sampler's
+update, writes the buffers and the parameter (through its float32 master, rounded back,
+for a half-precision parameter) and writes nothing when the flag says the step is skipped
+or refused.
 
 Which backend a step takes is decided by :func:`takes_fused_step` (``fused=True``,
-``fused=None`` on CUDA, never under ``torch.compile``).
+``fused=None`` on CUDA, never under ``torch.compile``). The module registers the backend
+with the step (``step/backends``) when it is imported, which ``samplers_as_optim.sgmcmc``
+does: the reference step imports nothing of this folder.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .. import fused as fused_module
-from ..fused import (
+from ..step.backends import Groups, register_fused_backend
+from ..step.grad_scaler import ScalerInput, found_inf_flags, on_device
+from ..step.guard import skip_record
+from ..step.plan import StepRates
+from ..step.ready import positions, ready_state
+from ..step.skipped_host import host_record, put_back_if_skipped
+from ..tensor_lists import default_foreach
+from . import (
     DEFAULT_ON_CUDA,
-    fused_kernel,
     fused_message,
     fused_noise_seeds,
     fused_refusal,
     parameter_offset,
 )
-from ..fused.launch import FusedInput
-from ..tensor_lists import default_foreach
-from .grad_scaler import ScalerInput, on_device
-from .guard import FusedVerdict
-from .plan import StepRates
-from .ready import positions, ready_state
+from .kernels import fused_kernel
+from .launch import FusedInput
+from .nonfinite import DeferredRefusal, check_gradients, count_skipped
 
-__all__ = ["fused_step", "takes_fused_step"]
+__all__ = ["FusedVerdict", "TritonBackend", "fused_step", "takes_fused_step"]
+
+
+class FusedVerdict:
+    """The fused backend's guard: the kernels' flag per device, and what follows it.
+
+    Attributes:
+        largest: per device, a 1-element float64 tensor the kernels read: finite when
+            the step is kept (nothing is written otherwise).
+        finite_where: ``largest`` where a skip or refusal must keep the buffers'
+            every bit through the lr re-expression, else None.
+    """
+
+    def __init__(self, opt: Any, gathered: list[Any], scaler: ScalerInput) -> None:
+        self.check = self.rollback = None
+        if scaler.found_inf is not None:
+            self.largest = found_inf_flags(gathered, scaler.found_inf)
+        else:
+            self.check = check_gradients(gathered)
+            self.largest = self.check.largest
+            if opt._nonfinite == "skip":
+                count_skipped(gathered, self.largest)
+            else:
+                self.rollback = host_record(
+                    opt.state, opt.param_groups, gathered, opt.host_state, counters=True
+                )
+        self.record: Callable[[], None] | None = (
+            skip_record(opt, gathered) if self.rollback is None else None
+        )
+        refused_or_skipped = self.rollback is not None or self.record is not None
+        self.finite_where = self.largest if refused_or_skipped else None
+
+    def settle(self, opt: Any) -> None:
+        """After the kernels: leave the refusal to the next call, or the skip's record."""
+        if self.rollback is not None and self.check is not None:
+            steps = {id(group): int(group["step"]) for group in opt.param_groups}
+            opt._runtime["refusal"] = DeferredRefusal(
+                self.check, steps=steps, rollback=self.rollback
+            )
+        if self.record is not None:
+            kept = {device: flag.isfinite().reshape(()) for device, flag in self.largest.items()}
+            put_back_if_skipped(opt._runtime, self.record, kept)
+
+
+def check_construction(definition: Any, groups: Groups) -> None:
+    """Raise where ``fused=True`` cannot run, as far as the parameters tell before a step."""
+    reason = fused_refusal(definition, groups)
+    if reason is not None:
+        raise ValueError(fused_message(reason))
 
 
 def takes_fused_step(opt: Any, gathered: list[Any], *, compiling: bool) -> bool:
@@ -83,7 +137,7 @@ def _fused_on_cpu() -> bool:
 def fused_step(opt: Any, gathered: list[Any], rates: list[StepRates], scaler: ScalerInput) -> None:
     """Every group's step by the sampler's fused kernel, checked on the device.
 
-    The kernels read the flag of the guard (``step/guard.FusedVerdict``) and write
+    The kernels read the flag of the guard (:class:`FusedVerdict`) and write
     nothing when a gradient is not finite: with ``nonfinite="skip"`` the step is counted
     as skipped, with ``"raise"`` the verdict is read by the next ``step()`` or
     ``state_dict()``, which can then put back what this step recorded on the host. Under
@@ -172,3 +226,14 @@ def _update_group(
                 state.pop(name, None)
             else:
                 state[name] = value
+
+
+class TritonBackend:
+    """The fused backend as the step asks for it (``step/backends.FusedBackend``)."""
+
+    check_construction = staticmethod(check_construction)
+    takes_step = staticmethod(takes_fused_step)
+    step = staticmethod(fused_step)
+
+
+register_fused_backend(TritonBackend())
