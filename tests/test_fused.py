@@ -18,6 +18,7 @@ interpreter runs each program in Python.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import subprocess
 import sys
@@ -346,6 +347,35 @@ def test_fused_true_without_a_kernel_is_refused(cls, monkeypatch):
     with pytest.raises(ValueError) as error:
         cls([torch.nn.Parameter(torch.zeros(2, device=DEVICE))], lr=0.1, num_data=N, fused=True)
     assert str(error.value) == fused_error(f"{cls.__name__} has no fused kernel yet")
+
+
+def test_a_kernel_is_its_own_samplers_and_not_a_namesakes():
+    """A sampler of one's own built from SGLD's definition with another update keeps the
+    name "SGLD" but not SGLD's kernel, which would step it with SGLD's update."""
+    from samplers_as_optim.sgmcmc.optimizer import SamplerOptimizer
+
+    def update(*args, **kwargs):
+        return SGLD.definition.update(*args, **kwargs)
+
+    class Namesake(
+        SamplerOptimizer, definition=dataclasses.replace(SGLD.definition, update=update)
+    ):
+        pass
+
+    assert fused.kernels.has_fused_kernel(SGLD.definition)
+    assert not fused.kernels.has_fused_kernel(Namesake.definition)
+    param = torch.nn.Parameter(torch.zeros(2, device=DEVICE))
+    with pytest.raises(ValueError) as error:
+        Namesake([param], lr=0.1, num_data=N, fused=True)
+    assert str(error.value) == fused_error("SGLD has no fused kernel yet")
+    param.grad = torch.ones(2, device=DEVICE)
+    opt = Namesake([param], lr=0.1, num_data=N, seed=0)  # fused=None: the reference step
+    twin = torch.nn.Parameter(torch.zeros(2, device=DEVICE))
+    twin.grad = torch.ones(2, device=DEVICE)
+    reference = SGLD([twin], lr=0.1, num_data=N, seed=0, fused=False)
+    opt.step()
+    reference.step()
+    assert torch.equal(param, twin)  # not the fused stream (``test_fused_none_takes...``)
 
 
 def test_fused_true_refusals_name_the_reason(monkeypatch):

@@ -1,4 +1,4 @@
-"""Each sampler's fused kernel, by its definition's name: the registry of the fused backend.
+"""Each sampler's fused kernel, by its definition: the registry of the fused backend.
 
 A sampler's Triton kernel lives beside its definition (``sgmcmc/sghmc/triton_kernel`` for
 SGHMC: its update's arithmetic next to the reference update) and is named here, one line
@@ -14,6 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, cast
 
+from ..adamw_sghmc import DEFINITION as ADAMW_SGHMC
+from ..baoa import DEFINITION as BAOA
+from ..definition import SamplerDefinition
+from ..psgld import DEFINITION as PSGLD
+from ..sghmc import DEFINITION as SGHMC
+from ..sgld import DEFINITION as SGLD
+from ..sgnht import DEFINITION as SGNHT
 from .launch import FusedKernel
 
 __all__ = ["KERNELS", "fused_kernel", "has_fused_kernel"]
@@ -55,25 +62,25 @@ def _adamw_sghmc() -> Any:
     return triton_kernel
 
 
-#: the loader of each sampler's kernel module, by ``SamplerDefinition.name``
-KERNELS: dict[str, Callable[[], Any]] = {
-    "SGLD": _sgld,
-    "SGHMC": _sghmc,
-    "SGNHT": _sgnht,
-    "PSGLD": _psgld,
-    "BAOA": _baoa,
-    "AdamWSGHMC": _adamw_sghmc,
+#: each sampler's definition and the loader of its kernel module, by the sampler's name
+KERNELS: dict[str, tuple[SamplerDefinition, Callable[[], Any]]] = {
+    "SGLD": (SGLD, _sgld),
+    "SGHMC": (SGHMC, _sghmc),
+    "SGNHT": (SGNHT, _sgnht),
+    "PSGLD": (PSGLD, _psgld),
+    "BAOA": (BAOA, _baoa),
+    "AdamWSGHMC": (ADAMW_SGHMC, _adamw_sghmc),
 }
 
 
-def has_fused_kernel(definition: Any) -> bool:
-    """Whether the sampler ``definition`` declares has a fused kernel."""
-    return definition.name in KERNELS
+def has_fused_kernel(definition: SamplerDefinition) -> bool:
+    """Whether ``definition`` is one of those with a fused kernel (itself, not its name)."""
+    entry = KERNELS.get(definition.name)
+    return entry is not None and entry[0] is definition
 
 
-def fused_kernel(definition: Any) -> FusedKernel:
+def fused_kernel(definition: SamplerDefinition) -> FusedKernel:
     """The module of ``definition``'s fused kernel (its loader imports it now, and Triton)."""
-    loader = KERNELS.get(definition.name)
-    if loader is None:
+    if not has_fused_kernel(definition):
         raise ValueError(f"{definition.name} has no fused kernel")
-    return cast("FusedKernel", loader())
+    return cast("FusedKernel", KERNELS[definition.name][1]())
