@@ -14,6 +14,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from samplers_as_optim import SGHMC, SGLD
@@ -477,3 +479,69 @@ def test_the_optimizer_reaches_the_fused_backend_through_its_slot_alone(monkeypa
         "no fused backend is registered: importing samplers_as_optim.sgmcmc registers it"
     )
     reference.step()  # fused=False needs no backend
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    value=st.floats(allow_nan=True, allow_infinity=True, width=64),
+    dtypes=st.lists(
+        st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+        min_size=1,
+        max_size=4,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_the_kept_operand_lists_give_the_numbers_operations_give(value, dtypes, seed):
+    """``mul_scalar_``, ``mul_each_``, ``add_scalar_`` and ``plus_scalar`` (a kept 0-d
+    operand on the CPU in place of a number foreach calls wrap per tensor) give the bits of
+    the foreach call with the number, for lists of one dtype or mixed, and 0-d or not."""
+    from samplers_as_optim.sgmcmc.tensor_lists import (
+        add_scalar_,
+        mul_each_,
+        mul_scalar_,
+        plus_scalar,
+    )
+
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(), (5,), (2, 3), ()]
+    made = [
+        (torch.randn(shapes[i % 4], generator=generator, dtype=torch.float64) * 1e3).to(dtype)
+        for i, dtype in enumerate(dtypes)
+    ]
+
+    def bits(tensor):
+        return (tensor.dtype, tensor.reshape(-1).view(torch.uint8).tolist())
+
+    def in_place(operation):
+        def reference(tensors, number):
+            clones = [t.clone() for t in tensors]
+            operation(clones, number)
+            return clones
+
+        return reference
+
+    for helper, reference in (
+        (mul_scalar_, in_place(torch._foreach_mul_)),
+        (add_scalar_, in_place(torch._foreach_add_)),
+        (plus_scalar, torch._foreach_add),
+    ):
+        tensors = [t.clone() for t in made]
+        expected = reference(made, value)  # the same foreach call with the number
+        out = helper(tensors, value)
+        got = tensors if out is None else out
+        for g, e in zip(got, expected, strict=True):
+            assert g.dtype == e.dtype
+            assert bits(g) == bits(e)
+        if out is not None:  # out of place: the inputs are as they were
+            assert all(
+                torch.equal(t, m) or t.isnan().any() for t, m in zip(tensors, made, strict=True)
+            )
+    values = [value / (i + 1) for i in range(len(made))]  # a number per tensor
+    expected = in_place(torch._foreach_mul_)(made, values)
+    tensors = [t.clone() for t in made]
+    mul_each_(tensors, values)
+    assert all(bits(t) == bits(e) for t, e in zip(tensors, expected, strict=True))
+    for helper in (mul_scalar_, add_scalar_):
+        helper([], value)  # nothing to do
+    mul_each_([], [])
+    assert plus_scalar([], value) == []

@@ -58,7 +58,12 @@ SGD. The fused backend out of the reference step's imports brought it to 35 modu
 ``sgmcmc`` is imported, each sampler's kernel is named by one line of the fused
 registry (``fused/kernels``) rather than by its definition, and the fused guard
 (``FusedVerdict``) moved into the backend, so that the kernels, their launch and
-Triton's conventions (8 modules, 1,710 lines) are read only by the fused step.
+Triton's conventions (8 modules, 1,710 lines) are read only by the fused step. The
+kept 0-d operands for the foreach calls that added or multiplied by a number (which a
+foreach call wraps again for each tensor: ``tensor_lists.add_scalar_``, ``mul_scalar_``,
+``mul_each_``, ``plus_scalar``, used by SGNHT, PSGLD, the twin and IVON) added 59 lines
+to ``tensor_lists``: 7,597 (SGNHT's step 5.1 → 4.6× SGD(momentum), IVON's 2.8 → 2.2×
+AdamW, the twin's at T = 1 1.6 → 1.4×).
 ``gaussian`` (28) was divided into folders by concept (``laplace``,
 ``ivon``, ``vi``, ``linearised``): 15.
 
@@ -85,7 +90,7 @@ LONG_FUNCTIONS_IN_SGMCMC = 0
 MODULES_PER_FOLDER = {"sgmcmc": 15, "gaussian": 15, "": 15, "hmc": 10, "samples": 10, "core": 10}
 #: SGHMC's import closure inside the package (target: 16 modules, 4,000 lines)
 SGHMC_CLOSURE_MODULES = 35
-SGHMC_CLOSURE_LINES = 7538
+SGHMC_CLOSURE_LINES = 7597
 #: private names imported from a module of another folder (target met: none)
 PRIVATE_ACROSS_FOLDERS = 0
 

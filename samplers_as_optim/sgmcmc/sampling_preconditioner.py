@@ -59,6 +59,7 @@ from torch import Tensor
 
 from ..core.validation import check_choice, refuse
 from .definition import Hyperparameter, StateField
+from .tensor_lists import add_scalar_
 
 __all__ = [
     "FROZEN_AT",
@@ -68,6 +69,7 @@ __all__ = [
     "PRECONDITIONER_WARMUP",
     "STEP",
     "advanced",
+    "advanced_each",
     "check_eps",
     "check_preconditioner",
     "check_preconditioner_warmup",
@@ -222,6 +224,18 @@ def advanced(count: Any, inplace: bool) -> Any:
     if isinstance(count, Tensor):
         return count.add_(1) if inplace else count.add(1)
     return float(count) + 1.0
+
+
+def advanced_each(counts: list[Any], inplace: bool) -> list[Any]:
+    """:func:`advanced` of each count; float tensors in place in one foreach call.
+
+    (``tensor_lists.add_scalar_``: the same counts, added as torch's AdamW and RMSprop
+    add theirs, without wrapping the 1 again for each tensor.)
+    """
+    if inplace and counts and all(type(c) is Tensor and c.is_floating_point() for c in counts):
+        add_scalar_(counts, 1.0)
+        return list(counts)
+    return [advanced(count, inplace) for count in counts]
 
 
 def released(flag: Any, inplace: bool) -> Any:

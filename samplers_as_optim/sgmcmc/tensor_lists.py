@@ -13,12 +13,14 @@ and foreach), which is what makes the samplers equal SGD bit for bit at temperat
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "HostScalars",
+    "add_scalar_",
     "all_finite",
     "apply_step_",
     "buckets",
@@ -30,6 +32,9 @@ __all__ = [
     "host_value",
     "known_buffer",
     "may_be_non_finite",
+    "mul_each_",
+    "mul_scalar_",
+    "plus_scalar",
     "scalar_operand",
 ]
 
@@ -269,6 +274,56 @@ def scalar_operand(value: float, like: Tensor) -> float | Tensor:
             _OPERANDS.clear()
         operand = _OPERANDS[(value, dtype)] = torch.tensor(value, dtype=dtype)
     return operand
+
+
+def _list_operand(value: float, tensors: list[Tensor]) -> float | Tensor:
+    """:func:`scalar_operand` for a list of tensors of one dtype; the number otherwise."""
+    first = tensors[0]
+    if any(tensor.dtype != first.dtype for tensor in tensors):
+        return value
+    return scalar_operand(value, first)
+
+
+def mul_scalar_(tensors: list[Tensor], value: float) -> None:
+    """``tensors[i] *= value`` in one foreach call, the same products as with the number.
+
+    On the CPU the operand is a kept 0-d tensor (:func:`scalar_operand`), which a foreach
+    call does not wrap again for each tensor as it wraps a Python number.
+    """
+    if tensors:
+        torch._foreach_mul_(tensors, _list_operand(value, tensors))
+
+
+def mul_each_(tensors: list[Tensor], values: list[float]) -> None:
+    """``tensors[i] *= values[i]`` in one foreach call, as :func:`mul_scalar_` (same products)."""
+    if not tensors:
+        return
+    first = tensors[0]
+    operands: list[Any] = list(values)
+    if all(tensor.dtype == first.dtype for tensor in tensors):
+        operands = [scalar_operand(value, first) for value in values]
+    torch._foreach_mul_(tensors, operands)
+
+
+def add_scalar_(tensors: list[Tensor], value: float) -> None:
+    """``tensors[i] += value`` in one foreach call, as :func:`mul_scalar_` (the same sums)."""
+    if not tensors:
+        return
+    operand = _list_operand(value, tensors)
+    if isinstance(operand, Tensor):  # (``alpha`` picks the overload that takes a tensor)
+        torch._foreach_add_(tensors, operand, alpha=1.0)
+    else:
+        torch._foreach_add_(tensors, operand)
+
+
+def plus_scalar(tensors: list[Tensor], value: float) -> list[Tensor]:
+    """``tensors[i] + value``, new tensors, as :func:`add_scalar_` (the same sums)."""
+    if not tensors:
+        return []
+    operand = _list_operand(value, tensors)
+    if isinstance(operand, Tensor):
+        return list(torch._foreach_add(tensors, operand, alpha=1.0))
+    return list(torch._foreach_add(tensors, operand))
 
 
 def host_scalar(value: float) -> Tensor:

@@ -24,6 +24,7 @@ from ...core.validation import (
     check_temperature,
     refuse,
 )
+from ...sgmcmc.tensor_lists import gradients_may_be_non_finite
 from ._kernel import HESS_APPROX, STATISTIC
 
 __all__ = [
@@ -91,8 +92,9 @@ def check_group(group: dict[str, Any], *, where: str = "") -> None:
 def refuse_non_finite(work: Work) -> None:
     """Raise before anything changes if an averaged gradient or statistic is not finite.
 
-    Fast path: the sum of their norms is finite (one foreach reduction); only on
-    suspicion is each tensor checked, to name it.
+    Fast path: GradScaler's check of them in one pass, read once
+    (``tensor_lists.gradients_may_be_non_finite``: exact, each element written back as it
+    was); only on suspicion is each tensor checked, to name it.
 
     Raises:
         FloatingPointError: naming the step, the param group and the parameter.
@@ -103,10 +105,7 @@ def refuse_non_finite(work: Work) -> None:
         for s in states
         for key in ("avg_grad", STATISTIC[g["hess_approx"]])
     ]
-    norms = list(torch._foreach_norm(tensors))
-    if len({(n.dtype, n.device) for n in norms}) > 1:
-        norms = [norm.float().cpu() for norm in norms]
-    if bool(torch.isfinite(torch.stack(norms).sum())):
+    if not gradients_may_be_non_finite(tensors):
         return
     for index, group, params, states in work:
         keys = ("avg_grad", STATISTIC[group["hess_approx"]])

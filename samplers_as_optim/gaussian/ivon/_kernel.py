@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ...sgmcmc.tensor_lists import add_scalar_, mul_scalar_
+
 __all__ = ["HESS_APPROX", "STATISTIC", "accumulate_", "perturb_", "update_"]
 
 #: the Hessian estimators (ivon-opt's ``hess_approx``)
@@ -48,8 +50,8 @@ def perturb_(
         temperature: T > 0.
     """
     torch._foreach_copy_(means, hess)
-    torch._foreach_add_(means, weight_decay)
-    torch._foreach_mul_(means, ess / temperature)
+    add_scalar_(means, weight_decay)
+    mul_scalar_(means, ess / temperature)
     torch._foreach_rsqrt_(means)
     torch._foreach_mul_(noise, means)
     torch._foreach_copy_(means, params)
@@ -152,7 +154,7 @@ def update_(
     rho = 1.0 - beta2
     torch._foreach_lerp_(momenta, avg_grads, 1.0 - beta1)
     torch._foreach_copy_(shifted, hess)
-    torch._foreach_add_(shifted, weight_decay)  # h + δ, before the update
+    add_scalar_(shifted, weight_decay)  # h + δ, before the update
     torch._foreach_copy_(gap, hess)
     if hess_approx == "price":  # h - ĥ = h - mean(ε g) (h + δ) λ / T
         torch._foreach_addcmul_(gap, avg_stats, shifted, value=-ess / temperature)
@@ -193,7 +195,7 @@ def _move_mean_(
         torch._foreach_copy_(direction, momenta)
         torch._foreach_add_(direction, params, alpha=weight_decay * correction)
     torch._foreach_copy_(shifted, hess)
-    torch._foreach_add_(shifted, weight_decay)  # h + δ, after the update
+    add_scalar_(shifted, weight_decay)  # h + δ, after the update
     if math.isfinite(clip_radius):
         if direction is momenta:
             direction = spare

@@ -20,13 +20,14 @@ from torch import Tensor
 
 from ...names import member_dims
 from ..sampling_preconditioner import (
-    advanced,
+    advanced_each,
     freeze_mark,
     freezes_now,
     prior_floor,
     released,
     sampling_preconditioner,
 )
+from ..tensor_lists import mul_scalar_
 
 __all__ = ["Settings", "directions"]
 
@@ -75,7 +76,7 @@ def directions(
     if s.maximize:
         grads = [-grad for grad in grads]
     state: dict[str, list[Any]] = {
-        "step": _advanced(steps, s.inplace),
+        "step": advanced_each(steps, s.inplace),
         "exp_avg": [m if s.inplace else m.clone() for m in exp_avgs],
         "exp_avg_sq": [v if s.inplace else v.clone() for v in exp_avg_sqs],
         "max_exp_avg_sq": list(max_exp_avg_sqs) if s.amsgrad and max_exp_avg_sqs else [],
@@ -110,18 +111,6 @@ def directions(
     return out, state
 
 
-def _advanced(steps: list[Any], inplace: bool) -> list[Any]:
-    """Each step count plus one (``advanced``); in place, float tensors in one call."""
-    if (
-        inplace
-        and steps
-        and all(type(step) is Tensor and step.is_floating_point() for step in steps)
-    ):
-        torch._foreach_add_(steps, 1)  # (0-d CPU tensors, as torch.optim.AdamW's)
-        return list(steps)
-    return [advanced(step, inplace) for step in steps]
-
-
 class _Lists:
     """Per-tensor operations on lists, as foreach calls where they give the same numbers.
 
@@ -137,7 +126,7 @@ class _Lists:
 
     def mul_(self, xs: list[Tensor], value: float) -> None:
         if self.foreach:
-            torch._foreach_mul_(xs, value)
+            mul_scalar_(xs, value)
         else:
             for x in xs:
                 x.mul_(value)

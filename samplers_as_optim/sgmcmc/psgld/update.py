@@ -29,8 +29,15 @@ import torch
 from torch import Tensor
 
 from ...names import member_dims
-from ..sampling_preconditioner import advanced, prior_floor, released, sampling_scale
-from ..tensor_lists import buckets, effective_grad, effective_grads, scalar_operand
+from ..sampling_preconditioner import advanced_each, prior_floor, released, sampling_scale
+from ..tensor_lists import (
+    add_scalar_,
+    buckets,
+    effective_grad,
+    effective_grads,
+    plus_scalar,
+    scalar_operand,
+)
 from .dtypes import check_dtypes, lift, psgld_noise_scale
 from .li_correction import corrected
 
@@ -96,7 +103,7 @@ def directions(
         "preconditioner_step": list(frozen_at or [0.0] * count),
     }
     if steps is not None:
-        state["step"] = [advanced(step, s.inplace) for step in steps]
+        state["step"] = advanced_each(steps, s.inplace)
     if previous is not None:
         state["previous_param"], state["previous_grad"] = list(previous[0]), list(previous[1])
     out: list[Tensor] = list(grads)
@@ -220,9 +227,9 @@ def rmsprop_denominators(
         new_grad_avgs = list(grad_avgs)
     # in place where no graph is kept (the sqrt's backward needs its output)
     if inplace:
-        torch._foreach_add_(avgs, eps)
+        add_scalar_(avgs, eps)
     else:
-        avgs = list(torch._foreach_add(avgs, eps))
+        avgs = plus_scalar(avgs, eps)
     return avgs, list(squares), new_grad_avgs
 
 

@@ -119,7 +119,7 @@ from ..definition.arguments import (
 from ..definition.noise_scales import sghmc_noise_scale
 from ..optimizer import SamplerOptimizer
 from ..temperature.rule import TemperatureRule, thermostat_kinetic
-from ..tensor_lists import bucketed_grads, effective_grad
+from ..tensor_lists import add_scalar_, bucketed_grads, effective_grad, mul_each_, plus_scalar
 
 __all__ = [
     "DEFINITION",
@@ -286,13 +286,13 @@ def _foreach_sgnht(
         params, grads, weight_decay=weight_decay, maximize=maximize
     ):
         alphas = [thermostats[i] for i in index]
-        frictions = torch._foreach_neg(alphas)
-        torch._foreach_add_(frictions, 1.0)
+        frictions = list(torch._foreach_neg(alphas))
+        add_scalar_(frictions, 1.0)
         old = [momentum_buffers[i] for i in index]
         midpoints = None
         if symmetric:  # b_old + b_new = (2 - alpha) b_old + (g' + s xi)
             kicks = torch._foreach_add(bucket_grads, [noise[i] for i in index], alpha=scale)
-            midpoints = torch._foreach_mul(old, torch._foreach_add(frictions, 1.0))
+            midpoints = torch._foreach_mul(old, plus_scalar(frictions, 1.0))
             torch._foreach_add_(midpoints, kicks)
         if inplace:
             torch._foreach_mul_(old, frictions)
@@ -314,10 +314,10 @@ def _foreach_sgnht(
         energies = new if midpoints is None else midpoints
         energies = [energies[position] for position in full]
         alphas = [alphas[position] for position in full]
-        kinetics = torch._foreach_norm(energies, 2, dtype=alphas[0].dtype)
-        kinetics = torch._foreach_mul(kinetics, kinetics)
-        torch._foreach_mul_(kinetics, [factor / buffer.numel() for buffer in energies])
-        torch._foreach_sub_(kinetics, cooling)
+        norms = torch._foreach_norm(energies, 2, dtype=alphas[0].dtype)
+        kinetics = list(torch._foreach_mul(norms, norms))
+        mul_each_(kinetics, [factor / buffer.numel() for buffer in energies])
+        add_scalar_(kinetics, -cooling)  # (x - c is x + (-c), rounded alike)
         if inplace:
             torch._foreach_add_(alphas, kinetics)
         else:
