@@ -302,6 +302,7 @@ def test_the_kept_step_operands_keep_the_sign_of_zero():
     for zero in (0.0, -0.0):
         first, second = scalar_operand(zero, like), scalar_operand(-zero, like)
         assert torch.signbit(first) == (str(zero) == "-0.0") != torch.signbit(second)
+        assert scalar_operand(zero, like) is first  # kept too, by its sign
     assert scalar_operand(2.0, like.to(torch.bfloat16)) == 2.0  # (a number off float32/64)
 
 

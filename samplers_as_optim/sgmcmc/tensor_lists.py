@@ -12,6 +12,7 @@ and foreach), which is what makes the samplers equal SGD bit for bit at temperat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -249,7 +250,7 @@ def apply_step_(
 
 
 #: the 0-d operands :func:`scalar_operand` made, by (value, dtype): read, never written
-_OPERANDS: dict[tuple[float, torch.dtype], Tensor] = {}
+_OPERANDS: dict[tuple[Any, ...], Tensor] = {}
 
 
 def scalar_operand(value: float, like: Tensor) -> float | Tensor:
@@ -264,15 +265,14 @@ def scalar_operand(value: float, like: Tensor) -> float | Tensor:
     dtype = like.dtype
     if not like.is_cpu or dtype not in (torch.float32, torch.float64):
         return value
-    if value == 0 or value != value or torch.compiler.is_compiling():
-        return torch.tensor(value, dtype=dtype)  # (0.0 == -0.0 as keys; NaN != NaN)
-    if torch.is_inference_mode_enabled():
-        return torch.tensor(value, dtype=dtype)
-    operand = _OPERANDS.get((value, dtype))
+    if value != value or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        return torch.tensor(value, dtype=dtype)  # (NaN != NaN as a key)
+    key = (value, dtype) if value != 0 else (value, dtype, math.copysign(1.0, value))
+    operand = _OPERANDS.get(key)  # (0.0 == -0.0 as keys: a zero's key holds its sign)
     if operand is None:
         if len(_OPERANDS) >= 1024:  # (a schedule moves lr at every step: bounded)
             _OPERANDS.clear()
-        operand = _OPERANDS[(value, dtype)] = torch.tensor(value, dtype=dtype)
+        operand = _OPERANDS[key] = torch.tensor(value, dtype=dtype)
     return operand
 
 

@@ -353,7 +353,14 @@ def _noisy_directions(
         ds = list(torch._foreach_div(gs, avgs))
     else:
         ds = [grad.div(avg) for grad, avg in zip(gs, avgs, strict=True)]
-    if noise is not None:
+    if noise is not None and s.foreach:  # the same operations, on lists
+        kicks = torch._foreach_div(
+            [lift(noise[i], upcast) for i in index], torch._foreach_sqrt(avgs)
+        )
+        for kick, avg in zip(kicks, avgs, strict=True):
+            kick.masked_fill_(avg == s.eps, 0.0)
+        torch._foreach_add_(ds, kicks, alpha=scale)
+    elif noise is not None:
         for d, avg, i in zip(ds, avgs, index, strict=True):
             kick = lift(noise[i], upcast).div(avg.sqrt()).masked_fill(avg == s.eps, 0.0)
             d.add_(kick, alpha=scale)
