@@ -251,6 +251,30 @@ def test_the_noise_drawn_in_one_pass_is_each_parameters_own(shard):
         assert torch.equal(noise, alone)
 
 
+@pytest.mark.parametrize("shard", [None, 3])
+def test_the_noise_filled_in_one_pass_is_each_tensors_own(shard):
+    """``KeyedNormal.fill_many_``: every tensor's ``fill_``, bit for bit, one block or more;
+    IVON's draws (``fill_normals``) take it."""
+    from samplers_as_optim.core.keyed_normal import BLOCK, KeyedNormal
+
+    stream = KeyedNormal(2**63 + 12345)
+    outs = [
+        torch.empty(16),
+        torch.empty(3, 5, dtype=torch.float64),
+        torch.empty(7, dtype=torch.bfloat16),
+        torch.empty(BLOCK + 5),  # two blocks
+        torch.empty(0),
+    ]
+    keys = [1, 2**64 - 1, 77, 11, 12]
+    alone = [
+        stream.fill_(out.clone(), step=17, key=k, shard=shard)
+        for out, k in zip(outs, keys, strict=True)
+    ]
+    stream.fill_many_(outs, keys, step=17, shard=shard)
+    assert all(torch.equal(out, one) for out, one in zip(outs, alone, strict=True))
+    assert not torch.equal(outs[0], stream.fill_(outs[0].clone(), step=18, key=1, shard=shard))
+
+
 def test_the_noise_drawn_into_given_tensors_is_the_same_and_fills_them():
     """``draw_many(out=...)``: the numbers of a new draw, written into the given tensors."""
     from samplers_as_optim.core.keyed_normal import KeyedNormal

@@ -31,7 +31,7 @@ CPU generator (Mersenne Twister): for one seed the two give different numbers, a
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -163,11 +163,8 @@ class KeyedNormal:
         The seed is ``derive_seed(seed, step, key, block)``, with ``shard`` appended for
         one rank's share of a sharded optimizer whose parameters have no names.
         """
-        generator = self._generators.get(device)
-        if generator is None:
-            generator = self._generators[device] = torch.Generator(device=device)
         shards = () if shard is None else (shard,)
-        return generator.manual_seed(derive_seed(self.seed, step, key, block, *shards))
+        return self._seeded(device, derive_seed(self.seed, step, key, block, *shards))
 
     def fill_block_(
         self, out: Tensor, *, step: int, key: int, block: int, shard: int | None = None
@@ -242,27 +239,54 @@ class KeyedNormal:
         a step's noise, for many small tensors. ``out``: a contiguous tensor like each
         to fill instead of a new one (None: a new one).
         """
-        prefix = extend_seed(_counter_hash(self.seed & _MASK64), step)
-        block0, sharded = _counter_hash(0), shard is not None
-        last = 0 if shard is None else _counter_hash(shard & _MASK64)
-        generators = self._generators
+        seeds = self._single_block_seeds(step=step, shard=shard)
         drawn = []
         for like, key, target in zip(likes, keys, out or [None] * len(likes), strict=True):
             if like.numel() > BLOCK:
                 drawn.append(self.draw(like, step=step, key=key, shard=shard))
                 continue
-            # derive_seed(seed, step, key, 0[, shard]), written out
-            h = _splitmix64(_splitmix64(prefix ^ _counter_hash(key & _MASK64)) ^ block0)
-            if sharded:
-                h = _splitmix64(h ^ last)
-            generator = generators.get(like.device)
-            if generator is None:
-                generator = generators[like.device] = torch.Generator(device=like.device)
-            generator.manual_seed(h)
+            generator = self._seeded(like.device, seeds(key))
             if target is None:
                 target = torch.empty_like(like, memory_format=torch.contiguous_format)
             drawn.append(target.normal_(generator=generator))
         return drawn
+
+    def fill_many_(
+        self, outs: Sequence[Tensor], keys: Sequence[int], *, step: int, shard: int | None = None
+    ) -> None:
+        """:meth:`fill_` of each of ``outs`` (contiguous) with its key: the same numbers.
+
+        The seed's and the step's part of the seeds mixed once for all, as in
+        :meth:`draw_many`; a tensor of one block is one ``manual_seed`` and one ``normal_``.
+        """
+        seeds = self._single_block_seeds(step=step, shard=shard)
+        for out, key in zip(outs, keys, strict=True):
+            if out.numel() > BLOCK:
+                self.fill_(out, step=step, key=key, shard=shard)
+            else:
+                out.normal_(generator=self._seeded(out.device, seeds(key)))
+
+    def _single_block_seeds(self, *, step: int, shard: int | None) -> Callable[[int], int]:
+        """``derive_seed(seed, step, key, 0[, shard])`` as a function of ``key``.
+
+        Written out, with the seed's and the step's part mixed once.
+        """
+        prefix = extend_seed(_counter_hash(self.seed & _MASK64), step)
+        block0 = _counter_hash(0)
+        last = None if shard is None else _counter_hash(shard & _MASK64)
+
+        def seed_of(key: int) -> int:
+            h = _splitmix64(_splitmix64(prefix ^ _counter_hash(key & _MASK64)) ^ block0)
+            return h if last is None else _splitmix64(h ^ last)
+
+        return seed_of
+
+    def _seeded(self, device: torch.device, seed: int) -> torch.Generator:
+        """The device's generator, seeded with ``seed``."""
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = self._generators[device] = torch.Generator(device=device)
+        return generator.manual_seed(seed)
 
     def _draw_part(
         self, like: Tensor, *, step: int, key: int, shard: int | None, layout: tuple[int, int]

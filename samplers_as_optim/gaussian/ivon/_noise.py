@@ -30,9 +30,18 @@ __all__ = ["draw_key", "fill_normals", "next_training_draws", "submit_ahead"]
 TRAIN, EVAL = 0, 1
 
 
+#: draw keys already derived: the same few recur at every step (``index`` restarts at 0)
+_DRAW_KEYS: dict[tuple[int, bool, int], int] = {}
+
+
 def draw_key(key: int, *, train: bool, index: int) -> int:
-    """The noise key of draw ``index`` of a step for a parameter keyed ``key``."""
-    return derive_seed(key, TRAIN if train else EVAL, index)
+    """The noise key of draw ``index`` of a step for a parameter keyed ``key`` (remembered)."""
+    found = _DRAW_KEYS.get((key, train, index))
+    if found is None:
+        if len(_DRAW_KEYS) >= 4096:  # (bounded: many parameters, many draws)
+            _DRAW_KEYS.clear()
+        found = _DRAW_KEYS[(key, train, index)] = derive_seed(key, TRAIN if train else EVAL, index)
+    return found
 
 
 def submit_ahead(prefetcher: NoisePrefetcher, requests: list[NoiseRequest]) -> None:
@@ -56,13 +65,23 @@ def fill_normals(
     buffer (which the caller keeps), the old one going to the worker; any other is drawn
     into its buffer on the spot: the same numbers either way.
     """
+    left: list[int] = []  # the positions drawn here
     for position, request in enumerate(requests):
-        spare = buffers[position]
-        drawn = None if prefetcher is None else prefetcher.take(request, spare)
+        drawn = None if prefetcher is None else prefetcher.take(request, buffers[position])
         if drawn is None:
-            stream.fill_(spare, step=request.step, key=request.key, shard=request.shard)
+            left.append(position)
         else:
             buffers[position] = drawn
+    if not left:
+        return
+    first = requests[left[0]]
+    if all((requests[i].step, requests[i].shard) == (first.step, first.shard) for i in left):
+        outs, keys = [buffers[i] for i in left], [requests[i].key for i in left]
+        stream.fill_many_(outs, keys, step=first.step, shard=first.shard)  # (seeds mixed once)
+        return
+    for i in left:
+        request = requests[i]
+        stream.fill_(buffers[i], step=request.step, key=request.key, shard=request.shard)
 
 
 def next_training_draws(
