@@ -285,9 +285,9 @@ def _adamw_step(group: Mapping[str, Any], inputs: UpdateInput, *, foreach: bool)
     state += [buffers.get("max_exp_avg_sq") or [], buffers["step"]]
     options = {"foreach": foreach, "fused": None, "grad_scale": None, "found_inf": None}
     torch_adamw_step(group, [inputs.params, inputs.grads, *state], **options)
-    for flag in buffers["preconditioner_step"]:
-        if isinstance(flag, Tensor):
-            flag.zero_()  # a step of AdamW releases the sampling preconditioner
+    flags = [flag for flag in buffers["preconditioner_step"] if isinstance(flag, Tensor)]
+    if flags:
+        torch._foreach_zero_(flags)  # a step of AdamW releases the sampling preconditioner
     return True
 
 

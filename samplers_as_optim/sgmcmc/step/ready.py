@@ -54,6 +54,23 @@ def init_state(opt: Any, group: dict[str, Any], param: Tensor, state: dict[str, 
             state[field.name] = field.init(param, group)
 
 
+def _created_fields(opt: Any, group: dict[str, Any], scratch: dict[str, Any]) -> frozenset[str]:
+    """The fields :func:`init_state` creates in this group's states, kept per plan.
+
+    A state holding them all is ready: one lacking only fields the update makes (a
+    buffer not made yet, a preconditioner not frozen yet) is not changed by
+    :func:`init_state`, which is then not called.
+    """
+    found = scratch.get("created_fields")
+    if found is None:
+        found = scratch["created_fields"] = frozenset(
+            field.name
+            for field in opt.definition.state
+            if field.init is not None and field.used(group)
+        )
+    return found
+
+
 def ready_state(
     opt: Any,
     group: dict[str, Any],
@@ -75,9 +92,9 @@ def ready_state(
         return []
     state_of = opt.state
     states = [state_of[p] for p in params]
-    wanted = set(fields)
+    created = _created_fields(opt, group, rates.scratch)
     for tensor, state in zip(tensors, states, strict=True):
-        if not wanted <= state.keys():
+        if not created <= state.keys():
             init_state(opt, group, tensor, state)
     reexpress_state(
         opt,
