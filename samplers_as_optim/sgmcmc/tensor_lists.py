@@ -276,12 +276,20 @@ def scalar_operand(value: float, like: Tensor) -> float | Tensor:
     return operand
 
 
+def _of_one_dtype(tensors: list[Tensor]) -> bool:
+    """Whether the (non-empty) list's tensors share a dtype, so one operand serves them all."""
+    return all(tensor.dtype == tensors[0].dtype for tensor in tensors)
+
+
 def _list_operand(value: float, tensors: list[Tensor]) -> float | Tensor:
     """:func:`scalar_operand` for a list of tensors of one dtype; the number otherwise."""
-    first = tensors[0]
-    if any(tensor.dtype != first.dtype for tensor in tensors):
-        return value
-    return scalar_operand(value, first)
+    return scalar_operand(value, tensors[0]) if _of_one_dtype(tensors) else value
+
+
+def _addend(value: float, tensors: list[Tensor]) -> tuple[float | Tensor, dict[str, float]]:
+    """A foreach add's operand and keywords (``alpha`` picks the tensor's overload)."""
+    operand = _list_operand(value, tensors)
+    return operand, {"alpha": 1.0} if isinstance(operand, Tensor) else {}
 
 
 def mul_scalar_(tensors: list[Tensor], value: float) -> None:
@@ -298,32 +306,24 @@ def mul_each_(tensors: list[Tensor], values: list[float]) -> None:
     """``tensors[i] *= values[i]`` in one foreach call, as :func:`mul_scalar_` (same products)."""
     if not tensors:
         return
-    first = tensors[0]
-    operands: list[Any] = list(values)
-    if all(tensor.dtype == first.dtype for tensor in tensors):
-        operands = [scalar_operand(value, first) for value in values]
+    one = _of_one_dtype(tensors)
+    operands: list[Any] = [scalar_operand(v, tensors[0]) if one else v for v in values]
     torch._foreach_mul_(tensors, operands)
 
 
 def add_scalar_(tensors: list[Tensor], value: float) -> None:
     """``tensors[i] += value`` in one foreach call, as :func:`mul_scalar_` (the same sums)."""
-    if not tensors:
-        return
-    operand = _list_operand(value, tensors)
-    if isinstance(operand, Tensor):  # (``alpha`` picks the overload that takes a tensor)
-        torch._foreach_add_(tensors, operand, alpha=1.0)
-    else:
-        torch._foreach_add_(tensors, operand)
+    if tensors:
+        operand, keywords = _addend(value, tensors)
+        torch._foreach_add_(tensors, operand, **keywords)
 
 
 def plus_scalar(tensors: list[Tensor], value: float) -> list[Tensor]:
     """``tensors[i] + value``, new tensors, as :func:`add_scalar_` (the same sums)."""
     if not tensors:
         return []
-    operand = _list_operand(value, tensors)
-    if isinstance(operand, Tensor):
-        return list(torch._foreach_add(tensors, operand, alpha=1.0))
-    return list(torch._foreach_add(tensors, operand))
+    operand, keywords = _addend(value, tensors)
+    return list(torch._foreach_add(tensors, operand, **keywords))
 
 
 def host_scalar(value: float) -> Tensor:
