@@ -29,12 +29,20 @@ AdamWSGHMC T=0                               AdamW                      1.3
 IVON (one training draw and a step)          AdamW                      2.0
 ===========================================  =========================  ======
 
+Each contender first takes 1,001 steps (``WARM_STEPS``), past PSGLD's and AdamWSGHMC's
+preconditioner warm-up (1,000 steps at their defaults, during which the preconditioner
+is recomputed at every step), so that each row times the steady step whatever
+``--rounds`` is; a second table times those two during their warm-up (no target).
+(Before 2026-12-03 no step was taken first: with 15 rounds of 200 steps the median
+round was past the warm-up, with 9 it was inside it.)
+
 ``--floor`` adds the floor of a keyed-noise step: :class:`KeyedNoiseFloor`, the least
 SGLD's step at T = 1 does with this design (the guard's check, one seeded draw per
 tensor into kept tensors, the update's three foreach calls), against SGD likewise.
 
 ``--mlp`` adds the same ratios for a full training iteration (forward, backward, step)
-of the 1.86M-parameter MLP of ``bench_samplers.py`` at batch 128.
+of the 1.86M-parameter MLP of ``bench_samplers.py`` at batch 128 (without the steps
+first: PSGLD's and the twin's rows there time warm-up steps).
 
 ``--capturable`` adds the eager cost of a capturable step (``capturable=True``,
 ``nonfinite="skip"``: its noise computed by tensor operations from the device counter,
@@ -62,6 +70,11 @@ from samplers_as_optim.core.keyed_normal import _splitmix64
 NUM_DATA = 1000
 TENSORS = 6
 ELEMENTS = 16
+#: steps taken before a row is timed: past PSGLD's and AdamWSGHMC's
+#: ``preconditioner_warmup`` (1,000 steps, during which the preconditioner is recomputed
+#: at each step), so that a row times the chain's steady step whatever ``--rounds`` is
+#: (``warmup_rows`` times the warm-up's steps)
+WARM_STEPS = 1001
 
 #: (row, sampler factory, torch optimizer factory, target); a factory takes the parameters
 Row = tuple[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer], Callable, float]
@@ -122,6 +135,26 @@ def rows() -> list[Row]:
             1.3,
         ),
         ("IVON draw+step / AdamW", lambda p: IVON(p, lr=lr, ess=NUM_DATA, seed=0), adamw, 2.0),
+    ]
+
+
+def warmup_rows() -> list[Row]:
+    """PSGLD's and the twin's steps at T = 1 during the preconditioner's warm-up (no target)."""
+    common = {"lr": 1e-3, "num_data": NUM_DATA, "seed": 0, "foreach": True}
+    never = {"preconditioner_warmup": 10**9}  # (the warm-up's step, at every step)
+    return [
+        (
+            "PSGLD T=1 warm-up / RMSprop",
+            lambda p: PSGLD(p, **common, **never),
+            lambda p: torch.optim.RMSprop(p, lr=1e-3, foreach=True),
+            0.0,
+        ),
+        (
+            "AdamWSGHMC T=1 warm-up / AdamW",
+            lambda p: AdamWSGHMC(p, **common, **never),
+            lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True),
+            0.0,
+        ),
     ]
 
 
@@ -231,6 +264,9 @@ def host_table(
             "sampler": step_of(sampler(small_params())),
             "torch": step_of(reference(small_params())),
         }
+        for step in contenders.values():  # (past any warm-up: the steady step is timed)
+            for _ in range(WARM_STEPS):
+                step()
         _, per_round = interleaved(contenders, rounds=rounds, repeat=repeat)
         results.append((name, median_ratio(per_round, "sampler", "torch"), target))
     return results
@@ -300,6 +336,11 @@ def main() -> None:
         f"(median of {args.rounds} rounds' ratios)",
         host_table(args.rounds, args.repeat),
         targets=True,
+    )
+    print_table(
+        "during the preconditioner's warm-up (its first 1,000 steps; no target)",
+        host_table(args.rounds, args.repeat, warmup_rows),
+        targets=False,
     )
     if args.floor:
         ratio = floor_ratio(args.rounds, args.repeat)

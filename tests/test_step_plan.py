@@ -20,7 +20,11 @@ from torch import nn
 
 from samplers_as_optim import SGHMC, SGLD
 from samplers_as_optim.names import set_parameter_layout
-from samplers_as_optim.sgmcmc.tensor_lists import gradients_may_be_non_finite, may_be_non_finite
+from samplers_as_optim.sgmcmc.tensor_lists import (
+    all_finite,
+    gradients_may_be_non_finite,
+    may_be_non_finite,
+)
 
 
 def make(**kwargs):
@@ -225,6 +229,74 @@ def test_gradients_a_graph_may_hold_are_not_written():
         versions = [g._version for g in grads]
         assert not gradients_may_be_non_finite(grads)
         assert [g._version for g in grads] == versions
+
+
+_ELEMENTS = st.sampled_from(
+    [0.0, -0.0, 1.5, -3e38, 1e-310, float("nan"), float("inf"), -float("inf")]
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["float32", "float64", "bfloat16"]), st.lists(_ELEMENTS, max_size=5)
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_the_skip_policys_one_pass_flags_are_the_exact_flags(spec):
+    """``nonfinite="skip"``'s eager check (one pass) against the four operations per tensor."""
+    grads = [torch.tensor(values, dtype=getattr(torch, dtype)) for dtype, values in spec]
+    bits = [g.clone() for g in grads]
+    finite = all(bool(torch.isfinite(g.float()).all()) for g in grads)
+    exact = all_finite(grads)
+    one_pass = all_finite(grads, one_pass=True)
+    assert set(one_pass) == set(exact) == {torch.device("cpu")}
+    for flag in (*exact.values(), *one_pass.values()):
+        assert flag.shape == () and flag.dtype == torch.bool and bool(flag) is finite
+    for g, b in zip(grads, bits, strict=True):  # (every bit: -0.0 and NaN payloads too)
+        assert torch.equal(g.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_kept_skip_step_is_the_raise_step_and_a_skipped_one_changes_nothing(foreach, temperature):
+    """The skip policy's selects (``select_``, the buffers' copies), kept and skipped."""
+
+    def run(nonfinite, bad_at):
+        params = [
+            nn.Parameter(torch.randn(3, 2, generator=torch.Generator().manual_seed(i)))
+            for i in range(3)
+        ]
+        opt = SGHMC(
+            params,
+            lr=0.01,
+            temperature=temperature,
+            num_data=10,
+            seed=1,
+            foreach=foreach,
+            nonfinite=nonfinite,
+        )
+        trace = []
+        for step in range(4):
+            for i, p in enumerate(params):
+                p.grad = torch.full_like(p, 0.1 * (i + step + 1))
+            if step == bad_at:
+                params[1].grad[0, 1] = float("nan")
+            opt.step()
+            trace.append(
+                [p.detach().clone() for p in params]
+                + [opt.state[p]["momentum_buffer"].clone() for p in params]
+            )
+        return trace
+
+    raised, skipped = run("raise", None), run("skip", 2)
+    for step in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(raised[step], skipped[step], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(skipped[1], skipped[2], strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(skipped[2][:3], skipped[3][:3], strict=True))
 
 
 # ------------------------------------------------------------------ the noise in one pass

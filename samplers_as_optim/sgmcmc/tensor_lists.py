@@ -37,6 +37,7 @@ __all__ = [
     "mul_scalar_",
     "plus_scalar",
     "scalar_operand",
+    "select_",
 ]
 
 
@@ -137,33 +138,43 @@ def gradients_may_be_non_finite(
     that own their elements (contiguous) take it; others take the norms. ``kinds``:
     ``buckets(grads)``, where the caller knows it.
     """
-    if not all(
-        type(grad) is Tensor
-        and grad.dtype in _CHECKED_IN_ONE_PASS
-        and not grad.requires_grad
-        and grad.is_contiguous()
-        for grad in grads
-    ):
+    if not _checked_in_one_pass(grads):
         return may_be_non_finite(grads)
     suspect = False
     for index in buckets(grads) if kinds is None else kinds:
-        device = grads[index[0]].device
-        kept = _FLAGS.get(device)
-        if kept is None:  # (the scale, never written, and the flag, zero between checks)
-            kept = _FLAGS[device] = (
-                torch.ones(1, dtype=torch.float32, device=device),
-                torch.zeros(1, dtype=torch.float32, device=device),
-            )
-        one, found = kept
-        bucket = [grads[i] for i in index]
-        torch._amp_foreach_non_finite_check_and_unscale_(bucket, found, one)
+        one, found = _flags_on(grads[index[0]].device)
+        torch._amp_foreach_non_finite_check_and_unscale_([grads[i] for i in index], found, one)
         if bool(found):
             found.zero_()  # (the kernel only ever sets it: zero again for the next check)
             suspect = True
     return suspect
 
 
-def all_finite(tensors: Sequence[Tensor]) -> dict[torch.device, Tensor]:
+def _checked_in_one_pass(grads: Sequence[Tensor]) -> bool:
+    """Whether GradScaler's check may read ``grads`` (:func:`gradients_may_be_non_finite`)."""
+    return all(
+        type(grad) is Tensor
+        and grad.dtype in _CHECKED_IN_ONE_PASS
+        and not grad.requires_grad
+        and grad.is_contiguous()
+        for grad in grads
+    )
+
+
+def _flags_on(device: torch.device) -> tuple[Tensor, Tensor]:
+    """The kept scale 1 (never written) and found flag (zero between checks) of a device."""
+    kept = _FLAGS.get(device)
+    if kept is None:
+        kept = _FLAGS[device] = (
+            torch.ones(1, dtype=torch.float32, device=device),
+            torch.zeros(1, dtype=torch.float32, device=device),
+        )
+    return kept
+
+
+def all_finite(
+    tensors: Sequence[Tensor], kinds: list[list[int]] | None = None, *, one_pass: bool = False
+) -> dict[torch.device, Tensor]:
     """Whether every tensor is finite, as a 0-d boolean tensor on each tensors' device.
 
     Nothing is read back to Python (no host synchronisation). Exact: a tensor's smallest
@@ -172,12 +183,21 @@ def all_finite(tensors: Sequence[Tensor]) -> dict[torch.device, Tensor]:
     overflow, and the ``inf``-norm is ten times slower on the CPU.) With tensors on
     several devices, each device's flag holds the verdict over all of them (a CPU flag
     over accelerator tensors waits for them: the one synchronisation left).
+
+    ``one_pass`` (the eager step's gradients): where every tensor is one
+    :func:`gradients_may_be_non_finite` checks in one pass, GradScaler's check (a scale
+    of exactly 1: each element unchanged) sets a new flag per device, one call per
+    device and dtype instead of four operations per tensor; exact too, elementwise.
+    ``kinds``: ``buckets(tensors)``, where the caller knows it.
     """
-    flags: list[Tensor] = []
-    for tensor in tensors:
-        if tensor.numel():
-            smallest, largest = torch.aminmax(tensor)
-            flags.append(torch.isfinite(torch.stack((smallest, largest))).all())
+    if one_pass and _checked_in_one_pass(tensors):
+        flags = _one_pass_flags(tensors, kinds)
+    else:
+        flags = []
+        for tensor in tensors:
+            if tensor.numel():
+                smallest, largest = torch.aminmax(tensor)
+                flags.append(torch.isfinite(torch.stack((smallest, largest))).all())
     devices = {tensor.device for tensor in tensors}
     verdict: dict[torch.device, Tensor] = {}
     for device in devices:
@@ -190,6 +210,20 @@ def all_finite(tensors: Sequence[Tensor]) -> dict[torch.device, Tensor]:
         else:
             verdict[device] = torch.stack(on_device).all()
     return verdict
+
+
+def _one_pass_flags(tensors: Sequence[Tensor], kinds: list[list[int]] | None) -> list[Tensor]:
+    """Per device, a 0-d boolean: no element of its tensors is NaN or infinite (one pass)."""
+    found_on: dict[torch.device, Tensor] = {}  # (new flags: each is read later, on the device)
+    for index in buckets(tensors) if kinds is None else kinds:
+        device = tensors[index[0]].device
+        found = found_on.get(device)
+        if found is None:
+            found = found_on[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [tensors[i] for i in index], found, _flags_on(device)[0]
+        )
+    return [found.view(()).eq(0) for found in found_on.values()]
 
 
 def default_foreach(tensors: Sequence[Tensor]) -> bool:
@@ -226,27 +260,38 @@ def apply_step_(
     the parameters keep their values (``torch.where``, the same roundings otherwise).
     ``kinds``: ``buckets(params)``, where the caller knows it.
     """
-    if keep is not None:
-        for param, direction in zip(params, directions, strict=True):
-            step = direction if as_sgd else direction.mul(scalar_operand(-lr, direction))
-            moved = param.add(step, alpha=-lr) if as_sgd else param.add(step)
-            param.copy_(torch.where(keep[param.device], moved, param))
-        return
+    alpha = -lr if as_sgd else 1  # (1: the rounded product added, exactly)
     if not foreach:
         for param, direction in zip(params, directions, strict=True):
-            if as_sgd:
-                param.add_(direction, alpha=-lr)
+            step = direction if as_sgd else direction.mul(scalar_operand(-lr, direction))
+            if keep is None:
+                param.add_(step, alpha=alpha)
             else:
-                param.add_(direction.mul(scalar_operand(-lr, direction)))
+                select_(param, keep[param.device], param.add(step, alpha=alpha), param)
         return
     for index in buckets(params) if kinds is None else kinds:
         bucket_params = params if len(index) == len(params) else [params[i] for i in index]
-        bucket_directions = [directions[i] for i in index]
-        if as_sgd:
-            torch._foreach_add_(bucket_params, bucket_directions, alpha=-lr)
-        else:
-            factor = scalar_operand(-lr, bucket_directions[0])
-            torch._foreach_add_(bucket_params, torch._foreach_mul(bucket_directions, factor))
+        steps: list[Tensor] | tuple[Tensor, ...] = [directions[i] for i in index]
+        if not as_sgd:
+            steps = torch._foreach_mul(steps, scalar_operand(-lr, steps[0]))
+        if keep is None:
+            torch._foreach_add_(bucket_params, steps, alpha=alpha)
+            continue
+        moved = torch._foreach_add(bucket_params, steps, alpha=alpha)
+        for param, new in zip(bucket_params, moved, strict=True):
+            select_(param, keep[param.device], new, param)
+
+
+def select_(out: Tensor, keep: Tensor, new: Tensor, old: Tensor) -> Tensor:
+    """``out <- torch.where(keep, new, old)``: written in place, one operation for a plain tensor.
+
+    ``out`` is ``new`` or ``old`` (the select writes over one of its operands, element by
+    element: the same values as ``copy_`` of the select); a tensor subclass (a DTensor)
+    takes the select and then its ``copy_``.
+    """
+    if type(out) in (Tensor, torch.nn.Parameter):
+        return torch.where(keep, new, old, out=out)
+    return out.copy_(torch.where(keep, new, old))
 
 
 #: the 0-d operands :func:`scalar_operand` made, by (value, dtype): read, never written

@@ -47,8 +47,9 @@ def verdict(
         keep = keep_flags(gathered, scaler.found_inf)
     elif opt._nonfinite == "raise":
         refuse_non_finite_gradients(type(opt).__name__, gathered, kinds)
-    else:
-        keep = finite_flags(gathered)
+    else:  # (traced or captured: the check of four operations per tensor, as tested there)
+        one_pass = not (opt._capturable or torch.compiler.is_compiling())
+        keep = finite_flags(gathered, kinds, one_pass=one_pass)
     return keep, None if keep is None else skip_record(opt, gathered)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..tensor_lists import all_finite, gradients_may_be_non_finite
+from ..tensor_lists import all_finite, gradients_may_be_non_finite, select_
 
 __all__ = [
     "count_skipped_where",
@@ -64,14 +64,19 @@ def refuse_non_finite_gradients(
                 )
 
 
-def finite_flags(gathered: Gathered) -> dict[torch.device, Tensor]:
+def finite_flags(
+    gathered: Gathered, kinds: list[list[int]] | None = None, *, one_pass: bool = False
+) -> dict[torch.device, Tensor]:
     """``nonfinite="skip"``: whether every gradient is finite, one flag per device.
 
     Computed without reading anything back to Python (no host synchronisation, no
     graph break under ``torch.compile``); every param group counts the steps it
     skipped in ``group["skipped_steps"]``, a 0-d integer tensor on its device.
+    ``one_pass`` and ``kinds`` (the gradients' buckets, where known): as for
+    ``tensor_lists.all_finite``.
     """
-    flags = all_finite([grad for *_, grads in gathered for grad in grads])
+    grads = gathered[0][3] if len(gathered) == 1 else [g for *_, gs in gathered for g in gs]
+    flags = all_finite(grads, kinds, one_pass=one_pass)
     count_skipped_where(gathered, {device: flag.logical_not() for device, flag in flags.items()})
     return flags
 
@@ -97,4 +102,4 @@ def count_skipped_where(gathered: Gathered, skipped_on: dict[torch.device, Tenso
 def kept(new: Tensor, old: Tensor | None, keep: dict[torch.device, Tensor]) -> Tensor:
     """``new`` where the step is kept, else ``old`` (zeros for a buffer the step created)."""
     before = torch.zeros_like(new) if old is None else old
-    return new.copy_(torch.where(keep[new.device], new, before))  # the kernel's own buffer
+    return select_(new, keep[new.device], new, before)  # the kernel's own buffer

@@ -115,9 +115,7 @@ def _update_tensors(
         update_in_chunks(kernel, tensors, grads, buffers, noise_of, lr=lr, temperature=temperature)
         return
     noise = None if noise_of is None else noise_of.all()
-    old = None
-    if keep is not None:  # the updates write buffers in place
-        old = [[None if b is None else b.clone() for b in field] for field in buffers]
+    old = None if keep is None else [_copies(field, foreach) for field in buffers]
     directions, new_buffers = call_update(
         opt, group, fields, tensors, grads, buffers, noise, lr, temperature, foreach
     )
@@ -126,6 +124,13 @@ def _update_tensors(
     apply_step_(
         tensors, directions, lr=lr, as_sgd=temperature == 0, foreach=foreach, keep=keep, kinds=kinds
     )
+
+
+def _copies(field: list[Any], foreach: bool) -> list[Any]:
+    """A field's buffers copied before the update writes them in place (a step kept or not)."""
+    if foreach and field and all(isinstance(buffer, Tensor) for buffer in field):
+        return list(torch._foreach_clone(field))
+    return [None if buffer is None else buffer.clone() for buffer in field]
 
 
 def _store(
