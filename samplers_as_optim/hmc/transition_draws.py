@@ -76,6 +76,30 @@ def _momentum(xi: Tensor, inverse_mass: Tensor | None, temperature: float) -> Te
     return xi
 
 
+def _step_and_counts(
+    hmc: dict[str, Any],
+    first: dict[str, Any],
+    root_lr: dict[int, float],
+    multiplier: Tensor,
+    like: Tensor,
+    shape: tuple[int, ...],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:class:`TransitionDraws`' last three fields: a step size and the running counts.
+
+    The step size is param group ``first``'s; the counts are those before this
+    transition (``shape``: one per chain; zeros on ``like``'s device at the first).
+    """
+    previous = hmc["diagnostics"]
+    if previous is None:  # two tensors: one aliasing the other recompiles a compiled step
+        previous = {
+            key: torch.zeros(shape, dtype=torch.int64, device=like.device)
+            for key in ("num_accepted", "divergences")
+        }
+    params0 = first["params"]
+    step_size = multiplier * root_lr[id(params0[0])] if params0 else multiplier
+    return step_size, previous["num_accepted"], previous["divergences"]
+
+
 def draw_transition(
     param_groups: Sequence[dict[str, Any]],
     state: Mapping[Any, Any],
@@ -123,25 +147,8 @@ def draw_transition(
     generator = stream0.generator(device, step=step0, key=_ACCEPT_KEY, block=0)
     shape = () if members is None else (members,)
     uniform = torch.rand(shape, generator=generator, dtype=torch.float64, device=device)
-    previous = hmc["diagnostics"]
-    if previous is None:  # two tensors: one aliasing the other recompiles a compiled step
-        previous = {
-            key: torch.zeros(shape, dtype=torch.int64, device=device)
-            for key in ("num_accepted", "divergences")
-        }
-    params0 = first["params"]
-    step_size = multiplier * root_lr[id(params0[0])] if params0 else multiplier
-    return TransitionDraws(
-        decay,
-        root_lr,
-        multiplier,
-        inverse_mass,
-        momenta,
-        uniform,
-        step_size,
-        previous["num_accepted"],
-        previous["divergences"],
-    )
+    last = _step_and_counts(hmc, first, root_lr, multiplier, chain[0], shape)
+    return TransitionDraws(decay, root_lr, multiplier, inverse_mass, momenta, uniform, *last)
 
 
 def draw_transitions(
@@ -204,22 +211,8 @@ def draw_transitions(
                 generator = noise.generator(device, step=steps + t, key=key, block=block)
                 (row if len(bounds) == 1 else row[low:high]).normal_(generator=generator)
         momenta.append(_momentum(xi.view(capacity, *p.shape), inv, temperature))
-    previous = hmc["diagnostics"]
-    if previous is None:  # two tensors: one aliasing the other recompiles a compiled step
-        previous = {
-            key: torch.zeros(shape, dtype=torch.int64, device=device)
-            for key in ("num_accepted", "divergences")
-        }
-    params0 = first["params"]
-    step_size = multiplier * root_lr[id(params0[0])] if params0 else multiplier
-    return TransitionDraws(
-        decay,
-        root_lr,
-        multiplier,
-        inverse_mass,
-        momenta,
+    uniform, last = (
         uniforms(_ACCEPT_KEY),
-        step_size,
-        previous["num_accepted"],
-        previous["divergences"],
+        _step_and_counts(hmc, first, root_lr, multiplier, chain[0], shape),
     )
+    return TransitionDraws(decay, root_lr, multiplier, inverse_mass, momenta, uniform, *last)

@@ -127,7 +127,7 @@ def _update_tensors(
 
 
 def _copies(field: list[Any], foreach: bool) -> list[Any]:
-    """A field's buffers copied before the update writes them in place (a step kept or not)."""
+    """A field's buffers, copied before the update writes them: a skipped step selects them."""
     if foreach and field and all(isinstance(buffer, Tensor) for buffer in field):
         return list(torch._foreach_clone(field))
     return [None if buffer is None else buffer.clone() for buffer in field]
