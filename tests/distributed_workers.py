@@ -233,7 +233,51 @@ def fsdp2_equals_one_process(rank: int, out: str) -> dict:
     }
 
 
+def fsdp2_skip_equals_one_process(rank: int, out: str) -> dict:
+    """FSDP2 with ``nonfinite="skip"`` and foreach (CUDA's defaults' kind of step).
+
+    A NaN put into one element of the gradient rank 0 holds skips the step on both ranks
+    (the verdict is the whole tensor's, not a shard's), as in the 1-process run.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    data = list(_batches(0, 8))
+
+    def train(model, opt):
+        for index, (x, y) in enumerate(data):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if index == 3:
+                grad = next(model.parameters()).grad
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                if rank == 0 or not isinstance(grad, DTensor):
+                    local[0, 0] = float("nan")
+            opt.step()
+        return opt
+
+    options = {"lr": LR, "num_data": NUM_DATA, "seed": 5, "foreach": True, "nonfinite": "skip"}
+    reference_model = _model()
+    reference = train(reference_model, SGHMC(reference_model.named_parameters(), **options))
+    model = _model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    sharded = train(model, SGHMC(model.named_parameters(), **options))
+    skipped = [int(group["skipped_steps"]) for group in sharded.param_groups]
+    return {
+        "equal": bool(
+            torch.equal(
+                _flat(reference_model),
+                torch.cat([p.full_tensor().flatten() for p in model.parameters()]),
+            )
+        ),
+        "skipped": skipped,
+        "reference_skipped": [int(g["skipped_steps"]) for g in reference.param_groups],
+    }
+
+
 SCENARIOS = {
+    "fsdp2_skip_equals_one_process": fsdp2_skip_equals_one_process,
     "fsdp2_equals_one_process": fsdp2_equals_one_process,
     "ensemble_across_ranks": ensemble_across_ranks,
     "zero_named_equals_one_process": zero_named_equals_one_process,

@@ -102,3 +102,10 @@ def test_fsdp2_equals_the_one_process_run(tmp_path):
         assert result["sgnht"].startswith(
             "SGNHT does not support DTensor (FSDP2) parameters yet (param group 0, parameter 0"
         )
+
+
+def test_fsdp2_with_the_skip_policy_skips_on_every_rank_as_one_process(tmp_path):
+    results = spawn("fsdp2_skip_equals_one_process", tmp_path)
+    for result in results:
+        assert result["reference_skipped"] == result["skipped"] == [1]
+        assert result["equal"], "the FSDP2 run with nonfinite='skip' left the 1-process chain"

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 from torch import Tensor
 
-__all__ = ["is_dtensor", "local_layout", "wrap_like"]
+__all__ = ["full_tensor", "is_dtensor", "local_layout", "local_tensor", "wrap_like"]
 
 try:  # torch.distributed may be missing from a build
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -27,6 +27,16 @@ except ImportError:  # pragma: no cover - builds without torch.distributed
 def is_dtensor(tensor: Any) -> bool:
     """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (e.g. under FSDP2)."""
     return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def full_tensor(tensor: Tensor) -> Tensor:
+    """A DTensor's whole value, on every rank (``full_tensor()``), else ``tensor`` itself."""
+    return cast("DTensor", tensor).full_tensor() if is_dtensor(tensor) else tensor
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """A DTensor's local tensor (``to_local()``, its storage), else ``tensor`` itself."""
+    return cast("DTensor", tensor).to_local() if is_dtensor(tensor) else tensor
 
 
 def local_layout(param: Tensor) -> tuple[Tensor, tuple[int, int]]:

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..core.dtensor import full_tensor, is_dtensor, local_tensor
+
 __all__ = [
     "HostScalars",
     "add_scalar_",
@@ -198,6 +200,7 @@ def all_finite(
             if tensor.numel():
                 smallest, largest = torch.aminmax(tensor)
                 flags.append(torch.isfinite(torch.stack((smallest, largest))).all())
+    flags = [full_tensor(flag) for flag in flags]  # (a DTensor's: every rank's verdict)
     devices = {tensor.device for tensor in tensors}
     verdict: dict[torch.device, Tensor] = {}
     for device in devices:
@@ -286,11 +289,15 @@ def select_(out: Tensor, keep: Tensor, new: Tensor, old: Tensor) -> Tensor:
     """``out <- torch.where(keep, new, old)``: written in place, one operation for a plain tensor.
 
     ``out`` is ``new`` or ``old`` (the select writes over one of its operands, element by
-    element: the same values as ``copy_`` of the select); a tensor subclass (a DTensor)
+    element: the same values as ``copy_`` of the select). ``keep`` is a plain tensor
+    (:func:`all_finite`'s); a DTensor selects in its local shard, another tensor subclass
     takes the select and then its ``copy_``.
     """
     if type(out) in (Tensor, torch.nn.Parameter):
         return torch.where(keep, new, old, out=out)
+    if is_dtensor(out):  # (the verdict is every rank's: each selects in its own shard)
+        torch.where(keep, local_tensor(new), local_tensor(old), out=local_tensor(out))
+        return out
     return out.copy_(torch.where(keep, new, old))
 
 
