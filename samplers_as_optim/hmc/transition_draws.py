@@ -211,8 +211,6 @@ def draw_transitions(
                 generator = noise.generator(device, step=steps + t, key=key, block=block)
                 (row if len(bounds) == 1 else row[low:high]).normal_(generator=generator)
         momenta.append(_momentum(xi.view(capacity, *p.shape), inv, temperature))
-    uniform, last = (
-        uniforms(_ACCEPT_KEY),
-        _step_and_counts(hmc, first, root_lr, multiplier, chain[0], shape),
-    )
+    uniform = uniforms(_ACCEPT_KEY)
+    last = _step_and_counts(hmc, first, root_lr, multiplier, chain[0], shape)
     return TransitionDraws(decay, root_lr, multiplier, inverse_mass, momenta, uniform, *last)

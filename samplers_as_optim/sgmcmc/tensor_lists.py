@@ -196,11 +196,10 @@ def all_finite(
         flags = _one_pass_flags(tensors, kinds)
     else:
         flags = []
-        for tensor in tensors:
+        for tensor in tensors:  # (a DTensor's flag made whole: every rank's verdict)
             if tensor.numel():
                 smallest, largest = torch.aminmax(tensor)
-                flags.append(torch.isfinite(torch.stack((smallest, largest))).all())
-    flags = [full_tensor(flag) for flag in flags]  # (a DTensor's: every rank's verdict)
+                flags.append(full_tensor(torch.isfinite(torch.stack((smallest, largest))).all()))
     devices = {tensor.device for tensor in tensors}
     verdict: dict[torch.device, Tensor] = {}
     for device in devices:
@@ -220,12 +219,10 @@ def _one_pass_flags(tensors: Sequence[Tensor], kinds: list[list[int]] | None) ->
     found_on: dict[torch.device, Tensor] = {}  # (new flags: each is read later, on the device)
     for index in buckets(tensors) if kinds is None else kinds:
         device = tensors[index[0]].device
-        found = found_on.get(device)
-        if found is None:
-            found = found_on[device] = torch.zeros(1, dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(
-            [tensors[i] for i in index], found, _flags_on(device)[0]
-        )
+        if device not in found_on:
+            found_on[device] = torch.zeros(1, dtype=torch.float32, device=device)
+        bucket, found, one = [tensors[i] for i in index], found_on[device], _flags_on(device)[0]
+        torch._amp_foreach_non_finite_check_and_unscale_(bucket, found, one)
     return [found.view(()).eq(0) for found in found_on.values()]
 
 

@@ -41,6 +41,11 @@ def describe_parameter(group: dict[str, Any], index: int, position: int) -> str:
     return f"param group {index}, parameter {position}{name} of shape {tuple(param.shape)}"
 
 
+def _gradients(gathered: Gathered) -> list[Tensor]:
+    """Every group's gradients in one list (a single group's own list, not a copy)."""
+    return gathered[0][3] if len(gathered) == 1 else [g for *_, gs in gathered for g in gs]
+
+
 def refuse_non_finite_gradients(
     name: str, gathered: Gathered, kinds: list[list[int]] | None = None
 ) -> None:
@@ -50,8 +55,7 @@ def refuse_non_finite_gradients(
     buckets, where known); only on suspicion are the tensors checked one by one, to
     name the culprit.
     """
-    grads = gathered[0][3] if len(gathered) == 1 else [g for *_, gs in gathered for g in gs]
-    if not gradients_may_be_non_finite(grads, kinds):
+    if not gradients_may_be_non_finite(_gradients(gathered), kinds):
         return
     for index, group, _, _ in gathered:
         for position, param in enumerate(group["params"]):
@@ -75,8 +79,7 @@ def finite_flags(
     ``one_pass`` and ``kinds`` (the gradients' buckets, where known): as for
     ``tensor_lists.all_finite``.
     """
-    grads = gathered[0][3] if len(gathered) == 1 else [g for *_, gs in gathered for g in gs]
-    flags = all_finite(grads, kinds, one_pass=one_pass)
+    flags = all_finite(_gradients(gathered), kinds, one_pass=one_pass)
     count_skipped_where(gathered, {device: flag.logical_not() for device, flag in flags.items()})
     return flags
 
