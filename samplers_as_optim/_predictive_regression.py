@@ -402,13 +402,5 @@ def _mixture_of(
     return sample_means, sample_variances, targets
 
 
-for _public in (
-    RegressionPrediction,
-    RegressionScores,
-    gaussian_regression,
-    heteroscedastic_regression,
-    regression,
-    regression_nll,
-    regression_scores,
-):
-    _public.__module__ = PUBLIC_MODULE
+for _public in __all__:  # every name here is predictive's
+    globals()[_public].__module__ = PUBLIC_MODULE

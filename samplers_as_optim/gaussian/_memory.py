@@ -10,10 +10,11 @@ on Linux CPUs, ``torch.cuda.mem_get_info`` on CUDA; no check elsewhere) and rais
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
-__all__ = ["available_bytes", "check_dense_fits", "dense_bytes"]
+__all__ = ["available_bytes", "check_dense_fits", "dense_bytes", "refuse_unless_fits"]
 
 # The precision itself, its Cholesky factor and one transient of the same size; a
 # Laplace fit also keeps the curvature apart from the prior (for the evidence): one more.
@@ -49,6 +50,16 @@ def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.3g} GiB"
 
 
+def refuse_unless_fits(needed: int, free: int | None, message: Callable[[str, str], str]) -> None:
+    """ValueError with ``message(needed, free)`` (both in GiB, 3 digits) if ``needed > free``.
+
+    ``free`` is the device's free memory in bytes (:func:`available_bytes`); None (it
+    cannot be told) passes.
+    """
+    if free is not None and needed > free:
+        raise ValueError(message(_gib(needed), _gib(free)))
+
+
 def check_dense_fits(
     num_params: int,
     dtype: torch.dtype,
@@ -63,12 +74,13 @@ def check_dense_fits(
     The message reads ``Invalid <subject> (a P x P ... matrix ... needs about X GiB ...,
     but <device> has Y GiB free; use <alternative>, or set requires_grad=False ...)``.
     """
-    needed = dense_bytes(num_params, dtype, copies)
-    free = available_bytes(device)
-    if free is not None and needed > free:
-        raise ValueError(
+    refuse_unless_fits(
+        dense_bytes(num_params, dtype, copies),
+        available_bytes(device),
+        lambda needs, has: (
             f"Invalid {subject} (a {num_params} x {num_params} {dtype} matrix over the "
-            f"{num_params} treated parameters needs about {_gib(needed)} with its "
-            f"factorisation, but {device} has {_gib(free)} free; use {alternative}, or set "
+            f"{num_params} treated parameters needs about {needs} with its "
+            f"factorisation, but {device} has {has} free; use {alternative}, or set "
             "requires_grad=False on the parameters the posterior should not treat)"
-        )
+        ),
+    )

@@ -322,22 +322,30 @@ def _example_bytes(blocks: Tensor, numel: int, itemsize: int) -> int:
     return positions * width * (numel + formed) * itemsize
 
 
-def _generic_diag(
-    model: nn.Module, names: list[str], x: Tensor, blocks: Tensor, out: dict[str, Tensor]
-) -> None:
-    current = dict(model.named_parameters())
-    params = {name: current[name].detach() for name in names}
+def _pseudo_gradient_chunks(
+    model: nn.Module, params: dict[str, Tensor], x: Tensor, blocks: Tensor
+) -> Iterator[dict[str, Tensor]]:
+    """The generic path's ``{name: (b, K, *shape)}`` at ``params``, b examples at a time."""
     run = _per_example_vjp(model, params)
     numel = sum(p.numel() for p in params.values())
     itemsize = next(iter(params.values())).element_size()
     step = _rows_per_chunk(_example_bytes(blocks, numel, itemsize))
-    totals = {name: torch.zeros_like(p) for name, p in params.items()}
     for start in range(0, x.shape[0], step):
         factor = _example_factors(blocks[start : start + step])
         # torch.func transforms ignore an outer no_grad; it only stops the module's other
         # parameters from recording history into the results.
         with torch.no_grad():
             grads = vmap(run)(x[start : start + step], factor)
+        yield grads
+
+
+def _generic_diag(
+    model: nn.Module, names: list[str], x: Tensor, blocks: Tensor, out: dict[str, Tensor]
+) -> None:
+    current = dict(model.named_parameters())
+    params = {name: current[name].detach() for name in names}
+    totals = {name: torch.zeros_like(p) for name, p in params.items()}
+    for grads in _pseudo_gradient_chunks(model, params, x, blocks):
         for name in names:
             totals[name] += grads[name].square().sum((0, 1))
     out.update(totals)
@@ -571,16 +579,11 @@ def _generic_dense(
     blocks = factor_blocks(likelihood, kind, output, target)
     current = dict(model.named_parameters())
     params = {name: current[name].detach() for name in treated.names}
-    run = _per_example_vjp(model, params)
     reference = params[treated.names[0]]
     total = torch.zeros(
         treated.numel, treated.numel, dtype=reference.dtype, device=reference.device
     )
-    step = _rows_per_chunk(_example_bytes(blocks, treated.numel, reference.element_size()))
-    for start in range(0, x.shape[0], step):
-        factor = _example_factors(blocks[start : start + step])
-        with torch.no_grad():
-            grads = vmap(run)(x[start : start + step], factor)
+    for grads in _pseudo_gradient_chunks(model, params, x, blocks):
         rows = treated.flatten(grads, batch_dims=2).reshape(-1, treated.numel)
         total += rows.transpose(0, 1) @ rows
     return total

@@ -554,35 +554,27 @@ class _Gaussian(_WeightGaussian, GLMPredictive):
         chunk_size = check_chunk_size(chunk_size)
         per_position = check_bool("per_position", per_position)
         diagonal = check_bool("diagonal", diagonal)
-        mean, precision = self._fitted()
+        fitted = self._function_space_fit()
         with evaluating(self.model):
-            return function_space_gaussian(
-                self.model,
-                self.treated,
-                mean,
-                precision,
-                self._cholesky,
-                self.temperature,
-                x,
-                chunk_size,
-                per_position,
-                diagonal,
-            )
+            return function_space_gaussian(*fitted, x, chunk_size, per_position, diagonal)
 
     def _output_gaussian(
         self, x: Tensor, chunk_size: int | None
     ) -> FunctionSpaceGaussian | FactoredGaussian:
         """:meth:`function_space` per position, or a last layer's factored Gaussian."""
         chunk_size = check_chunk_size(chunk_size)
-        mean, precision = self._fitted()
+        fitted = self._function_space_fit()
         with evaluating(self.model):
-            return output_gaussian(
-                self.model,
-                self.treated,
-                mean,
-                precision,
-                self._cholesky,
-                self.temperature,
-                x,
-                chunk_size,
-            )
+            return output_gaussian(*fitted, x, chunk_size)
+
+    def _function_space_fit(
+        self,
+    ) -> tuple[nn.Module, Treated, dict[str, Tensor], Fitted, Tensor | None, float]:
+        """The fit as the function-space routines take it: their first six arguments.
+
+        ``(model, treated, mean, precision, cholesky, temperature)`` for
+        :func:`~.linearised.function_space.function_space_gaussian` and
+        :func:`~.linearised.function_space.output_gaussian`; RuntimeError if not fitted.
+        """
+        mean, precision = self._fitted()
+        return self.model, self.treated, mean, precision, self._cholesky, self.temperature

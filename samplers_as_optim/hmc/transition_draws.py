@@ -50,11 +50,19 @@ def _inverse_mass(state: Mapping[Any, Any], param: Tensor) -> Tensor | None:
     return None if mass is None else 1.0 / mass
 
 
-def _per_parameter(
-    param_groups: Sequence[dict[str, Any]],
-) -> tuple[dict[int, float], dict[int, float], dict[int, dict[str, Any]]]:
-    r"""Each parameter's weight decay, :math:`\sqrt{lr/N}` and param group, by ``id``."""
-    num_data = int(param_groups[0]["num_data"])
+def _setting(
+    param_groups: Sequence[dict[str, Any]], hmc: dict[str, Any], start: Start
+) -> tuple[float, float, dict[int, float], dict[int, float], dict[int, dict[str, Any]], Tensor]:
+    r"""What a transition's draws read before drawing, all but param group 0's seed and step.
+
+    Group 0's temperature and jitter; each parameter's weight decay, :math:`\sqrt{lr/N}` and
+    param group, by ``id``; the chain's log step multiplier :math:`\log s`, which
+    ``start_step_size_`` creates at the first transition.
+    """
+    first = param_groups[0]
+    temperature = float(first["temperature"])
+    jitter = float(first["jitter"])
+    num_data = int(first["num_data"])
     decay: dict[int, float] = {}
     root_lr: dict[int, float] = {}
     group_of: dict[int, dict[str, Any]] = {}
@@ -63,7 +71,9 @@ def _per_parameter(
             decay[id(p)] = float(group["weight_decay"])
             root_lr[id(p)] = math.sqrt(float(group["lr"]) / num_data)
             group_of[id(p)] = group
-    return decay, root_lr, group_of
+    device = start.chain[0].device
+    log_step = start_step_size_(hmc, start.members, device, first["target_accept"])
+    return temperature, jitter, decay, root_lr, group_of, log_step
 
 
 def _momentum(xi: Tensor, inverse_mass: Tensor | None, temperature: float) -> Tensor:
@@ -120,14 +130,11 @@ def draw_transition(
         keys: the noise key of each parameter of the chain.
     """
     first = param_groups[0]
-    temperature = float(first["temperature"])
-    jitter = float(first["jitter"])
-    decay, root_lr, group_of = _per_parameter(param_groups)
+    temperature, jitter, decay, root_lr, group_of, log_step = _setting(param_groups, hmc, start)
     chain, members = start.chain, start.members
     device = chain[0].device
 
     # the step size: s (per chain), jittered, times sqrt(lr / N) per group
-    log_step = start_step_size_(hmc, members, device, first["target_accept"])
     multiplier = torch.exp(log_step)
     step0 = int(first["step"])
     stream0 = stream(int(first["seed"]))
@@ -177,12 +184,9 @@ def draw_transitions(
         ``t``, zeros from row ``count`` on; the running counts are those before the first.
     """
     first = param_groups[0]
-    temperature = float(first["temperature"])
-    jitter = float(first["jitter"])
-    decay, root_lr, group_of = _per_parameter(param_groups)
+    temperature, jitter, decay, root_lr, group_of, log_step = _setting(param_groups, hmc, start)
     chain, members = start.chain, start.members
     device = chain[0].device
-    log_step = start_step_size_(hmc, members, device, first["target_accept"])
     shape = () if members is None else (members,)
     step0 = int(first["step"]) + offset
     stream0 = stream(int(first["seed"]))

@@ -83,7 +83,7 @@ def _members_loss(
     check_bool("per_member_targets", per_member_targets)
     size = _leading_size("outputs", outputs)
     if per_member_targets:
-        check_member_targets(targets, size)
+        check_member_size("targets", targets, size)
     stacked_loss = _stacked_loss_tensors(loss_fn, size, members)
     if stacked_loss is not None:
         return _stacked_module_loss(
@@ -201,23 +201,19 @@ def _leading_size(name: str, value: Any) -> int:
     return sizes.pop()[0]
 
 
-def check_member_outputs(outputs: Any, size: int) -> None:
-    """The members' outputs must have the members' leading dimension, ``size``."""
-    output_size = _leading_size("outputs", outputs)
-    if output_size != size:
-        raise ValueError(
-            f"Invalid outputs: leading dimension {output_size} (expected {size}, one output "
-            "per member)"
-        )
+#: one member's share of each argument that :func:`check_member_size` checks
+_PER_MEMBER = {
+    "outputs": "one output per member",
+    "targets": "one set of targets per member, with per_member_targets=True",
+}
 
 
-def check_member_targets(targets: Any, size: int) -> None:
-    """Per-member targets must have the members' leading dimension, ``size``."""
-    target_size = _leading_size("targets", targets)
-    if target_size != size:
+def check_member_size(name: str, value: Any, size: int) -> None:
+    """Raise unless ``value``, the outputs or targets (``name``), leads with ``size`` members."""
+    found = _leading_size(name, value)
+    if found != size:
         raise ValueError(
-            f"Invalid targets: leading dimension {target_size} (expected {size}, one set "
-            "of targets per member, with per_member_targets=True)"
+            f"Invalid {name}: leading dimension {found} (expected {size}, {_PER_MEMBER[name]})"
         )
 
 

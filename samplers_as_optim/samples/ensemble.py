@@ -84,8 +84,7 @@ from ..core.validation import (
 )
 from ._ensemble_loss import (
     backward_in_chunks,
-    check_member_outputs,
-    check_member_targets,
+    check_member_size,
     ensemble_loss,
 )
 from ._ensemble_members import (
@@ -473,7 +472,7 @@ class ParallelEnsemble(nn.Module):
             ValueError: ``outputs`` without K members, or a loss module whose tensors are
                 not stacked over K members.
         """
-        check_member_outputs(outputs, self.num_members)
+        check_member_size("outputs", outputs, self.num_members)
         return ensemble_loss(loss_fn, outputs, targets, per_member_targets=per_member_targets)
 
     def backward(
@@ -527,7 +526,7 @@ class ParallelEnsemble(nn.Module):
         if per_member_inputs:
             check_per_sample_inputs(args, size)
         if per_member_targets:
-            check_member_targets(targets, size)
+            check_member_size("targets", targets, size)
         if chunk_size is None or chunk_size >= size:
             outputs = self(*args, per_member_inputs=per_member_inputs, **kwargs)
             loss = ensemble_loss(loss_fn, outputs, targets, per_member_targets=per_member_targets)

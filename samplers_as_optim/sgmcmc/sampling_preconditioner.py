@@ -51,7 +51,7 @@ figures the samplers' docstrings report).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -59,6 +59,7 @@ from torch import Tensor
 
 from ..core.validation import check_choice, refuse
 from .definition import Hyperparameter, StateField
+from .definition.arguments import LR
 from .tensor_lists import add_scalar_
 
 __all__ = [
@@ -76,12 +77,15 @@ __all__ = [
     "freeze_mark",
     "freezes_now",
     "informed_noise",
+    "lr_in_units_of",
     "pooled_second_moment",
     "prior_floor",
     "released",
     "sampling_preconditioner",
     "sampling_scale",
     "step_count",
+    "zero_temperature_only",
+    "zeros_like_param",
 ]
 
 #: how the sampling preconditioner pools the second moment
@@ -339,3 +343,41 @@ PRECONDITIONER_WARMUP = Hyperparameter(
             preconditioner is frozen (default: 1000; an integer >= 0, or None: never).""",
     check=lambda value, where: check_preconditioner_warmup(value, where),
 )
+
+
+def zeros_like_param(param: Tensor, group: Mapping[str, Any]) -> Tensor:
+    """A state field's ``init``: zeros in ``param``'s shape, dtype and memory format."""
+    return torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def lr_in_units_of(optimizer: str, default: float) -> Hyperparameter:
+    """``lr`` for a sampler whose signature is ``optimizer``'s (``"torch.optim.AdamW"``)."""
+    return LR.replace(
+        default=default,
+        doc=rf"""lr: learning rate, in the units of ``{optimizer}`` (default: {default:g};
+            a finite number >= 0, or a one-element tensor). At temperature > 0 it is also
+            the sampler's step size; a group whose ``lr`` is 0 at temperature > 0 is left
+            unchanged by a step (no time passes).""",
+    )
+
+
+def zero_temperature_only(
+    name: str, default: Any, what: str, check: Callable[[Any, str], Any]
+) -> Hyperparameter:
+    """An option of the torch optimizer a sampler mirrors that has no sampling meaning.
+
+    Positional as in torch, kept in the param groups and checked by ``check``; the
+    sampler's own ``check`` refuses any other value than ``default`` at temperature > 0
+    (``definition.arguments.sampling_meaningless``).
+    """
+    other = "True" if default is False else "a value other than 0"
+    return Hyperparameter(
+        name,
+        default=default,
+        annotation="bool" if isinstance(default, bool) else "float",
+        doc=rf"""{name}: {what} (default: {default!r}). Has no sampling meaning:
+            {other} requires temperature 0.""",
+        transform_doc=rf"""{name}: {what} (default: {default!r}; temperature 0 only).""",
+        check=check,
+        positional=True,
+    )

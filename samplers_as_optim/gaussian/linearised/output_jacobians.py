@@ -22,17 +22,13 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
-from .._memory import available_bytes
+from .._memory import available_bytes, refuse_unless_fits
 
 __all__ = ["input_chunks", "output_jacobians"]
 
 # A chunk's Jacobian, its scaled copy and one transient of the same size.
 _COPIES = 3
 _CHUNK_BYTES = 2**28
-
-
-def _gib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**30:.3g} GiB"
 
 
 def input_chunks(
@@ -51,15 +47,17 @@ def input_chunks(
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_input = _COPIES * outputs * num_params * itemsize
-    free = available_bytes(device)
-    if free is not None and per_input > free:
-        raise ValueError(
+    refuse_unless_fits(
+        per_input,
+        available_bytes(device),
+        lambda needs, has: (
             f"Invalid x: one input's Jacobian ({outputs} outputs x {num_params} treated "
-            f"parameters, {dtype}) needs about {_gib(per_input)} with its copies, but "
-            f"{device} has {_gib(free)} free (expected a Jacobian that fits: treat fewer "
+            f"parameters, {dtype}) needs about {needs} with its copies, but "
+            f"{device} has {has} free (expected a Jacobian that fits: treat fewer "
             "weights, e.g. subset='last_layer', or use predict(x, linear=True), which "
             "samples with one jvp per draw)"
-        )
+        ),
+    )
     if chunk_size is None:
         chunk_size = max(1, _CHUNK_BYTES // per_input)
     for start in range(0, batch, chunk_size):

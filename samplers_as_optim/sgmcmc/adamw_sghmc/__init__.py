@@ -112,12 +112,17 @@ import torch
 from torch import Tensor
 
 from ...core.validation import check_bool, check_nonnegative, refuse, user_stacklevel
-from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
+from ..definition import (
+    Hyperparameter,
+    SamplerDefinition,
+    StateField,
+    UpdateInput,
+    UpdateOutput,
+)
 from ..definition.arguments import (
     DIFFERENTIABLE,
     FOREACH,
     FUSED,
-    LR,
     MAXIMIZE,
     NONFINITE,
     NUM_DATA,
@@ -137,6 +142,9 @@ from ..sampling_preconditioner import (
     PRECONDITIONER_WARMUP,
     STEP,
     check_eps,
+    lr_in_units_of,
+    zero_temperature_only,
+    zeros_like_param,
 )
 from .temperature import ADAMW_SGHMC_RULE
 from .update import Settings, directions
@@ -291,21 +299,12 @@ def _adamw_step(group: Mapping[str, Any], inputs: UpdateInput, *, foreach: bool)
     return True
 
 
-def _zeros(param: Tensor, group: Mapping[str, Any]) -> Tensor:
-    return torch.zeros_like(param, memory_format=torch.preserve_format)
-
-
 DEFINITION = SamplerDefinition(
     name="AdamWSGHMC",
     transform_name="adamw_sghmc",
     # torch.optim.AdamW's signature, then the sampler's own arguments
     hyperparameters=(
-        LR.replace(
-            doc=r"""lr: learning rate, in the units of ``torch.optim.AdamW``
-            (default: 1e-3; a finite number >= 0, or a one-element tensor). At
-            temperature > 0 it is also the sampler's step size; a group whose ``lr`` is
-            0 at temperature > 0 is left unchanged by a step (no time passes).""",
-        ),
+        lr_in_units_of("torch.optim.AdamW", 1e-3),
         Hyperparameter(
             "betas",
             default=(0.9, 0.999),
@@ -338,16 +337,11 @@ DEFINITION = SamplerDefinition(
             refused.""",
             positional=True,
         ),
-        Hyperparameter(
+        zero_temperature_only(
             "amsgrad",
-            default=False,
-            annotation="bool",
-            doc=r"""amsgrad: AdamW's AMSGrad variant (default: False). Has no sampling
-            meaning: True requires temperature 0.""",
-            transform_doc=r"""amsgrad: AdamW's AMSGrad variant (default: False;
-            temperature 0 only).""",
-            check=lambda value, where: check_bool("amsgrad", value, where=where),
-            positional=True,
+            False,
+            "AdamW's AMSGrad variant",
+            lambda value, where: check_bool("amsgrad", value, where=where),
         ),
         MAXIMIZE,
         FOREACH,
@@ -408,13 +402,13 @@ DEFINITION = SamplerDefinition(
     ),
     state=(
         STEP,
-        StateField("exp_avg", ":math:`m` per leaf, starting at zero.", init=_zeros),
-        StateField("exp_avg_sq", ":math:`V` per leaf, starting at zero.", init=_zeros),
+        StateField("exp_avg", ":math:`m` per leaf, starting at zero.", init=zeros_like_param),
+        StateField("exp_avg_sq", ":math:`V` per leaf, starting at zero.", init=zeros_like_param),
         StateField(
             "max_exp_avg_sq",
             "the running maximum of :math:`V` per leaf (empty unless ``amsgrad``).",
             used=lambda group: bool(group["amsgrad"]),
-            init=_zeros,
+            init=zeros_like_param,
         ),
         FROZEN_PRECONDITIONER,
         StateField(
@@ -494,16 +488,7 @@ DEFINITION = SamplerDefinition(
 
     {arguments}
 
-    Example:
-        >>> import torch, torchopt
-        >>> from samplers_as_optim import transforms
-        >>> params = {{"w": torch.zeros(3)}}
-        >>> tx = transforms.adamw_sghmc(1e-3, num_data=1000, seed=0)
-        >>> state = tx.init(params)
-        >>> updates, state = tx.update({{"w": torch.ones(3)}}, state, params=params)
-        >>> params = torchopt.apply_updates(params, updates)
-        >>> state.count
-        1
+    {example}
 
     References:
         Chen, T., Fox, E. & Guestrin, C. (2014). Stochastic gradient Hamiltonian Monte

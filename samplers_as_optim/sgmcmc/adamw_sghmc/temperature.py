@@ -19,32 +19,24 @@ is the prior :math:`\mathcal N(0, 1/(N\lambda a_i))`: the configurational estima
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from ...names import member_dims
 from ..sampling_preconditioner import pooled_second_moment, prior_floor
 from ..temperature.coordinates import CoordinateSubset
-from ..temperature.rule import KineticRead, TemperatureRule
+from ..temperature.rule import KineticRead, SubsetRead, TemperatureRule
 
 __all__ = ["ADAMW_SGHMC_RULE", "preconditioned_kinetic", "preconditioner_mass"]
 
 
-def preconditioner_mass(
-    group: Mapping[str, Any],
-    param: Tensor,
-    state: Mapping[str, Any],
-    subset: CoordinateSubset,
-    members: int,
-) -> Tensor | None:
-    """The twin's sampling preconditioner :math:`a` at ``subset`` (None before a step).
+def preconditioner_mass(at: SubsetRead) -> Tensor | None:
+    """The twin's sampling preconditioner :math:`a` at ``at.subset`` (None before a step).
 
     As :meth:`~.temperature_coordinates.CoordinateSubset.read` gives it, or with a last
     dimension of 1 where :math:`a` is one number per member.
     """
+    group, param, state, subset, members = at
     frozen = state.get("preconditioner")
     flag = state.get("preconditioner_step")
     if isinstance(frozen, Tensor) and flag is not None and float(flag) > 0:
@@ -76,20 +68,13 @@ def _read_like(value: Tensor, param: Tensor, subset: CoordinateSubset, members: 
     return subset.read(value.expand_as(param), members)
 
 
-def preconditioned_kinetic(
-    group: Mapping[str, Any],
-    param: Tensor,
-    state: Mapping[str, Any],
-    subset: CoordinateSubset,
-    members: int,
-    momentum: Tensor,
-    scale: float,
-) -> KineticRead | None:
+def preconditioned_kinetic(at: SubsetRead, momentum: Tensor, scale: float) -> KineticRead | None:
     r""":math:`\sum r^2/M` per member (float64), the elements with a scale, None.
 
     None before the first step (no :math:`a` yet).
     """
-    a = preconditioner_mass(group, param, state, subset, members)
+    a = preconditioner_mass(at)
+    group, members = at.group, at.members
     if a is None:
         return None
     beta1 = float(group["betas"][0])

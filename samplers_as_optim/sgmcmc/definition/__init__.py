@@ -52,6 +52,7 @@ __all__ = [
     "arguments_doc",
     "example_doc",
     "generated_function",
+    "transform_example_doc",
 ]
 
 
@@ -211,10 +212,9 @@ class SamplerDefinition:
             run after every hyperparameter's own check.
         optimizer_doc: the Optimizer class's docstring, with ``{arguments}`` where its
             ``Args`` section goes and ``{example}`` where its ``Example`` section goes.
-        transform_doc: the transformation's docstring, with ``{arguments}`` where its
-            ``Args`` and ``Returns`` sections go.
-        example: the hyperparameters of the Optimizer's example (``"lr=1e-3,
-            momentum=0.9"``), which builds it for a small model and takes one step.
+        transform_doc: the transformation's, with ``{arguments}`` (``Args`` and
+            ``Returns``) and ``{example}`` (unless it writes its own).
+        example: the hyperparameters of both examples (``"lr=1e-3, momentum=0.9"``).
         momentum_in_lr_units: the state holds a momentum buffer in SGD units, which a
             change of ``lr`` at temperature > 0 re-expresses (``docs/design.md``).
         momentum_buffer: the name of that buffer (``"exp_avg"`` for AdamW's units).
@@ -306,18 +306,28 @@ def arguments_doc(entries: Sequence[str], returns: str | None = None) -> str:
 
 def example_doc(name: str, arguments: str) -> str:
     """The ``Example`` section of a sampler class: a small model and one step."""
-    return "\n        ".join(
-        (
-            "Example:",
-            ">>> import torch",
-            f">>> from samplers_as_optim import {name}",
-            ">>> model = torch.nn.Linear(3, 1)",
-            f">>> opt = {name}(model.parameters(), {arguments}, num_data=1000, seed=0)",
-            ">>> loss = model(torch.randn(8, 3)).pow(2).mean()",
-            ">>> loss.backward()",
-            ">>> opt.step()",
-        )
-    )
+    return f"""Example:
+        >>> import torch
+        >>> from samplers_as_optim import {name}
+        >>> model = torch.nn.Linear(3, 1)
+        >>> opt = {name}(model.parameters(), {arguments}, num_data=1000, seed=0)
+        >>> loss = model(torch.randn(8, 3)).pow(2).mean()
+        >>> loss.backward()
+        >>> opt.step()"""
+
+
+def transform_example_doc(name: str, arguments: str) -> str:
+    """The ``Example`` section of a transformation: one update of a leaf from zeros."""
+    return f"""Example:
+        >>> import torch, torchopt
+        >>> from samplers_as_optim import transforms
+        >>> params = {{"w": torch.zeros(3)}}
+        >>> tx = transforms.{name}({arguments}, num_data=1000, seed=0)
+        >>> state = tx.init(params)
+        >>> updates, state = tx.update({{"w": torch.ones(3)}}, state, params=params)
+        >>> params = torchopt.apply_updates(params, updates)
+        >>> state.count
+        1"""
 
 
 def generated_function(

@@ -65,10 +65,11 @@ def fused_update_refusal(
     name: str,
     group: Mapping[str, Any],
     leaves: Sequence[tuple[str, Tensor, Tensor]],
-    *,
     functorch: bool,
 ) -> str | None:
     """Why this update of the transformation ``name`` cannot be fused, or None.
+
+    With ``definition`` and ``name`` bound, a :data:`~.transform.FusedRefusal`.
 
     ``leaves`` holds ``(where, update, param)`` for each leaf with an update (``where``
     names it: ``"updates['w']"``). Checked in the order of cost: Triton is imported

@@ -117,12 +117,17 @@ import torch
 from torch import Tensor
 
 from ...core.validation import check_bool, check_nonnegative, refuse
-from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
+from ..definition import (
+    Hyperparameter,
+    SamplerDefinition,
+    StateField,
+    UpdateInput,
+    UpdateOutput,
+)
 from ..definition.arguments import (
     DIFFERENTIABLE,
     FOREACH,
     FUSED,
-    LR,
     MAXIMIZE,
     NONFINITE,
     NUM_DATA,
@@ -141,6 +146,9 @@ from ..sampling_preconditioner import (
     PRECONDITIONER_WARMUP,
     STEP,
     check_eps,
+    lr_in_units_of,
+    zero_temperature_only,
+    zeros_like_param,
 )
 from ..temperature.rule import LANGEVIN
 from .dtypes import check_dtypes, psgld_noise_scale
@@ -308,22 +316,12 @@ def _per_leaf(old: Mapping[str, Any], value: Any) -> tuple[Any, ...]:
     return tuple(None if leaf is None else value(leaf) for leaf in old["square_avg"])
 
 
-def _zeros(param: Tensor, group: Mapping[str, Any]) -> Tensor:
-    return torch.zeros_like(param, memory_format=torch.preserve_format)
-
-
 DEFINITION = SamplerDefinition(
     name="PSGLD",
     transform_name="psgld",
     # torch.optim.RMSprop's signature, then the sampler's own arguments
     hyperparameters=(
-        LR.replace(
-            default=1e-2,
-            doc=r"""lr: learning rate, in the units of ``torch.optim.RMSprop``
-            (default: 1e-2; a finite number >= 0, or a one-element tensor). At
-            temperature > 0 it is also the sampler's step size; a group whose ``lr`` is
-            0 at temperature > 0 is left unchanged by a step (no time passes).""",
-        ),
+        lr_in_units_of("torch.optim.RMSprop", 1e-2),
         Hyperparameter(
             "alpha",
             default=0.99,
@@ -350,26 +348,17 @@ DEFINITION = SamplerDefinition(
             positional=True,
         ),
         WEIGHT_DECAY.replace(positional=True),
-        Hyperparameter(
+        zero_temperature_only(
             "momentum",
-            default=0.0,
-            doc=r"""momentum: RMSprop's momentum (default: 0). Has no sampling
-            meaning: a value other than 0 requires temperature 0.""",
-            transform_doc=r"""momentum: RMSprop's momentum (default: 0; temperature 0
-            only).""",
-            check=lambda value, where: check_nonnegative("momentum", value, where=where),
-            positional=True,
+            0.0,
+            "RMSprop's momentum",
+            lambda value, where: check_nonnegative("momentum", value, where=where),
         ),
-        Hyperparameter(
+        zero_temperature_only(
             "centered",
-            default=False,
-            annotation="bool",
-            doc=r"""centered: RMSprop's centred variant (default: False). Has no
-            sampling meaning: True requires temperature 0.""",
-            transform_doc=r"""centered: RMSprop's centred variant (default: False;
-            temperature 0 only).""",
-            check=lambda value, where: check_bool("centered", value, where=where),
-            positional=True,
+            False,
+            "RMSprop's centred variant",
+            lambda value, where: check_bool("centered", value, where=where),
         ),
         Hyperparameter(
             "capturable",
@@ -422,19 +411,21 @@ DEFINITION = SamplerDefinition(
     ),
     state=(
         StateField(
-            "square_avg", ":math:`V` per leaf of the params tree, starting at zero.", init=_zeros
+            "square_avg",
+            ":math:`V` per leaf of the params tree, starting at zero.",
+            init=zeros_like_param,
         ),
         StateField(
             "momentum_buffer",
             "RMSprop's momentum buffer per leaf (empty unless ``momentum``).",
             used=lambda group: group["momentum"] > 0,
-            init=_zeros,
+            init=zeros_like_param,
         ),
         StateField(
             "grad_avg",
             "the running mean of the gradients per leaf (empty unless ``centered``).",
             used=lambda group: bool(group["centered"]),
-            init=_zeros,
+            init=zeros_like_param,
         ),
         StateField(
             "previous_param",
@@ -446,7 +437,7 @@ DEFINITION = SamplerDefinition(
             "previous_grad",
             "the gradients at the last update (empty unless ``correction``).",
             used=lambda group: bool(group["correction"]),
-            init=_zeros,
+            init=zeros_like_param,
         ),
         # added in 0.2: a PSGLDState saved before them loads with these values
         dataclasses.replace(STEP, legacy=lambda old: _per_leaf(old, lambda _: float(old["count"]))),
@@ -523,16 +514,7 @@ DEFINITION = SamplerDefinition(
 
     {arguments}
 
-    Example:
-        >>> import torch, torchopt
-        >>> from samplers_as_optim import transforms
-        >>> params = {{"w": torch.zeros(3)}}
-        >>> tx = transforms.psgld(1e-3, num_data=1000, seed=0)
-        >>> state = tx.init(params)
-        >>> updates, state = tx.update({{"w": torch.ones(3)}}, state, params=params)
-        >>> params = torchopt.apply_updates(params, updates)
-        >>> state.count
-        1
+    {example}
 
     References:
         Li, C., Chen, C., Carlson, D. & Carin, L. (2016). Preconditioned stochastic

@@ -158,7 +158,7 @@ def sghmc_direction(
         return directions, list(momentum_buffers)
     if (noise is None) != (temperature == 0):
         raise ValueError("noise must be given exactly when temperature > 0")
-    return (_foreach_sghmc if foreach else _single_tensor_sghmc)(
+    return _sghmc_buffers(
         params,
         grads,
         momentum_buffers,
@@ -169,6 +169,7 @@ def sghmc_direction(
         nesterov=nesterov,
         weight_decay=weight_decay,
         maximize=maximize,
+        foreach=foreach,
         inplace=inplace,
     )
 
@@ -183,7 +184,7 @@ def _next_buffer(
     return buffer.add_(grad, alpha=1 - dampening)
 
 
-def _single_tensor_sghmc(
+def _sghmc_buffers(
     params: list[Tensor],
     grads: list[Tensor],
     momentum_buffers: list[Tensor | None],
@@ -195,38 +196,27 @@ def _single_tensor_sghmc(
     nesterov: bool,
     weight_decay: float,
     maximize: bool,
+    foreach: bool,
     inplace: bool,
 ) -> tuple[list[Tensor], list[Tensor | None]]:
-    """The reference loop of :func:`sghmc_direction`, ``scale`` its noise scale."""
-    directions: list[Tensor] = []
-    buffers: list[Tensor | None] = []
-    for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
-        grad = effective_grad(grad, param, weight_decay=weight_decay, maximize=maximize)
-        buffer = _next_buffer(momentum_buffers[i], grad, momentum, dampening, inplace)
-        if noise is not None:
-            buffer.add_(noise[i], alpha=scale)
-        buffers.append(buffer)
-        directions.append(grad.add(buffer, alpha=momentum) if nesterov else buffer)
-    return directions, buffers
+    """:func:`sghmc_direction`'s buffers and directions, ``scale`` its noise scale.
 
-
-def _foreach_sghmc(
-    params: list[Tensor],
-    grads: list[Tensor],
-    momentum_buffers: list[Tensor | None],
-    noise: list[Tensor] | None,
-    *,
-    scale: float,
-    momentum: float,
-    dampening: float,
-    nesterov: bool,
-    weight_decay: float,
-    maximize: bool,
-    inplace: bool,
-) -> tuple[list[Tensor], list[Tensor | None]]:
-    """:func:`_single_tensor_sghmc` with foreach operations, per (device, dtype) bucket."""
+    The single-tensor loop is the reference; with ``foreach``, the same numbers by foreach
+    operations, per (device, dtype) bucket.
+    """
+    if not foreach:
+        directions: list[Tensor] = []
+        buffers: list[Tensor | None] = []
+        for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
+            grad = effective_grad(grad, param, weight_decay=weight_decay, maximize=maximize)
+            buffer = _next_buffer(momentum_buffers[i], grad, momentum, dampening, inplace)
+            if noise is not None:
+                buffer.add_(noise[i], alpha=scale)
+            buffers.append(buffer)
+            directions.append(grad.add(buffer, alpha=momentum) if nesterov else buffer)
+        return directions, buffers
     directions = [grads[0]] * len(grads)
-    buffers: list[Tensor | None] = list(momentum_buffers)
+    buffers = list(momentum_buffers)
     for index, bucket_grads, _ in bucketed_grads(
         params, grads, weight_decay=weight_decay, maximize=maximize
     ):

@@ -100,7 +100,7 @@ invariant and needs no global reduction across tensors or param groups.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -199,7 +199,7 @@ def sgnht_direction(
     if kinetic_energy not in KINETIC_ENERGY:
         raise ValueError(f"kinetic_energy must be one of {KINETIC_ENERGY}")
     symmetric = kinetic_energy == "symmetric"
-    buffers, new_thermostats = (_foreach_sgnht if foreach else _single_tensor_sgnht)(
+    buffers, new_thermostats = _sgnht_buffers(
         params,
         grads,
         momentum_buffers,
@@ -212,12 +212,13 @@ def sgnht_direction(
         symmetric=symmetric,
         weight_decay=weight_decay,
         maximize=maximize,
+        foreach=foreach,
         inplace=inplace,
     )
     return list(buffers), buffers, new_thermostats
 
 
-def _single_tensor_sgnht(
+def _sgnht_buffers(
     params: list[Tensor],
     grads: list[Tensor],
     momentum_buffers: list[Tensor],
@@ -230,56 +231,42 @@ def _single_tensor_sgnht(
     symmetric: bool,
     weight_decay: float,
     maximize: bool,
+    foreach: bool,
     inplace: bool,
 ) -> tuple[list[Tensor], list[Tensor]]:
-    r"""The reference loop of :func:`sgnht_direction`: ``(momentum_buffers, thermostats)``.
+    r""":func:`sgnht_direction`'s ``(momentum_buffers, thermostats)``.
 
     ``scale`` is the noise's :math:`\sqrt{2(1-\mu)T/(N\,lr)}`, ``cooling``
     :math:`lr\,T/N`, ``factor`` the kinetic energy's :math:`lr^2` (:math:`lr^2/4` with
-    ``symmetric``, whose energy is that of :math:`b_{\text{old}} + b`).
+    ``symmetric``, whose energy is that of :math:`b_{\text{old}} + b`). The single-tensor
+    loop is the reference; with ``foreach``, the same by foreach operations, per (device,
+    dtype) bucket.
     """
-    buffers, new_thermostats = [], []
-    for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
-        grad = effective_grad(grad, param, weight_decay=weight_decay, maximize=maximize)
-        thermostat = thermostats[i]
-        friction = torch.sub(1.0, thermostat)
-        buffer = momentum_buffers[i]
-        midpoint = None
-        if symmetric:  # b_old + b_new = (2 - alpha) b_old + (g' + s xi)
-            kick = grad.add(noise[i], alpha=scale)
-            midpoint = buffer.mul(torch.add(friction, 1.0)).add_(kick)
-        # out of place: the in-place product's dtype (a 0-dim buffer would be promoted)
-        buffer = buffer.mul_(friction) if inplace else buffer.mul(friction).to(buffer.dtype)
-        if symmetric:
-            buffer.add_(kick)
-        else:
-            buffer.add_(grad).add_(noise[i], alpha=scale)
-        if buffer.numel() > 0:  # an empty tensor has nothing to thermostat
-            energy = buffer if midpoint is None else midpoint
-            kinetic = torch.linalg.vector_norm(energy, dtype=thermostat.dtype).square()
-            increment = kinetic.mul_(factor / buffer.numel()).sub_(cooling)
-            thermostat = thermostat.add_(increment) if inplace else thermostat.add(increment)
-        buffers.append(buffer)
-        new_thermostats.append(thermostat)
-    return buffers, new_thermostats
-
-
-def _foreach_sgnht(
-    params: list[Tensor],
-    grads: list[Tensor],
-    momentum_buffers: list[Tensor],
-    thermostats: list[Tensor],
-    noise: list[Tensor],
-    *,
-    scale: float,
-    cooling: float,
-    factor: float,
-    symmetric: bool,
-    weight_decay: float,
-    maximize: bool,
-    inplace: bool,
-) -> tuple[list[Tensor], list[Tensor]]:
-    """:func:`_single_tensor_sgnht` with foreach operations, per (device, dtype) bucket."""
+    if not foreach:
+        buffers, new_thermostats = [], []
+        for i, (param, grad) in enumerate(zip(params, grads, strict=True)):
+            grad = effective_grad(grad, param, weight_decay=weight_decay, maximize=maximize)
+            thermostat = thermostats[i]
+            friction = torch.sub(1.0, thermostat)
+            buffer = momentum_buffers[i]
+            midpoint = None
+            if symmetric:  # b_old + b_new = (2 - alpha) b_old + (g' + s xi)
+                kick = grad.add(noise[i], alpha=scale)
+                midpoint = buffer.mul(torch.add(friction, 1.0)).add_(kick)
+            # out of place: the in-place product's dtype (a 0-dim buffer would be promoted)
+            buffer = buffer.mul_(friction) if inplace else buffer.mul(friction).to(buffer.dtype)
+            if symmetric:
+                buffer.add_(kick)
+            else:
+                buffer.add_(grad).add_(noise[i], alpha=scale)
+            if buffer.numel() > 0:  # an empty tensor has nothing to thermostat
+                energy = buffer if midpoint is None else midpoint
+                kinetic = torch.linalg.vector_norm(energy, dtype=thermostat.dtype).square()
+                increment = kinetic.mul_(factor / buffer.numel()).sub_(cooling)
+                thermostat = thermostat.add_(increment) if inplace else thermostat.add(increment)
+            buffers.append(buffer)
+            new_thermostats.append(thermostat)
+        return buffers, new_thermostats
     buffers = list(momentum_buffers)
     new_thermostats = list(thermostats)
     for index, bucket_grads, _ in bucketed_grads(
@@ -307,24 +294,38 @@ def _foreach_sgnht(
             torch._foreach_add_(new, [noise[i] for i in index], alpha=scale)
         for position, i in enumerate(index):
             buffers[i] = new[position]
-        # an empty tensor has nothing to thermostat: its thermostat stays as it is
-        full = [position for position, buffer in enumerate(new) if buffer.numel() > 0]
-        if not full:
-            continue
         energies = new if midpoints is None else midpoints
-        energies = [energies[position] for position in full]
-        alphas = [alphas[position] for position in full]
-        norms = torch._foreach_norm(energies, 2, dtype=alphas[0].dtype)
-        kinetics = list(torch._foreach_mul(norms, norms))
-        mul_each_(kinetics, [factor / buffer.numel() for buffer in energies])
-        add_scalar_(kinetics, -cooling)  # (x - c is x + (-c), rounded alike)
-        if inplace:
-            torch._foreach_add_(alphas, kinetics)
-        else:
-            alphas = list(torch._foreach_add(alphas, kinetics))
-        for position, alpha in zip(full, alphas, strict=True):
-            new_thermostats[index[position]] = alpha
+        for i, alpha in _foreach_thermostats(energies, alphas, index, factor, cooling, inplace):
+            new_thermostats[i] = alpha
     return buffers, new_thermostats
+
+
+def _foreach_thermostats(
+    energies: Sequence[Tensor],
+    alphas: list[Tensor],
+    index: list[int],
+    factor: float,
+    cooling: float,
+    inplace: bool,
+) -> list[tuple[int, Tensor]]:
+    r"""A bucket's new thermostats :math:`\alpha + factor\,|e|^2/n - cooling`, by index.
+
+    An empty tensor has nothing to thermostat: its thermostat stays as it is (left out).
+    """
+    full = [position for position, energy in enumerate(energies) if energy.numel() > 0]
+    if not full:
+        return []
+    energies = [energies[position] for position in full]
+    alphas = [alphas[position] for position in full]
+    norms = torch._foreach_norm(energies, 2, dtype=alphas[0].dtype)
+    kinetics = list(torch._foreach_mul(norms, norms))
+    mul_each_(kinetics, [factor / energy.numel() for energy in energies])
+    add_scalar_(kinetics, -cooling)  # (x - c is x + (-c), rounded alike)
+    if inplace:
+        torch._foreach_add_(alphas, kinetics)
+    else:
+        alphas = list(torch._foreach_add(alphas, kinetics))
+    return [(index[position], alpha) for position, alpha in zip(full, alphas, strict=True)]
 
 
 def _check(group: Mapping[str, Any], temperature: float, where: str) -> None:

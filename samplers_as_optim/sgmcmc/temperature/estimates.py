@@ -72,9 +72,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -83,7 +83,7 @@ from ...core.validation import check_open_unit_interval, refuse
 from ...names import member_dims
 from .chi2 import chi2_quantile
 from .coordinates import CoordinateSubset, coordinate_subsets
-from .rule import TemperatureRule, configurational_terms, member_dot
+from .rule import SubsetRead, TemperatureRule, configurational_terms, member_dot
 
 __all__ = [
     "ChainTemperatureReport",
@@ -363,43 +363,54 @@ def group_sums(
     sums = TemperatureSums(index, float(group["temperature"]), members)
     if sums.temperature == 0:
         return sums  # nothing to test (the report says so)
+    read = _GroupRead(rule, group, params, subsets, states)
     with torch.no_grad():
         if members == 1 and rule.plain:  # most steps
             if kinetic:
-                _plain_kinetic(rule, group, params, subsets, states, sums)
+                _plain_kinetic(read, sums)
             if configurational:
-                _plain_configurational(group, params, subsets, sums, spread, grad_scale)
+                _plain_configurational(read, sums, spread, grad_scale)
             return sums
         if kinetic:
-            _kinetic_sums(rule, group, params, subsets, states, sums)
+            _kinetic_sums(read, sums)
         if configurational:
-            _configurational_sums(rule, group, params, subsets, states, sums, spread, grad_scale)
+            _configurational_sums(read, sums, spread, grad_scale)
     return sums
 
 
-def _kinetic_sums(
-    rule: TemperatureRule,
-    group: Mapping[str, Any],
-    params: list[Tensor],
-    subsets: Sequence[CoordinateSubset],
-    states: Mapping[Tensor, Any],
-    sums: TemperatureSums,
-) -> None:
+class _GroupRead(NamedTuple):
+    """A param group's tensors as :func:`group_sums` reads them."""
+
+    rule: TemperatureRule
+    group: Mapping[str, Any]
+    params: list[Tensor]
+    subsets: Sequence[CoordinateSubset]
+    states: Mapping[Tensor, Any]
+
+    def with_grads(self) -> Iterator[tuple[Tensor, Tensor, CoordinateSubset]]:
+        """Each tensor that has a gradient, with its gradient and its subset."""
+        for param, subset in zip(self.params, self.subsets, strict=True):
+            if param.grad is not None:
+                yield param, param.grad, subset
+
+
+def _kinetic_sums(read: _GroupRead, sums: TemperatureSums) -> None:
     """:func:`group_sums`' kinetic sum, into ``sums``.
 
     Per tensor, one dot product (in the parameters' dtype) per buffer, or the rule's
     float64 sum; the parts summed at the end in float64, a few operations whatever the
     number of tensors.
     """
+    rule, group, params, subsets, states = read
     members = sums.members
     by_weight: dict[float, list[Tensor]] = {}  # unit masses: b.b by weight
     totals: list[Tensor] = []  # float64: the rules' own sums, and the weighted ones
     dof: Tensor | int = 0
     for param, subset in zip(params, subsets, strict=True):
-        read = rule.kinetic_read(group, param, states.get(param, {}), subset, members)
-        if read is None:
+        got = rule.kinetic_read(SubsetRead(group, param, states.get(param, {}), subset, members))
+        if got is None:
             continue
-        value, count, weight = read
+        value, count, weight = got
         dof = dof + count
         if weight is None:
             totals.append(value)
@@ -413,14 +424,7 @@ def _kinetic_sums(
 
 
 def _configurational_sums(
-    rule: TemperatureRule,
-    group: Mapping[str, Any],
-    params: list[Tensor],
-    subsets: Sequence[CoordinateSubset],
-    states: Mapping[Tensor, Any],
-    sums: TemperatureSums,
-    spread: bool,
-    grad_scale: Tensor | None,
+    read: _GroupRead, sums: TemperatureSums, spread: bool, grad_scale: Tensor | None
 ) -> None:
     r""":func:`group_sums`' configurational sums, into ``sums``.
 
@@ -428,23 +432,20 @@ def _configurational_sums(
     (most steps), or with the spread (or a decoupled decay) the terms themselves; summed
     at the end in float64.
     """
-    members = sums.members
+    group, members = read.group, sums.members
     decay = float(group.get("weight_decay", 0.0))
     theta_grad: list[Tensor] = []  # the cheap path: theta.g and theta.theta
     theta_theta: list[Tensor] = []
     term_sums: list[Tensor] = []  # with the spread, or a decoupled decay: sum t, sum t^2
     term_squares: list[Tensor] = []
     dof = 0
-    for param, subset in zip(params, subsets, strict=True):
-        grad = param.grad
-        if grad is None:
-            continue
-        state = states.get(param, {})
-        read = rule.configurational_read(group, param, grad, state, subset, members)
-        if read is None:
+    for param, grad, subset in read.with_grads():
+        at = SubsetRead(group, param, read.states.get(param, {}), subset, members)
+        got = read.rule.configurational_read(at, grad)
+        if got is None:
             continue
         dof += subset.count
-        theta, gradient, a = read
+        theta, gradient, a = got
         if a is None and not spread:  # the cheap path of most steps
             theta_grad.append(member_dot(theta, gradient, members))
             if decay != 0:
@@ -483,14 +484,7 @@ def _set_conf(
         sums.conf_variance = second.div_(dof).sub_(mean.square()).mul_(num_data**2)
 
 
-def _plain_kinetic(
-    rule: TemperatureRule,
-    group: Mapping[str, Any],
-    params: list[Tensor],
-    subsets: Sequence[CoordinateSubset],
-    states: Mapping[Tensor, Any],
-    sums: TemperatureSums,
-) -> None:
+def _plain_kinetic(read: _GroupRead, sums: TemperatureSums) -> None:
     """:func:`group_sums`' most common case, its kinetic sum, in fewer operations.
 
     An unstacked group of a :attr:`~.temperature_rule.TemperatureRule.plain` rule
@@ -499,12 +493,13 @@ def _plain_kinetic(
     inlined. At a few thousand coordinates the reduction's cost is per operation (issue
     26's budget: 2% of a step). :func:`_plain_configurational` takes the others.
     """
+    rule, group, params, subsets, states = read
     by_weight: dict[float, list[Tensor]] = {}
     dof = 0
     for param, subset in zip(params, subsets, strict=True):
-        read = rule.kinetic_read(group, param, states.get(param, {}), subset, 1)
-        if read is not None:
-            momentum, _, weight = read
+        got = rule.kinetic_read(SubsetRead(group, param, states.get(param, {}), subset, 1))
+        if got is not None:
+            momentum, _, weight = got
             assert weight is not None  # a unit mass's (TemperatureRule.plain)
             by_weight.setdefault(weight, []).append(member_dot(momentum, momentum, 1))
             dof += subset.count
@@ -519,24 +514,17 @@ def _plain_kinetic(
 
 
 def _plain_configurational(
-    group: Mapping[str, Any],
-    params: list[Tensor],
-    subsets: Sequence[CoordinateSubset],
-    sums: TemperatureSums,
-    spread: bool,
-    grad_scale: Tensor | None,
+    read: _GroupRead, sums: TemperatureSums, spread: bool, grad_scale: Tensor | None
 ) -> None:
     """:func:`_plain_kinetic`'s configurational sums (a coupled decay)."""
+    group = read.group
     decay = float(group.get("weight_decay", 0.0))
     products: list[Tensor] = []
     squares: list[Tensor] = []
     term_sums: list[Tensor] = []
     term_squares: list[Tensor] = []
     dof = 0
-    for param, subset in zip(params, subsets, strict=True):
-        grad = param.grad
-        if grad is None:
-            continue
+    for param, grad, subset in read.with_grads():
         theta, gradient = subset.read(param, 1), subset.read(grad, 1)
         if spread:  # the terms themselves: their sum and their squares'
             scaled = gradient if grad_scale is None else gradient / grad_scale

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -53,6 +53,7 @@ __all__ = [
     "Kinetic",
     "KineticRead",
     "Mass",
+    "SubsetRead",
     "TemperatureRule",
     "UnitMass",
     "configurational_terms",
@@ -63,17 +64,32 @@ __all__ = [
 
 #: a kinetic read ``(value, count, weight)`` (:meth:`TemperatureRule.kinetic_read`)
 KineticRead = tuple[Tensor, Tensor | int, float | None]
-#: :math:`r^2/M` of one tensor, ``(group, param, state, subset, members, momentum,
-#: scale)``: ``momentum`` the buffer read at ``subset``, ``scale`` :math:`N\,lr`
-Kinetic = Callable[
-    [Mapping[str, Any], Tensor, Mapping[str, Any], CoordinateSubset, int, Tensor, float],
-    KineticRead | None,
-]
-#: a diagonal scale of one tensor read at a subset, ``(group, param, state, subset,
-#: members)``, as the reads give it (or broadcastable to them); None before it exists
-Mass = Callable[
-    [Mapping[str, Any], Tensor, Mapping[str, Any], CoordinateSubset, int], Tensor | None
-]
+
+
+class SubsetRead(NamedTuple):
+    """One tensor of a param group as a read sees it: its group, state and subset.
+
+    Attributes:
+        group: the param group.
+        param: the tensor.
+        state: its optimizer state (empty before its first step).
+        subset: the coordinates read (:class:`~.coordinates.CoordinateSubset`).
+        members: the chains stacked in it (1: none).
+    """
+
+    group: Mapping[str, Any]
+    param: Tensor
+    state: Mapping[str, Any]
+    subset: CoordinateSubset
+    members: int
+
+
+#: :math:`r^2/M` of one tensor, ``(at, momentum, scale)``: ``momentum`` the buffer read
+#: at ``at.subset``, ``scale`` :math:`N\,lr`
+Kinetic = Callable[[SubsetRead, Tensor, float], KineticRead | None]
+#: a diagonal scale of one tensor read at its subset, as the reads give it (or
+#: broadcastable to them); None before it exists
+Mass = Callable[[SubsetRead], Tensor | None]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -113,37 +129,20 @@ class UnitMass:
 
     factor: Callable[[Mapping[str, Any]], float] | None = None
 
-    def __call__(
-        self,
-        group: Mapping[str, Any],
-        param: Tensor,
-        state: Mapping[str, Any],
-        subset: CoordinateSubset,
-        members: int,
-        momentum: Tensor,
-        scale: float,
-    ) -> KineticRead:
+    def __call__(self, at: SubsetRead, momentum: Tensor, scale: float) -> KineticRead:
         """The read momentum, its count and the float weight :math:`w`."""
-        weight = scale if self.factor is None else scale * self.factor(group)
-        return momentum, subset.count, weight
+        weight = scale if self.factor is None else scale * self.factor(at.group)
+        return momentum, at.subset.count, weight
 
 
-def thermostat_kinetic(
-    group: Mapping[str, Any],
-    param: Tensor,
-    state: Mapping[str, Any],
-    subset: CoordinateSubset,
-    members: int,
-    momentum: Tensor,
-    scale: float,
-) -> KineticRead:
+def thermostat_kinetic(at: SubsetRead, momentum: Tensor, scale: float) -> KineticRead:
     r"""SGNHT's :math:`\sum\tfrac{2-\alpha}{2}\,N\,lr\,b^2` per member (float64).
 
     :math:`\alpha` is the tensor's thermostat (``state["thermostat"]``, per member).
     """
-    total = member_dot(momentum, momentum, members).to(torch.float64)
-    thermostat = state["thermostat"].to(device=total.device, dtype=torch.float64)
-    return total.mul_(thermostat.mul(-0.5).add_(1.0)).mul_(scale), subset.count, None
+    total = member_dot(momentum, momentum, at.members).to(torch.float64)
+    thermostat = at.state["thermostat"].to(device=total.device, dtype=torch.float64)
+    return total.mul_(thermostat.mul(-0.5).add_(1.0)).mul_(scale), at.subset.count, None
 
 
 def configurational_terms(
@@ -192,15 +191,8 @@ class TemperatureRule:
         """
         return isinstance(self.kinetic, UnitMass) and self.decay_scale is None
 
-    def kinetic_read(
-        self,
-        group: Mapping[str, Any],
-        param: Tensor,
-        state: Mapping[str, Any],
-        subset: CoordinateSubset,
-        members: int,
-    ) -> KineticRead | None:
-        r"""The momentum of ``param`` over ``subset``, in units of T, or None.
+    def kinetic_read(self, at: SubsetRead) -> KineticRead | None:
+        r"""The momentum of ``at.param`` over ``at.subset``, in units of T, or None.
 
         ``(value, count, weight)``. For a :class:`UnitMass` the read ``[members, count]``
         and the float :math:`w` with :math:`r^2/M = w\,b^2` (the dot product is left to
@@ -211,32 +203,25 @@ class TemperatureRule:
         kinetic = self.kinetic
         if kinetic is None:
             return None
-        buffer = state.get(self.momentum_buffer)
+        buffer = at.state.get(self.momentum_buffer)
         if buffer is None:
             return None
-        rate = state.get(MOMENTUM_RATE)
-        lr = float(group["lr"]) if rate is None else float(rate)
-        scale = float(group["num_data"]) * lr
-        momentum = subset.read(buffer, members)
-        return kinetic(group, param, state, subset, members, momentum, scale)
+        rate = at.state.get(MOMENTUM_RATE)
+        lr = float(at.group["lr"]) if rate is None else float(rate)
+        scale = float(at.group["num_data"]) * lr
+        return kinetic(at, at.subset.read(buffer, at.members), scale)
 
     def configurational_read(
-        self,
-        group: Mapping[str, Any],
-        param: Tensor,
-        grad: Tensor,
-        state: Mapping[str, Any],
-        subset: CoordinateSubset,
-        members: int,
+        self, at: SubsetRead, grad: Tensor
     ) -> tuple[Tensor, Tensor, Tensor | None] | None:
-        r""":math:`\theta`, :math:`g` and the decoupled decay's :math:`a` over ``subset``.
+        r""":math:`\theta`, :math:`g` (``grad``) and the decoupled decay's :math:`a` at ``at``.
 
         As the reads give them; :math:`a` only where a decoupled decay is the prior (else
         None). None where that prior is unknown (before the first step).
         """
-        theta, gradient = subset.read(param, members), subset.read(grad, members)
-        if self.decay_scale is not None and float(group.get("weight_decay", 0.0)) != 0:
-            scale = self.decay_scale(group, param, state, subset, members)
+        theta, gradient = at.subset.read(at.param, at.members), at.subset.read(grad, at.members)
+        if self.decay_scale is not None and float(at.group.get("weight_decay", 0.0)) != 0:
+            scale = self.decay_scale(at)
             if scale is None:
                 return None  # the decoupled prior needs a, which the first step creates
             return theta, gradient, scale.expand_as(theta)

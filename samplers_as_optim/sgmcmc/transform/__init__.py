@@ -39,7 +39,13 @@ from torchopt.base import GradientTransformation
 from ...core.streams import NoiseStream, parameter_key, seed_from_global_rng
 from ...core.validation import check_seed
 from .. import fused as fused_module
-from ..definition import SamplerDefinition, UpdateInput, arguments_doc, generated_function
+from ..definition import (
+    SamplerDefinition,
+    UpdateInput,
+    arguments_doc,
+    generated_function,
+    transform_example_doc,
+)
 from ..definition.arguments import RETURNS_DOC, pick
 from ..definition.momentum_units import MOMENTUM_RATE, rescale_momentum
 from ..fused import check_fused, fused_message
@@ -451,16 +457,6 @@ class _Sampler:
         return directions, buffers
 
 
-def _refusal(
-    definition: SamplerDefinition,
-    name: str,
-    group: Mapping[str, Any],
-    leaves: list[tuple[str, Tensor, Tensor]],
-    functorch: bool,
-) -> str | None:
-    return fused_update_refusal(definition, name, group, leaves, functorch=functorch)
-
-
 def _param_leaves(params: Any, leaves: list[Any], weight_decay: float) -> list[Any]:
     """The leaves of ``params``, aligned with the updates' (the updates if params is None)."""
     if params is None:
@@ -515,7 +511,10 @@ def transformation_of(
     entries = [
         (h.transform_doc or h.doc) for h in sorted(transform, key=lambda h: order.index(h.name))
     ]
-    doc = definition.transform_doc.format(arguments=arguments_doc(entries, RETURNS_DOC))
+    doc = definition.transform_doc.format(
+        arguments=arguments_doc(entries, RETURNS_DOC),
+        example=transform_example_doc(definition.transform_name, definition.example),
+    )
     factory = generated_function(
         definition.transform_name,
         parameters,
@@ -545,7 +544,7 @@ def _build(
         init_buffers=functools.partial(initial_buffers, definition, arguments),
         kernel=functools.partial(_definition_kernel, definition, buffer_names(definition)),
         fused=fused,
-        refusal=functools.partial(_refusal, definition, name),
+        refusal=functools.partial(fused_update_refusal, definition, name),
     )
 
 
