@@ -300,7 +300,8 @@ def run(rank: int, scenario: str, port: int, out: str) -> None:
         dist.barrier()
     except Exception:  # reported to the test, which fails with the traceback
         result = {"traceback": traceback.format_exc()}
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # saved before the teardown, so that the test tells a crash in torch's teardown from
+    # the scenario's failure (``test_distributed_seeds.spawn``)
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    if dist.is_initialized():
+        dist.destroy_process_group()
