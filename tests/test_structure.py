@@ -75,7 +75,9 @@ first step (the verdict a DTensor, the select of a DTensor by a plain flag), tak
 rank's verdict as a plain flag and selects in each shard (``core/dtensor.full_tensor``,
 ``local_tensor``): 7,711. Code written twice written once (SGHMC's reference loop and
 foreach path one function, the generated examples' text shorter, the transformation's
-example beside the Optimizer's in ``definition``): 7,684.
+example beside the Optimizer's in ``definition``): 7,684. The state fields' zeros
+(``definition.zeros_like_param``) beside ``StateField``, where PSGLD, the twin and BAOA
+take them, rather than in the adaptive samplers' module: 7,691.
 ``gaussian`` (28) was divided into folders by concept (``laplace``,
 ``ivon``, ``vi``, ``linearised``): 15.
 
@@ -102,7 +104,7 @@ LONG_FUNCTIONS_IN_SGMCMC = 0
 MODULES_PER_FOLDER = {"sgmcmc": 15, "gaussian": 15, "": 15, "hmc": 10, "samples": 10, "core": 10}
 #: SGHMC's import closure inside the package (target: 16 modules, 4,000 lines)
 SGHMC_CLOSURE_MODULES = 35
-SGHMC_CLOSURE_LINES = 7684
+SGHMC_CLOSURE_LINES = 7691
 #: private names imported from a module of another folder (target met: none)
 PRIVATE_ACROSS_FOLDERS = 0
 

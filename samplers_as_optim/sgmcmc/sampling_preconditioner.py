@@ -85,7 +85,6 @@ __all__ = [
     "sampling_scale",
     "step_count",
     "zero_temperature_only",
-    "zeros_like_param",
 ]
 
 #: how the sampling preconditioner pools the second moment
@@ -343,11 +342,6 @@ PRECONDITIONER_WARMUP = Hyperparameter(
             preconditioner is frozen (default: 1000; an integer >= 0, or None: never).""",
     check=lambda value, where: check_preconditioner_warmup(value, where),
 )
-
-
-def zeros_like_param(param: Tensor, group: Mapping[str, Any]) -> Tensor:
-    """A state field's ``init``: zeros in ``param``'s shape, dtype and memory format."""
-    return torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
 def lr_in_units_of(optimizer: str, default: float) -> Hyperparameter:

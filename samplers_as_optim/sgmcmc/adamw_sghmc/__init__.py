@@ -118,6 +118,7 @@ from ..definition import (
     StateField,
     UpdateInput,
     UpdateOutput,
+    zeros_like_param,
 )
 from ..definition.arguments import (
     DIFFERENTIABLE,
@@ -144,7 +145,6 @@ from ..sampling_preconditioner import (
     check_eps,
     lr_in_units_of,
     zero_temperature_only,
-    zeros_like_param,
 )
 from .temperature import ADAMW_SGHMC_RULE
 from .update import Settings, directions

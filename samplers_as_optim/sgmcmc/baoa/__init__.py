@@ -64,7 +64,14 @@ import torch
 from torch import Tensor
 
 from ...core.validation import check_momentum
-from ..definition import Hyperparameter, SamplerDefinition, StateField, UpdateInput, UpdateOutput
+from ..definition import (
+    Hyperparameter,
+    SamplerDefinition,
+    StateField,
+    UpdateInput,
+    UpdateOutput,
+    zeros_like_param,
+)
 from ..definition.arguments import DAMPENING, NESTEROV, pick, sampling_meaningless, sgd_signature
 from ..definition.noise_scales import baoa_noise_scale
 from ..optimizer import SamplerOptimizer
@@ -220,7 +227,7 @@ DEFINITION = SamplerDefinition(
         StateField(
             "momentum_buffer",
             "one buffer :math:`b` per leaf of the params tree, starting at 0.",
-            init=lambda param, group: torch.zeros_like(param, memory_format=torch.preserve_format),
+            init=zeros_like_param,
         ),
     ),
     update=_update,

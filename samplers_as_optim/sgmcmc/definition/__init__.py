@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 from ...core.chain import NOISE_KEY
@@ -53,6 +54,7 @@ __all__ = [
     "example_doc",
     "generated_function",
     "transform_example_doc",
+    "zeros_like_param",
 ]
 
 
@@ -118,6 +120,11 @@ class Hyperparameter:
     def default_in_transform(self) -> Any:
         """Its default in the transformation."""
         return self.default if self.transform_default is None else self.transform_default
+
+
+def zeros_like_param(param: Tensor, group: Mapping[str, Any]) -> Tensor:
+    """A :class:`StateField`'s ``init``: zeros in ``param``'s shape, dtype and layout."""
+    return torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
 @dataclass(frozen=True)

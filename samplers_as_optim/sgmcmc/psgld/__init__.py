@@ -123,6 +123,7 @@ from ..definition import (
     StateField,
     UpdateInput,
     UpdateOutput,
+    zeros_like_param,
 )
 from ..definition.arguments import (
     DIFFERENTIABLE,
@@ -148,7 +149,6 @@ from ..sampling_preconditioner import (
     check_eps,
     lr_in_units_of,
     zero_temperature_only,
-    zeros_like_param,
 )
 from ..temperature.rule import LANGEVIN
 from .dtypes import check_dtypes, psgld_noise_scale
