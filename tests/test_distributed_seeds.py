@@ -47,10 +47,10 @@ def spawn(scenario: str, out) -> list[dict]:
         # a process killed by a signal after both ranks saved their results: torch's
         # teardown, not the scenario (seen once in CI: gloo's "terminate called without
         # an active exception" in a rank's exit); killed before, the scenario failed
+        for process in context.processes:  # (the other rank may still be saving)
+            process.join(timeout=30)
         if error.signal_name is None or not all(path.exists() for path in paths):
             raise
-        for process in context.processes:
-            process.join(timeout=30)
         warnings.warn(f"{scenario}: {error} after both ranks saved their results", stacklevel=2)
     results = [torch.load(path, weights_only=False) for path in paths]
     for result in results:
