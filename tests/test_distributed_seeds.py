@@ -7,8 +7,6 @@ time; every process destroys its process group before it exits.
 """
 
 import socket
-import time
-import warnings
 
 import distributed_workers
 import pytest
@@ -35,23 +33,8 @@ def spawn(scenario: str, out) -> list[dict]:
         nprocs=2,
         join=False,
     )
-    deadline = time.monotonic() + TIMEOUT_S
     paths = [out / f"rank{rank}.pt" for rank in (0, 1)]
-    try:
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail(f"{scenario}: the 2 processes did not finish in {TIMEOUT_S} s")
-    except mp.ProcessExitedException as error:
-        # a process killed by a signal after both ranks saved their results: torch's
-        # teardown, not the scenario (seen once in CI: gloo's "terminate called without
-        # an active exception" in a rank's exit); killed before, the scenario failed
-        for process in context.processes:  # (the other rank may still be saving)
-            process.join(timeout=30)
-        if error.signal_name is None or not all(path.exists() for path in paths):
-            raise
-        warnings.warn(f"{scenario}: {error} after both ranks saved their results", stacklevel=2)
+    distributed_workers.join_ranks(context, paths, scenario, TIMEOUT_S)
     results = [torch.load(path, weights_only=False) for path in paths]
     for result in results:
         assert "traceback" not in result, result.get("traceback")
